@@ -1,0 +1,144 @@
+"""The compressed format: what a :class:`QuantizedTensor` holds and how many bytes that is.
+
+A tensor is read in memory order (a channels_last or transposed tensor is not copied first; see
+:func:`memory_order`) and cut into groups of ``group_size`` consecutive elements; the last group may be
+short. Each group keeps two float32 numbers, ``(lo, step)``, and one ``b``-bit code per element, packed
+densely into uint8, first element in the lowest bits::
+
+    bits = 2, one byte holds four codes          bits = 4, one byte holds two codes
+    bit:   7  6 | 5  4 | 3  2 | 1  0             bit:   7  6  5  4 | 3  2  1  0
+         [ e3   |  e2  |  e1  |  e0  ]                [    e1     |    e0     ]
+
+    payload: ceil(numel * bits / 8) bytes, groups back to back (a group of 256 at 2 bits is 64 bytes)
+    meta:    float32 [n_groups, 2] = (lo, step), 8 bytes a group: 0.25 bit/element at group_size 256
+
+A code ``q`` decodes to ``q * step + lo``. float32 metadata is exact for any input dtype and range, so
+quantizing against the stored values keeps stochastic rounding unbiased (see ``quantize.py``).
+
+A group holding NaN or +-Inf is marked by a non-finite ``lo``: its top code ``2**bits - 1`` stands for
+that value (NaN when the group mixes NaN or both infinities), and its finite elements use the other
+codes on a grid centred on zero, ``(q - (2**bits - 2) / 2) * step``. Non-finite values therefore come
+back non-finite, at their places; see ``quantize.py`` for what that costs the finite ones.
+
+Widths 16 and 32 and bool masks need no metadata: 16 keeps fp16/bf16 tensors as they are and stores
+float32 as bfloat16 (same exponent range, so nothing overflows); 32 keeps the tensor itself; a bool
+mask is packed at 1 bit per element, losslessly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ALLOWED_BITS",
+    "CODE_BITS",
+    "GROUP_SIZES",
+    "FLOAT_DTYPES",
+    "QuantizedTensor",
+    "expected_nbytes",
+    "memory_order",
+    "restore_order",
+    "check_args",
+]
+
+CODE_BITS = (1, 2, 4, 8)
+ALLOWED_BITS = (*CODE_BITS, 16, 32)
+# Powers of two: Triton blocks must be, and a group of at least 32 fills whole bytes at 1 bit.
+GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+META_BYTES_PER_GROUP = 8  # (lo, step) as float32
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A compressed tensor. Build it with :func:`gactx.quantize`; read it back with :func:`gactx.dequantize`.
+
+    ``data`` is the packed payload (uint8 codes or bits), the bf16 copy (16 bits from float32), or the
+    tensor itself (32 bits, and 16 bits from fp16/bf16). ``meta`` is the per-group ``(lo, step)`` table,
+    ``None`` where there is none. ``dense_shape`` and ``perm`` say how memory order maps back to ``shape``.
+    """
+
+    data: torch.Tensor
+    meta: torch.Tensor | None
+    bits: int
+    group_size: int
+    shape: torch.Size
+    dtype: torch.dtype
+    dense_shape: torch.Size
+    perm: tuple[int, ...] | None
+
+    @property
+    def numel(self) -> int:
+        return self.dense_shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this object holds on its device: payload plus metadata."""
+        meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
+        return self.data.numel() * self.data.element_size() + meta
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
+            f"group_size={self.group_size}, nbytes={self.nbytes}, device={self.device})"
+        )
+
+
+def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int = 256) -> int:
+    """The bytes :func:`gactx.quantize` will hold for a tensor of ``numel`` elements (the format's formula)."""
+    if dtype == torch.bool:
+        return -(-numel // 8)
+    if bits == 32:
+        return numel * dtype.itemsize
+    if bits == 16:
+        return numel * 2
+    n_groups = -(-numel // group_size)
+    return -(-numel * bits // 8) + META_BYTES_PER_GROUP * n_groups
+
+
+def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the bad argument and what is allowed."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if isinstance(bits, bool) or bits not in ALLOWED_BITS:
+        raise ValueError(f"bits={bits!r} is not allowed; allowed values are {ALLOWED_BITS}")
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r} is not allowed; allowed values are {GROUP_SIZES}")
+    if x.layout != torch.strided:
+        raise ValueError(f"quantize takes dense (strided) tensors, got layout {x.layout}")
+    if x.dtype not in (*FLOAT_DTYPES, torch.bool):
+        allowed = ", ".join(str(d) for d in (*FLOAT_DTYPES, torch.bool))
+        raise ValueError(f"dtype {x.dtype} is not supported; allowed dtypes are {allowed}")
+
+
+def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, ...] | None]:
+    """A 1-D view of ``x`` in memory order when ``x`` is dense in some dimension order, else a copy.
+
+    Returns ``(flat, dense_shape, perm)``: ``flat.view(dense_shape)`` equals ``x.permute(perm)``, so a
+    channels_last or transposed tensor is compressed without a copy and comes back with its strides.
+    """
+    if x.is_contiguous():
+        return x.reshape(-1), x.shape, None
+    # Outermost dimension first; a stable sort keeps ties (size-1 dims) in their original order.
+    perm = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    permuted = x.permute(perm)
+    if permuted.is_contiguous():
+        return permuted.reshape(-1), permuted.shape, perm
+    return x.reshape(-1), x.shape, None  # overlapping or gapped view: one contiguous copy
+
+
+def restore_order(flat: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+    """Inverse of :func:`memory_order`: shape ``q.shape`` with the strides the original had."""
+    out = flat.view(q.dense_shape)
+    if q.perm is None:
+        return out
+    inverse = [0] * len(q.perm)
+    for i, d in enumerate(q.perm):
+        inverse[d] = i
+    return out.permute(inverse)

@@ -1,0 +1,104 @@
+"""``quantize`` and ``dequantize``: validation, memory order and the choice between Triton and torch."""
+
+from __future__ import annotations
+
+import torch
+
+from gactx.kernels import _triton
+from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
+from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
+from gactx.kernels.format import QuantizedTensor, check_args, memory_order, restore_order
+from gactx.kernels.half import torch_round_bf16, triton_round_bf16
+from gactx.kernels.quantize import torch_quantize, triton_quantize
+
+__all__ = ["quantize", "dequantize", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch")
+SEED_LIMIT = 1 << 62  # Philox takes a 64-bit seed; torch.Generator a non-negative int64
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not allowed; allowed values are {BACKENDS}")
+    if backend == "triton":
+        _triton.require_triton(x)
+        return True
+    return backend == "auto" and x.device.type == "cuda" and _triton.HAS_TRITON
+
+
+def _draw_seed() -> int:
+    # Drawn from torch's CPU generator: reproducible under torch.manual_seed, no device synchronization.
+    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int = 256,
+    *,
+    stochastic: bool = True,
+    seed: int | None = None,
+    backend: str = "auto",
+) -> QuantizedTensor:
+    """Compress ``x`` to ``bits`` per element; :func:`dequantize` gives it back.
+
+    Args:
+        x: a float32, float16, bfloat16 or bool tensor of any shape, layout and device.
+        bits: 1, 2, 4 or 8 for packed codes with a per-group ``(lo, step)``; 16 stores float32 as
+            bfloat16 (fp16/bf16 as they are); 32 keeps ``x`` itself. Bool tensors are always packed
+            losslessly to one bit an element, whatever ``bits`` says.
+        group_size: consecutive elements (in memory order) that share ``(lo, step)``; a power of two
+            from 32 to 4096.
+        stochastic: stochastic rounding (unbiased, the default) or round half up (deterministic).
+        seed: seed of the rounding noise; ``None`` draws one from torch's CPU generator.
+        backend: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"triton"`` or ``"torch"``.
+    """
+    check_args(x, bits, group_size)
+    use_triton = _use_triton(x, backend)
+    if seed is None:
+        seed = _draw_seed() if stochastic else 0
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed={seed!r} must be None or an int in [0, 2**62)")
+    interpret = _triton.INTERPRET and x.device.type == "cpu"
+
+    def wrap(data: torch.Tensor, meta: torch.Tensor | None, stored_bits: int, dense_shape, perm) -> QuantizedTensor:
+        return QuantizedTensor(data, meta, stored_bits, group_size, x.shape, x.dtype, dense_shape, perm)
+
+    if x.dtype != torch.bool and (bits == 32 or (bits == 16 and x.dtype != torch.float32)):
+        return wrap(x, None, bits, x.shape, None)  # already at or below the asked width: kept as is
+    flat, dense_shape, perm = memory_order(x)
+    if x.dtype == torch.bool:
+        packed = triton_pack_bool(flat, interpret) if use_triton else torch_pack_bool(flat)
+        return wrap(packed, None, 1, dense_shape, perm)
+    if bits == 16:
+        half = (
+            triton_round_bf16(flat, stochastic, seed, interpret)
+            if use_triton
+            else torch_round_bf16(flat, stochastic, seed)
+        )
+        return wrap(half, None, 16, dense_shape, perm)
+    if use_triton:
+        codes, meta = triton_quantize(flat, bits, group_size, stochastic, seed, interpret)
+    else:
+        codes, meta = torch_quantize(flat, bits, group_size, stochastic, seed)
+    return wrap(codes, meta, bits, dense_shape, perm)
+
+
+def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
+    """Decode ``q`` into a tensor of its original shape, dtype and device (and strides, when dense)."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
+    if q.meta is None and q.data.dtype == q.dtype:
+        return q.data  # stored as is
+    use_triton = _use_triton(q.data, backend)
+    interpret = _triton.INTERPRET and q.device.type == "cpu"
+    n = q.numel
+    if q.dtype == torch.bool:
+        flat = triton_unpack_bool(q.data, n, interpret) if use_triton else torch_unpack_bool(q.data, n)
+    elif q.meta is None:
+        flat = q.data.to(q.dtype)  # bfloat16 storage of a float32 tensor
+    elif use_triton:
+        flat = triton_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype, interpret)
+    else:
+        flat = torch_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype)
+    return restore_order(flat, q)

@@ -1,0 +1,27 @@
+"""Test set-up: Triton's interpreter on machines without a GPU, and the devices to test on.
+
+``TRITON_INTERPRET`` is read when triton is imported, so it is set here, before anything imports gactx.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Every test that takes ``device`` runs on the CPU and, where there is one, on the GPU."""
+    return request.param

@@ -1,0 +1,203 @@
+"""gactx/kernels/functional.py: the public quantize/dequantize API on every kind of input."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import gactx
+from gactx.kernels.format import expected_nbytes
+from tests.helpers import assert_same_bits, group_steps
+
+BACKENDS = ["torch", "triton"]
+
+
+def _layouts():
+    g = torch.Generator().manual_seed(0)
+    yield "0-d", torch.tensor(3.5)
+    yield "empty", torch.empty(0, 7)
+    yield "one element", torch.tensor([-2.0])
+    yield "odd size", torch.randn(3, 5, 17, generator=g)
+    yield "channels_last", torch.randn(2, 3, 5, 7, generator=g).to(memory_format=torch.channels_last)
+    yield "channels_last_3d", torch.randn(2, 3, 2, 3, 5, generator=g).to(memory_format=torch.channels_last_3d)
+    yield "transposed", torch.randn(33, 9, generator=g).t()
+    yield "strided slice", torch.randn(16, 40, generator=g)[::3, 1::2]
+    yield "expanded", torch.randn(5, 1, generator=g).expand(5, 9)
+
+
+LAYOUTS = list(_layouts())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("name,x", LAYOUTS, ids=[name for name, _ in LAYOUTS])
+def test_shape_dtype_device_and_strides_come_back(name, x, bits, backend):
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        q = gactx.quantize(xd, bits, 32, stochastic=False, backend=backend)
+        y = gactx.dequantize(q, backend=backend)
+        assert y.shape == xd.shape and y.dtype == dtype and y.device == xd.device
+        if xd.is_contiguous() or xd.is_contiguous(memory_format=torch.channels_last):
+            assert y.stride() == xd.stride() or xd.numel() <= 1
+        assert q.nbytes == expected_nbytes(xd.numel(), dtype, bits, 32) or bits == 32
+        if bits <= 8 and xd.numel():
+            codes_step = q.meta[:, 1].max()
+            assert (y.float() - xd.float()).abs().max() <= codes_step / 2 * (1 + 1e-5) + 1e-2 * (dtype != torch.float32)
+
+
+def test_channels_last_is_compressed_without_a_copy():
+    x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    q = gactx.quantize(x, 8, 32, stochastic=False, backend="torch")
+    # Groups run along memory order (channels fastest): one group is 32 channels-last neighbours.
+    first_group = x.permute(0, 2, 3, 1).reshape(-1)[:32]
+    assert q.meta[0, 0] == first_group.min()
+
+
+def test_bits_32_keeps_the_tensor_and_16_keeps_half_tensors():
+    x = torch.randn(10)
+    q = gactx.quantize(x, 32)
+    assert q.data is x and gactx.dequantize(q) is x and q.nbytes == 40
+    h = torch.randn(10).half()
+    q = gactx.quantize(h, 16)
+    assert q.data is h and q.nbytes == 20
+
+
+def test_bits_16_stores_float32_as_bfloat16():
+    x = torch.tensor([1e30, -3.0, 1.0 + 2**-12])
+    q = gactx.quantize(x, 16, stochastic=False, backend="torch")
+    assert q.data.dtype == torch.bfloat16 and q.nbytes == 6
+    assert torch.equal(gactx.dequantize(q), x.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits", [1, 2, 8, 32])
+def test_bool_masks_are_packed_losslessly_whatever_the_bits(bits, backend):
+    mask = torch.rand(3, 11, 7) < 0.5
+    q = gactx.quantize(mask, bits, backend=backend)
+    assert q.nbytes == -(-mask.numel() // 8)
+    assert torch.equal(gactx.dequantize(q, backend=backend), mask)
+
+
+def test_nbytes_meets_the_compression_targets():
+    x = torch.randn(1 << 18)
+    assert gactx.quantize(x, 2).nbytes * 12 <= x.nbytes
+    assert gactx.quantize(x, 4).nbytes * 7 <= x.nbytes
+    assert x.nbytes / gactx.quantize(x, 2).nbytes >= 14
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"bits": 3}, ValueError, r"bits=3 is not allowed; allowed values are \(1, 2, 4, 8, 16, 32\)"),
+        ({"bits": True}, ValueError, "bits=True"),
+        ({"bits": 2, "group_size": 100}, ValueError, r"allowed values are \(32, 64"),
+        ({"bits": 2, "backend": "cuda"}, ValueError, r"allowed values are \('auto', 'triton', 'torch'\)"),
+        ({"bits": 2, "seed": -1}, ValueError, "seed=-1"),
+        ({"bits": 2, "seed": 1.5}, ValueError, "seed=1.5"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gactx.quantize(torch.randn(4), **kwargs)
+
+
+@pytest.mark.parametrize("x", [torch.arange(4), torch.randn(4).double(), torch.randn(4, dtype=torch.complex64)])
+def test_unsupported_dtypes_are_named(x):
+    with pytest.raises(ValueError, match=f"dtype {x.dtype} is not supported; allowed dtypes are torch.float32"):
+        gactx.quantize(x, 4)
+
+
+def test_sparse_and_non_tensors_are_refused():
+    with pytest.raises(ValueError, match="dense"):
+        gactx.quantize(torch.eye(3).to_sparse(), 4)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        gactx.quantize(np.ones(3), 4)
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        gactx.dequantize(torch.ones(3))
+
+
+def test_seed_none_follows_torch_manual_seed():
+    x = torch.randn(1000)
+    torch.manual_seed(5)
+    a = gactx.quantize(x, 2)
+    torch.manual_seed(5)
+    b = gactx.quantize(x, 2)
+    assert torch.equal(a.data, b.data)
+
+
+def test_auto_backend_uses_torch_on_cpu_tensors(monkeypatch):
+    import gactx.kernels.functional as functional
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the Triton launcher must not run for a CPU tensor under backend='auto'")
+
+    monkeypatch.setattr(functional, "triton_quantize", fail)
+    gactx.quantize(torch.randn(100), 4)
+
+
+finite_floats = st.floats(-1e6, 1e6, width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    x=arrays(np.float32, st.integers(1, 700), elements=finite_floats),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    group_size=st.sampled_from([32, 64, 256]),
+    seed=st.integers(0, 2**40),
+)
+def test_property_every_element_within_one_step(x, bits, group_size, seed):
+    t = torch.from_numpy(x)
+    q = gactx.quantize(t, bits, group_size, seed=seed)
+    y = gactx.dequantize(q)
+    step = group_steps(q.meta, group_size, t.numel())
+    assert y.shape == t.shape and y.dtype == t.dtype
+    assert ((y - t).abs() <= step * (1 + 1e-5) + 1e-30).all()
+    assert q.nbytes == expected_nbytes(t.numel(), t.dtype, bits, group_size)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    codes=arrays(np.int64, st.integers(2, 200), elements=st.integers(0, 255)),
+    bits=st.sampled_from([1, 2, 4, 8]),
+)
+def test_property_codes_survive_pack_and_unpack(codes, bits):
+    """Integer inputs spanning [0, 2**bits - 1] are their own codes: the packed bytes must match the
+    documented layout (first element in the lowest bits) and decode back to the same integers."""
+    levels = (1 << bits) - 1
+    c = torch.from_numpy(codes % (levels + 1))
+    c[0], c[-1] = 0, levels  # pin min and max so that lo = 0 and step = 1 (plus the margin)
+    q = gactx.quantize(c.float(), bits, 4096, stochastic=False)
+    per_byte = 8 // bits
+    padded = torch.zeros(-(-c.numel() // per_byte) * per_byte, dtype=torch.int64)
+    padded[: c.numel()] = c
+    expected = (padded.view(-1, per_byte) << (torch.arange(per_byte) * bits)).sum(1).to(torch.uint8)
+    assert torch.equal(q.data, expected)
+    assert torch.equal(gactx.dequantize(q).round().long(), c)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    x=arrays(np.float32, st.integers(1, 300), elements=st.floats(width=32)),  # NaN and +-Inf included
+    bits=st.sampled_from([1, 2, 4, 8]),
+)
+def test_property_non_finite_stays_non_finite_and_finite_groups_stay_finite(x, bits):
+    t = torch.from_numpy(x)
+    y = gactx.dequantize(gactx.quantize(t, bits, 32))
+    assert (~torch.isfinite(y))[~torch.isfinite(t)].all(), "a NaN or Inf came back finite"
+    clean = torch.isfinite(t).view(-1)
+    groups_clean = torch.zeros(-(-t.numel() // 32) * 32, dtype=torch.bool)
+    groups_clean[: t.numel()] = clean
+    groups_clean[t.numel() :] = True
+    group_ok = groups_clean.view(-1, 32).all(1).repeat_interleave(32)[: t.numel()]
+    assert torch.isfinite(y)[group_ok].all(), "a finite group came back with a non-finite value"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identical_bytes_through_the_public_api(backend):
+    x = torch.randn(4, 257).to(memory_format=torch.contiguous_format)
+    ref = gactx.quantize(x, 4, stochastic=False, backend="torch")
+    q = gactx.quantize(x, 4, stochastic=False, backend=backend)
+    assert torch.equal(q.data, ref.data)
+    assert_same_bits(q.meta, ref.meta)

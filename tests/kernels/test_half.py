@@ -1,0 +1,51 @@
+"""gactx/kernels/half.py: float32 -> bfloat16, round to nearest even or stochastic (unbiased)."""
+
+import pytest
+import torch
+
+from gactx.kernels.half import torch_round_bf16, triton_round_bf16
+from tests.helpers import assert_same_bits
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def _values(device: str) -> torch.Tensor:
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 10
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), FLT_MAX, -FLT_MAX, 1e-40])
+    return x.to(device)
+
+
+def test_round_to_nearest_even_matches_torch_cast(device):
+    x = _values(device)
+    assert_same_bits(torch_round_bf16(x, False, 0), x.to(torch.bfloat16))
+    assert_same_bits(triton_round_bf16(x, False, 0, interpret=device == "cpu"), x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_stochastic_rounding_picks_a_neighbour_and_keeps_specials(device, impl):
+    x = _values(device)
+    if impl == "torch":
+        y = torch_round_bf16(x, True, 11).float()
+    else:
+        y = triton_round_bf16(x, True, 11, interpret=device == "cpu").float()
+    down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncation: magnitude rounded down
+    up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+    finite = torch.isfinite(x) & (x.abs() < FLT_MAX)
+    assert ((y == down) | (y == up))[finite].all()
+    assert torch.isfinite(y[5]) and torch.isfinite(y[6]), "FLT_MAX must not round up to inf"
+    assert y[2] == float("inf") and y[3] == -float("inf") and y[4].isnan()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_stochastic_rounding_is_unbiased(impl):
+    x = torch.randn(257, generator=torch.Generator().manual_seed(2)) * 5
+    seeds = 400 if impl == "torch" else 150
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for seed in range(seeds):
+        y = torch_round_bf16(x, True, seed) if impl == "torch" else triton_round_bf16(x, True, seed, interpret=True)
+        total += y.double()
+    ulp = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32) - (x.view(torch.int32) & ~0xFFFF).view(
+        torch.float32
+    )
+    # Per element the variance is at most ulp^2 / 4: the mean is within 5 standard errors.
+    assert ((total / seeds - x.double()).abs() <= 5 * ulp.abs().double() / 2 / seeds**0.5).all()

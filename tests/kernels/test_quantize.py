@@ -1,0 +1,117 @@
+"""gactx/kernels/quantize.py: the Triton kernel against its torch twin, unbiasedness, error bounds."""
+
+import pytest
+import torch
+
+from gactx.kernels.quantize import torch_quantize, triton_quantize
+from tests.helpers import assert_same_bits, group_steps
+
+SIZES = [1, 255, 257, 4099]
+BITS = [1, 2, 4, 8]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _sample(n: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 3 + 1).to(dtype).to(device)
+
+
+def _special(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Constant groups, huge and tiny magnitudes, and groups with NaN / +-Inf, in groups of 32."""
+    big = 1e37 if dtype == torch.float32 else (6e4 if dtype == torch.float16 else 1e37)
+    tiny = 1e-40 if dtype == torch.float32 else (1e-7 if dtype == torch.float16 else 1e-40)
+    x = torch.linspace(-1, 1, 32 * 10, dtype=torch.float32)
+    x[0:32] = 7.0  # constant group
+    x[32:64] *= big
+    x[64:96] *= tiny
+    x[96:128] = torch.randn(32) * tiny * 3
+    x[130], x[150] = float("nan"), float("inf")  # NaN and +Inf: the group's value is NaN
+    x[170] = float("inf")  # +Inf alone
+    x[200], x[201] = -float("inf"), -float("inf")  # -Inf only
+    x[230], x[231] = float("inf"), -float("inf")  # both infinities
+    x[256:288] = float("nan")  # no finite value at all
+    return x.to(dtype).to(device)
+
+
+def _both(x: torch.Tensor, bits: int, group_size: int, stochastic: bool = False, seed: int = 0):
+    flat = x.reshape(-1)
+    return (
+        triton_quantize(flat, bits, group_size, stochastic, seed, interpret=x.device.type == "cpu"),
+        torch_quantize(flat, bits, group_size, stochastic, seed),
+    )
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_triton_and_torch_produce_identical_bytes(device, n, bits, dtype, group_size):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(n, dtype, device), bits, group_size)
+    assert codes_a.numel() == -(-n * bits // 8) and meta_a.shape == (-(-n // group_size), 2)
+    assert torch.equal(codes_a, codes_b)
+    assert_same_bits(meta_a, meta_b)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_identical_bytes_on_special_values(device, bits, dtype):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_special(dtype, device), bits, 32)
+    assert torch.equal(codes_a, codes_b)
+    assert_same_bits(meta_a, meta_b)
+
+
+@pytest.mark.parametrize("group_size", [32, 256, 4096])
+def test_identical_bytes_across_group_sizes(device, group_size):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(4099, torch.float32, device), 2, group_size)
+    assert torch.equal(codes_a, codes_b)
+    assert_same_bits(meta_a, meta_b)
+
+
+def test_metadata_is_group_min_and_step():
+    x = torch.tensor([2.0, 5.0, 3.0, 4.0] * 8 + [-1.0] * 32)
+    _, meta = torch_quantize(x, 2, 32, False, 0)
+    assert meta[0, 0] == 2.0 and meta[0, 1] == pytest.approx(1.0, rel=1e-5)
+    assert meta[0, 1] * 3 >= 3.0  # the margin: max - min is inside lo + L * step
+    assert meta[1].tolist() == [-1.0, 0.0]  # constant group: step 0
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_stochastic_rounding_is_unbiased(impl, bits):
+    from gactx.kernels.dequantize import torch_dequantize
+
+    n, group, seeds = 257, 32, 300 if impl == "torch" else 120
+    x = _sample(n, torch.float32, "cpu", seed=1)
+    total = torch.zeros(n, dtype=torch.float64)
+    for seed in range(seeds):
+        if impl == "torch":
+            codes, meta = torch_quantize(x, bits, group, True, seed)
+        else:
+            codes, meta = triton_quantize(x, bits, group, True, seed, interpret=True)
+        xhat = torch_dequantize(codes, meta, bits, group, n, torch.float32)
+        step = group_steps(meta, group, n)
+        assert ((xhat - x).abs() <= step * (1 + 1e-5)).all(), "an element moved by more than one step"
+        total += xhat.double()
+    # Per element the rounding has variance <= step^2 / 4: the mean is within 5 standard errors.
+    bound = 5 * step.double() / 2 / seeds**0.5 + 1e-6
+    assert ((total / seeds - x.double()).abs() <= bound).all()
+
+
+def test_stochastic_noise_depends_on_seed_only(device):
+    x = _sample(4099, torch.float32, device)
+    for impl in (triton_quantize, torch_quantize):
+        kwargs = {"interpret": device == "cpu"} if impl is triton_quantize else {}
+        a, _ = impl(x, 2, 256, True, 7, **kwargs)
+        b, _ = impl(x, 2, 256, True, 7, **kwargs)
+        c, _ = impl(x, 2, 256, True, 8, **kwargs)
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with about 10 GiB free")
+def test_offsets_past_two_to_the_31_do_not_wrap():
+    n = (1 << 31) + 512  # the last groups sit past 2**31 elements and 2**31 packed bytes at 8 bits
+    x = torch.randn(n, dtype=torch.float16, device="cuda")
+    codes, meta = triton_quantize(x, 8, 256, False, 0)
+    tail_codes, tail_meta = torch_quantize(x[1 << 31 :], 8, 256, False, 0)
+    assert torch.equal(codes[1 << 31 :], tail_codes)
+    assert_same_bits(meta[(1 << 31) // 256 :], tail_meta)
