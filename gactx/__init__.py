@@ -1,7 +1,26 @@
-"""gactx: activation-compressed training for any PyTorch model."""
+"""gactx: activation-compressed training for any PyTorch model.
 
+    controller = gactx.Controller(model, level="L1")
+    controller.install_hook()
+"""
+
+from gactx.config import Config, get_optimization_level, set_optimization_level
+from gactx.controller import Controller, MemoryStats
 from gactx.kernels import ALLOWED_BITS, GROUP_SIZES, QuantizedTensor, dequantize, expected_nbytes, quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["ALLOWED_BITS", "GROUP_SIZES", "QuantizedTensor", "dequantize", "expected_nbytes", "quantize", "__version__"]
+__all__ = [
+    "ALLOWED_BITS",
+    "GROUP_SIZES",
+    "Config",
+    "Controller",
+    "MemoryStats",
+    "QuantizedTensor",
+    "__version__",
+    "dequantize",
+    "expected_nbytes",
+    "get_optimization_level",
+    "quantize",
+    "set_optimization_level",
+]

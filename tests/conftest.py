@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread a worker: `pytest -n 2` on 2 cores otherwise runs 4 busy threads and
+    # spends most of its time switching between them.
+    torch.set_num_threads(1)
+
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 

@@ -1,0 +1,59 @@
+"""What to do with one saved tensor: keep it as it is, pack a bool mask, or compress it.
+
+The rules, in order (see the README's "What is compressed"):
+
+1. Parameters, buffers, views of them, and autocast copies of weights are kept: they stay alive anyway,
+   so a compressed copy would add memory, not save it.
+2. Not floating point (integer indices, complex), float64, sparse or other layouts, and tensors with
+   fewer than ``min_numel`` elements are kept as they are; bool masks are packed to 1 bit, losslessly.
+3. Everything else is compressed with the bits of its key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gactx.kernels.format import FLOAT_DTYPES
+
+__all__ = ["KEEP_PARAMETER", "keep_reason", "storage_owner", "storage_ptr", "is_weight_copy"]
+
+KEEP_PARAMETER = "parameter"
+
+
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s storage, or ``None`` for tensors without one (nested, functional wrappers)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def storage_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that keeps ``t``'s storage alive: its base for a view, else itself.
+
+    A weak reference to it tells whether a storage address still names the same storage. Views are often
+    temporaries (Q, K and V projections each reshape the same input), so the view itself is not enough.
+    """
+    return t if t._base is None else t._base
+
+
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """An autocast (or ``.to``) copy of a leaf that requires grad: its grad_fn feeds an AccumulateGrad."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
+
+
+def keep_reason(t: torch.Tensor, min_numel: int, model_ptrs: frozenset[int]) -> str | None:
+    """Why ``t`` is kept as it is, or ``None`` when it should be packed (bool) or compressed (float)."""
+    ptr = storage_ptr(t)
+    if ptr is None or t.layout != torch.strided or t.device.type == "meta":
+        return "unsupported layout"
+    if ptr in model_ptrs or is_weight_copy(t):
+        return KEEP_PARAMETER
+    if t.dtype != torch.bool and t.dtype not in FLOAT_DTYPES:
+        return f"dtype {str(t.dtype).removeprefix('torch.')}"
+    if t.numel() < min_numel:
+        return "small"
+    return None

@@ -1,0 +1,114 @@
+"""Bytes held for the saved tensors of one forward pass, before and after compression, and the report.
+
+"Before" is what plain PyTorch would hold: the storages of the saved activations, each counted once
+(parameters and buffers are not activation memory and are left out of both sides). "After" is what gactx
+holds: every compressed handle once, plus the storages of the activations it kept as they were.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from gactx.controller.identity import Key
+from gactx.controller.policy import storage_owner
+
+__all__ = ["MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Saved-activation memory of the most recent forward pass.
+
+    Attributes:
+        original_bytes: what plain PyTorch would have held (unique storages of saved activations).
+        packed_bytes: what gactx holds (compressed handles and kept tensors, each once).
+        tensors: distinct saved activations (a tensor saved several times counts once).
+        compressed: how many of them were compressed (bool masks included).
+        kept: how many were kept as they were (small, integer, float64, ...).
+        deduplicated: saves answered with a handle already made in this pass.
+    """
+
+    original_bytes: int = 0
+    packed_bytes: int = 0
+    tensors: int = 0
+    compressed: int = 0
+    kept: int = 0
+    deduplicated: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """``original_bytes / packed_bytes`` (1.0 when nothing was saved)."""
+        return self.original_bytes / self.packed_bytes if self.packed_bytes else 1.0
+
+
+@dataclass
+class KeyRecord:
+    key: Key
+    dtype: torch.dtype
+    bits: int | str  # the width used, or why the tensor was kept
+    original_bytes: int
+    packed_bytes: int
+
+
+@dataclass
+class PassStats:
+    """Accumulates one forward pass. Holds integers and keys only, never tensors."""
+
+    # storage address -> a tensor on it. An address names one storage only while that storage lives: once a
+    # compressed original is freed, the allocator hands its address to new tensors, which are new storages.
+    live: dict[int, weakref.ref] = field(default_factory=dict)
+    original_bytes: int = 0
+    kept_storages: dict[int, int] = field(default_factory=dict)  # storage address -> bytes, kept as is
+    packed_bytes: int = 0
+    compressed: int = 0
+    kept: int = 0
+    deduplicated: int = 0
+    records: list[KeyRecord] = field(default_factory=list)
+
+    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, storage_bytes: int, compressed: bool) -> None:
+        self.records.append(record)
+        seen = self.live.get(ptr)
+        if seen is None or seen() is None:
+            self.live[ptr] = weakref.ref(storage_owner(t))
+            self.original_bytes += storage_bytes
+        if compressed:
+            self.compressed += 1
+            self.packed_bytes += record.packed_bytes
+        else:
+            self.kept += 1
+            self.kept_storages.setdefault(ptr, storage_bytes)
+
+    def summary(self) -> MemoryStats:
+        return MemoryStats(
+            original_bytes=self.original_bytes,
+            packed_bytes=self.packed_bytes + sum(self.kept_storages.values()),
+            tensors=self.compressed + self.kept,
+            compressed=self.compressed,
+            kept=self.kept,
+            deduplicated=self.deduplicated,
+        )
+
+    def table(self) -> str:
+        rows = [("key", "shape", "dtype", "bits", "before", "after")]
+        for r in self.records:
+            dtype = str(r.dtype).removeprefix("torch.")
+            shape = "x".join(map(str, r.key.shape)) or "scalar"
+            before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
+            rows.append((str(r.key), shape, dtype, str(r.bits), before, after))
+        s = self.summary()
+        rows.append(("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes)))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

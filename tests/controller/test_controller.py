@@ -1,0 +1,230 @@
+"""gactx/controller/controller.py: installation, the pack policy, dedupe, keys, stats, no synchronization."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gactx
+from gactx.controller import Packed
+
+
+def _linear_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _saved(model, run, **options):
+    """Run one forward under a controller; return the controller and the loss (graph alive)."""
+    controller = gactx.Controller(model, **options).install_hook()
+    try:
+        loss = run()
+    finally:
+        controller.uninstall_hook()
+    return controller, loss
+
+
+def test_bad_model_and_double_install():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        gactx.Controller(lambda x: x)
+    controller = gactx.Controller(_linear_model())
+    controller.install_hook()
+    try:
+        with pytest.raises(RuntimeError, match="already installed"):
+            controller.install_hook()
+    finally:
+        controller.uninstall_hook()
+    with pytest.raises(RuntimeError, match="not installed"):
+        controller.uninstall_hook()
+    with pytest.raises(ValueError, match="unknown level"):
+        gactx.Controller(_linear_model(), level="fast")
+    with pytest.raises(TypeError, match="backprop must be callable"):
+        controller.iterate(3)
+
+
+def test_context_manager_installs_and_removes_hooks():
+    model = _linear_model()
+    x = torch.randn(32, 64)
+    with gactx.Controller(model, level="L1.2") as controller:
+        assert controller.installed
+        loss = model(x).sum()
+    assert not controller.installed
+    loss.backward()
+    # Linear 0 saves x; ReLU saves its output, which Linear 2 saves again: one handle for both.
+    assert (controller.memory_stats().compressed, controller.memory_stats().deduplicated) == (2, 1)
+    model(x).sum().backward()  # after exit nothing is packed any more
+    assert controller.memory_stats().compressed == 2
+
+
+def test_parameters_views_and_buffers_are_never_compressed():
+    model = nn.Linear(64, 64, bias=False)
+    model.register_buffer("scale", torch.randn(64, 64))
+    x = torch.randn(2048, 64)
+    run = lambda: (x @ model.weight.t() @ model.weight[:, :].t() * model.scale[0]).sum()  # noqa: E731
+    controller, loss = _saved(model, run, level="L1.2", min_numel=1)
+    kept = {tuple(r.key.shape) for r in controller._pass.records}
+    assert (64, 64) not in kept, "a parameter or a view of it was treated as an activation"
+    loss.backward()
+
+
+def test_autocast_copies_of_weights_are_kept():
+    model = _linear_model()
+    x = torch.randn(64, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        controller, loss = _saved(model, lambda: model(x).float().sum(), level="L1.2", min_numel=1)
+    records = controller._pass.records
+    assert all(r.key.shape not in [(128, 64), (10, 128)] for r in records), "an autocast weight copy was compressed"
+    assert any(r.dtype == torch.bfloat16 and r.bits == 2 for r in records), "bf16 activations must be compressed"
+    loss.backward()
+
+
+def test_integer_small_and_float64_tensors_are_kept_and_bool_masks_packed():
+    emb = nn.Embedding(100, 64)
+    idx = torch.randint(0, 100, (64, 64))
+
+    def run():
+        h = emb(idx)  # saves int64 indices
+        mask = h > 0  # a bool mask, saved by where
+        d = torch.where(mask, h, h * 0.1).double().sin()  # float64 saved by sin
+        return d.sum() + h[:2, :2].exp().sum()  # a small tensor saved by exp
+
+    controller, loss = _saved(emb, run, level="L1.2")
+    by_dtype = {(r.dtype, r.bits) for r in controller._pass.records}
+    assert (torch.int64, "dtype int64") in by_dtype
+    assert (torch.float64, "dtype float64") in by_dtype
+    assert (torch.bool, 1) in by_dtype
+    assert (torch.float32, "small") in by_dtype
+    grad_compressed = torch.autograd.grad(loss, emb.weight)[0]
+    grad_plain = torch.autograd.grad(run(), emb.weight)[0]
+    assert F.cosine_similarity(grad_compressed.flatten(), grad_plain.flatten(), dim=0) > 0.95
+
+
+class QKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return F.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1) @ self.v(x)
+
+
+@pytest.mark.parametrize("dedupe", [True, False])
+def test_a_tensor_saved_three_times_is_stored_once(dedupe):
+    model = QKV()
+    x = torch.randn(4, 64, 64)
+    controller, loss = _saved(model, lambda: model(x).sum(), level="L1.1", dedupe=dedupe)
+    stats = controller.memory_stats()
+    # x is saved by q, k and v; softmax saves its output, which the matmul with v saves again.
+    assert stats.deduplicated == (3 if dedupe else 0)
+    assert stats.compressed == (5 if dedupe else 8)
+    grad = torch.autograd.grad(loss, model.q.weight)[0]
+    plain = torch.autograd.grad(model(x).sum(), model.q.weight)[0]
+    assert F.cosine_similarity(grad.flatten(), plain.flatten(), dim=0) > 0.99
+
+
+def test_in_place_change_between_saves_is_not_deduplicated():
+    x = torch.randn(64, 64)
+    w = nn.Linear(64, 64)
+
+    def run():
+        h = x * 1.0
+        a = (h @ w.weight).sum()  # saves h at version 0
+        h.mul_(2.0)
+        return a + (h @ w.weight).sum()  # saves h at version 1: another tensor
+
+    controller, loss = _saved(w, run, level="L1.1")
+    assert controller.memory_stats().deduplicated == 0
+    grad = torch.autograd.grad(loss, w.weight)[0]
+    expected = 3 * x.sum(0)[:, None].expand(64, 64)  # d/dW of sum(h W) + sum(2h W); reusing h would give 2x
+    assert (grad - expected).norm() / expected.norm() < 0.02  # the wrong version would be off by 1/3
+
+
+def test_keys_are_stable_across_steps_and_name_modules():
+    model = _linear_model()
+    x = torch.randn(32, 64)
+    keys = []
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            model(x).sum().backward()
+            keys.append([r.key for r in controller._pass.records])
+            controller.iterate()
+    assert keys[0] == keys[1] == keys[2]
+    assert [k.module for k in keys[0]] == ["0", "1"]  # Linear 2's input is ReLU's output, stored once
+    assert "0[0]" in controller.report() and "float32" in controller.report()
+
+
+def test_memory_stats_before_any_forward_and_after_eval():
+    model = _linear_model()
+    controller = gactx.Controller(model)
+    assert controller.memory_stats().original_bytes == 0
+    with controller:
+        model(torch.randn(32, 64)).sum().backward()
+        before = controller.memory_stats()
+        with torch.no_grad():
+            model(torch.randn(32, 64))
+    assert controller.memory_stats() == before, "an evaluation pass that saves nothing must not erase the stats"
+
+
+def test_unsupported_tensors_are_kept_not_dropped():
+    x = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
+    run = lambda: (x * x).abs().sum()  # noqa: E731
+    controller, loss = _saved(nn.Identity(), run, level="L1.2", min_numel=1)
+    assert {r.bits for r in controller._pass.records} == {"dtype complex64"}
+    assert torch.equal(torch.autograd.grad(loss, x)[0], torch.autograd.grad(run(), x)[0])
+
+
+def test_no_host_synchronization_in_pack_or_unpack(monkeypatch):
+    """On a CPU the GPU cannot be watched; instead any read of a tensor's value into Python fails."""
+    model = _linear_model()
+    x = torch.randn(256, 64)
+    controller = gactx.Controller(model, level="L1.2")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pack or unpack read a tensor value on the host")
+
+    original_pack, original_unpack = controller._pack, controller._unpack
+
+    def guarded(fn):
+        def inner(t):
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "__bool__", "__int__", "__float__", "numpy", "cpu"):
+                    m.setattr(torch.Tensor, name, forbidden)
+                return fn(t)
+
+        return inner
+
+    controller._pack, controller._unpack = guarded(original_pack), guarded(original_unpack)
+    with controller:
+        model(x).sum().backward()
+    assert controller.memory_stats().compressed == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_gpu_synchronization_on_cuda():
+    model = _linear_model().cuda()
+    x = torch.randn(256, 64, device="cuda")
+    with gactx.Controller(model, level="L1.2"):
+        loss = model(x).sum()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = model(x).sum()
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_handles_are_released_with_the_graph():
+    import gc
+    import weakref
+
+    model = _linear_model()
+    controller, loss = _saved(model, lambda: model(torch.randn(32, 64)).sum(), level="L1")
+    handles = [o for o in gc.get_objects() if isinstance(o, Packed)]
+    assert len(handles) == 2
+    refs = [weakref.ref(h) for h in handles]
+    del handles
+    loss.backward()
+    del loss
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -1,0 +1,62 @@
+"""gactx/config.py: levels, options and their validation."""
+
+import pytest
+
+import gactx
+from gactx.config import LEVELS, make_config
+
+
+def test_levels_table():
+    assert {k: v["bits"] for k, v in LEVELS.items()} == {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2}
+    assert make_config("L1.2").bits == 2 and make_config("L0").bits is None
+
+
+def test_options_win_over_the_level():
+    cfg = make_config("L1", bits=8, group_size=128)
+    assert (cfg.level, cfg.bits, cfg.group_size) == ("L1", 8, 128)
+
+
+def test_global_level_is_used_when_none_is_given():
+    try:
+        gactx.set_optimization_level("L1.2")
+        assert gactx.get_optimization_level() == "L1.2"
+        assert make_config().bits == 2
+        assert make_config(bits=8).bits == 8
+    finally:
+        gactx.set_optimization_level("L1")
+
+
+@pytest.mark.parametrize("level", ["L2", "L2.1", "L2.2", "L3"])
+def test_later_levels_are_a_clear_error(level):
+    with pytest.raises(ValueError, match=f"level '{level}' .* is not available in this version"):
+        make_config(level)
+    with pytest.raises(ValueError, match="not available"):
+        gactx.set_optimization_level(level)
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"bits": 3}, r"bits=3 is not allowed; allowed values are None or \(1, 2, 4, 8, 16, 32\)"),
+        ({"group_size": 10}, "group_size=10 is not allowed"),
+        ({"min_numel": -1}, "min_numel=-1"),
+        ({"stochastic": "yes"}, "stochastic='yes' must be True or False"),
+        ({"backend": "cuda"}, "backend='cuda' is not allowed"),
+        ({"seed": -3}, "seed=-3"),
+    ],
+)
+def test_bad_option_values_name_the_field(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_config("L1", **options)
+
+
+def test_unknown_level_and_option():
+    with pytest.raises(ValueError, match=r"unknown level 'L9'; available levels are \('L0', 'L1', 'L1.1', 'L1.2'\)"):
+        make_config("L9")
+    with pytest.raises(TypeError, match="unknown option"):
+        make_config("L1", bitz=2)
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        make_config("L1").bits = 2
