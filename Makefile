@@ -13,7 +13,7 @@ test: setup
 	$(PYTHON) -m pytest -n 2 -q
 
 demo: setup
-	$(PYTHON) -m benchmarks.kernels --quick
+	$(PYTHON) -m benchmarks.demo
 
 bench-kernels: setup
 	$(PYTHON) -m benchmarks.kernels

@@ -1,7 +1,7 @@
 """gactx: activation-compressed training for any PyTorch model.
 
-    controller = gactx.Controller(model, level="L1")
-    controller.install_hook()
+``gactx.Controller(model, level="L1").install_hook()`` compresses every tensor autograd saves for backward;
+``gactx.quantize`` / ``gactx.dequantize`` are the kernels underneath.
 """
 
 from gactx.config import Config, get_optimization_level, set_optimization_level

@@ -25,6 +25,7 @@ class MemoryStats:
     Attributes:
         original_bytes: what plain PyTorch would have held (unique storages of saved activations).
         packed_bytes: what gactx holds (compressed handles and kept tensors, each once).
+        kept_bytes: the part of ``packed_bytes`` held by tensors kept as they were.
         tensors: distinct saved activations (a tensor saved several times counts once).
         compressed: how many of them were compressed (bool masks included).
         kept: how many were kept as they were (small, integer, float64, ...).
@@ -33,6 +34,7 @@ class MemoryStats:
 
     original_bytes: int = 0
     packed_bytes: int = 0
+    kept_bytes: int = 0
     tensors: int = 0
     compressed: int = 0
     kept: int = 0
@@ -61,7 +63,7 @@ class PassStats:
     # compressed original is freed, the allocator hands its address to new tensors, which are new storages.
     live: dict[int, weakref.ref] = field(default_factory=dict)
     original_bytes: int = 0
-    kept_storages: dict[int, int] = field(default_factory=dict)  # storage address -> bytes, kept as is
+    kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # address -> (bytes, why kept)
     packed_bytes: int = 0
     compressed: int = 0
     kept: int = 0
@@ -79,12 +81,21 @@ class PassStats:
             self.packed_bytes += record.packed_bytes
         else:
             self.kept += 1
-            self.kept_storages.setdefault(ptr, storage_bytes)
+            self.kept_storages.setdefault(ptr, (storage_bytes, str(record.bits)))
+
+    def kept_by_reason(self) -> dict[str, int]:
+        """Bytes of kept storages (each once), by the reason they were kept."""
+        out: dict[str, int] = {}
+        for nbytes, why in self.kept_storages.values():
+            out[why] = out.get(why, 0) + nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def summary(self) -> MemoryStats:
+        kept = sum(nbytes for nbytes, _ in self.kept_storages.values())
         return MemoryStats(
             original_bytes=self.original_bytes,
-            packed_bytes=self.packed_bytes + sum(self.kept_storages.values()),
+            packed_bytes=self.packed_bytes + kept,
+            kept_bytes=kept,
             tensors=self.compressed + self.kept,
             compressed=self.compressed,
             kept=self.kept,
@@ -99,11 +110,20 @@ class PassStats:
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
             rows.append((str(r.key), shape, dtype, str(r.bits), before, after))
         s = self.summary()
-        rows.append(("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes)))
+        rows.append(
+            ("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes))
+        )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        lines = [
+            "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            for row in rows
+        ]
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
+        lines.append(f"ratio {s.ratio:.2f}x; {s.deduplicated} saves deduplicated")
+        kept = ", ".join(f"{why} {format_bytes(n)}" for why, n in self.kept_by_reason().items())
+        if kept:
+            lines.append(f"kept as is (each storage once): {kept}")
         return "\n".join(lines)
 
 
