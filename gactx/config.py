@@ -6,22 +6,32 @@ from dataclasses import dataclass, fields, replace
 
 from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES
 
-__all__ = ["Config", "LEVELS", "PLANNED_LEVELS", "make_config", "set_optimization_level", "get_optimization_level"]
+__all__ = [
+    "Config",
+    "LEVELS",
+    "PLANNED_LEVELS",
+    "get_optimization_level",
+    "make_config",
+    "parse_bytes",
+    "set_optimization_level",
+]
 
-# GACT's names, kept for people who come from it. ``bits=None`` means "compress nothing".
+# GACT's names, kept for people who come from it. ``bits=None`` means "compress nothing"; at the adaptive
+# levels ``bits`` is the average width the budget allows.
 LEVELS: dict[str, dict] = {
     "L0": {"bits": None},
     "L1": {"bits": 4},
     "L1.1": {"bits": 8},
     "L1.2": {"bits": 2},
+    "L2": {"bits": 4, "adaptive": True},
+    "L2.1": {"bits": 3, "adaptive": True},
+    "L2.2": {"bits": 2, "adaptive": True},
 }
 # Known to users of GACT, not available yet: asking for them is an error that says so.
-PLANNED_LEVELS = {
-    "L2": "adaptive bits (average 4)",
-    "L2.1": "adaptive bits (average 3)",
-    "L2.2": "adaptive bits (average 2)",
-    "L3": "adaptive bits with CPU offload",
-}
+PLANNED_LEVELS = {"L3": "adaptive bits with CPU offload"}
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
+_UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 
 _default_level = "L1"
 
@@ -31,8 +41,17 @@ class Config:
     """What a :class:`gactx.Controller` does with each saved tensor.
 
     Attributes:
-        level: the level the other fields came from (``"L0"``, ``"L1"``, ``"L1.1"``, ``"L1.2"``).
-        bits: bits of every compressed tensor (1, 2, 4, 8, 16 or 32), or ``None`` to compress nothing.
+        level: the level the other fields came from (``"L0"``, ``"L1"``, ``"L1.1"``, ``"L1.2"``, ``"L2"``, ...).
+        bits: fixed levels: bits of every compressed tensor (1, 2, 4, 8, 16 or 32), or ``None`` to compress
+            nothing. Adaptive levels: the average width of the budget (any number from 1 to 32, e.g. 2.5).
+        adaptive: choose bits per tensor from measured sensitivities under the budget.
+        budget: adaptive only: bytes that gactx may hold for the saved activations of one forward pass,
+            metadata and tensors kept as they are included (an int, or a string such as ``"1.5GiB"``);
+            it replaces the average-bits budget.
+        adapt_interval: adaptive only: re-estimate sensitivities after the first step and every this many.
+        probe_bits: adaptive only: the width at which the estimator perturbs one tensor at a time.
+        strict: adaptive only: a budget that even 1-bit codes exceed raises ``ValueError`` instead of a
+            warning (then the narrowest widths are used).
         group_size: elements that share a scale, see :func:`gactx.quantize`.
         min_numel: tensors with fewer elements are kept as they are (4 KiB of float32 gains nothing
             worth a kernel launch and 8 bytes of metadata a group).
@@ -43,7 +62,12 @@ class Config:
     """
 
     level: str = "L1"
-    bits: int | None = 4
+    bits: float | None = 4
+    adaptive: bool = False
+    budget: int | str | None = None
+    adapt_interval: int = 1000
+    probe_bits: int = 2
+    strict: bool = False
     group_size: int = 256
     min_numel: int = 1024
     stochastic: bool = True
@@ -54,19 +78,52 @@ class Config:
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is not available; available levels are {tuple(LEVELS)}")
-        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in ALLOWED_BITS):
-            raise ValueError(f"bits={self.bits!r} is not allowed; allowed values are None or {ALLOWED_BITS}")
+        for name in ("adaptive", "strict", "stochastic", "dedupe"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.adaptive:
+            if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not 1 <= self.bits <= 32:
+                raise ValueError(f"bits={self.bits!r}: at an adaptive level bits is an average width from 1 to 32")
+            if self.budget is not None:
+                parse_bytes(self.budget)
+        else:
+            if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in ALLOWED_BITS):
+                raise ValueError(f"bits={self.bits!r} is not allowed; allowed values are None or {ALLOWED_BITS}")
+            if self.budget is not None:
+                raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2)")
+        if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
+            raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
+        if self.probe_bits not in (1, 2, 4, 8) or isinstance(self.probe_bits, bool):
+            raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not allowed; allowed values are {GROUP_SIZES}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel={self.min_numel!r} must be a non-negative int")
-        for name in ("stochastic", "dedupe"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not allowed; allowed values are {BACKENDS}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+
+
+def parse_bytes(budget: int | str) -> int:
+    """``1536``, ``"1.5GiB"``, ``"512 MiB"``, ``"2GB"`` -> bytes. Raises ``ValueError`` naming the units."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        if budget < 0:
+            raise ValueError(f"budget={budget!r} must not be negative")
+        return budget
+    if isinstance(budget, str):
+        text = budget.strip().upper().replace(" ", "")
+        for unit in sorted(_UNITS, key=len, reverse=True):
+            if text.endswith(unit):
+                try:
+                    value = float(text[: -len(unit)])
+                except ValueError:
+                    break
+                if value >= 0:
+                    return int(value * _UNITS[unit])
+                break
+    units = ", ".join(u.replace("I", "i") for u in _UNITS)
+    raise ValueError(f"budget={budget!r} is not a byte count: give an int or a number with a unit ({units})")
 
 
 def _check_level(level: str) -> str:

@@ -3,12 +3,14 @@
 import pytest
 
 import gactx
-from gactx.config import LEVELS, make_config
+from gactx.config import LEVELS, make_config, parse_bytes
 
 
 def test_levels_table():
-    assert {k: v["bits"] for k, v in LEVELS.items()} == {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2}
+    bits = {k: v["bits"] for k, v in LEVELS.items()}
+    assert bits == {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2, "L2": 4, "L2.1": 3, "L2.2": 2}
     assert make_config("L1.2").bits == 2 and make_config("L0").bits is None
+    assert [make_config(level).adaptive for level in ("L1", "L2", "L2.1", "L2.2")] == [False, True, True, True]
 
 
 def test_options_win_over_the_level():
@@ -26,7 +28,7 @@ def test_global_level_is_used_when_none_is_given():
         gactx.set_optimization_level("L1")
 
 
-@pytest.mark.parametrize("level", ["L2", "L2.1", "L2.2", "L3"])
+@pytest.mark.parametrize("level", ["L3"])
 def test_later_levels_are_a_clear_error(level):
     with pytest.raises(ValueError, match=f"level '{level}' .* is not available in this version"):
         make_config(level)
@@ -43,6 +45,7 @@ def test_later_levels_are_a_clear_error(level):
         ({"stochastic": "yes"}, "stochastic='yes' must be True or False"),
         ({"backend": "cuda"}, "backend='cuda' is not allowed"),
         ({"seed": -3}, "seed=-3"),
+        ({"budget": "1GiB"}, "budget='1GiB' needs an adaptive level"),
     ],
 )
 def test_bad_option_values_name_the_field(options, match):
@@ -50,8 +53,30 @@ def test_bad_option_values_name_the_field(options, match):
         make_config("L1", **options)
 
 
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"bits": 0.5}, "average width from 1 to 32"),
+        ({"budget": "lots"}, "not a byte count"),
+        ({"budget": -5}, "must not be negative"),
+        ({"adapt_interval": 0}, "adapt_interval=0"),
+        ({"probe_bits": 3}, r"probe_bits=3 is not allowed; allowed values are \(1, 2, 4, 8\)"),
+        ({"strict": 1}, "strict=1 must be True or False"),
+    ],
+)
+def test_bad_adaptive_options_name_the_field(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_config("L2", **options)
+
+
+def test_budgets_in_bits_or_bytes():
+    assert make_config("L2", bits=2.5).bits == 2.5
+    assert parse_bytes("1.5GiB") == 3 << 29 and parse_bytes("512 MiB") == 1 << 29 and parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes(4096) == 4096 and make_config("L2.2", budget="1.5GiB").budget == "1.5GiB"
+
+
 def test_unknown_level_and_option():
-    with pytest.raises(ValueError, match=r"unknown level 'L9'; available levels are \('L0', 'L1', 'L1.1', 'L1.2'\)"):
+    with pytest.raises(ValueError, match=r"unknown level 'L9'; available levels are \('L0', 'L1', 'L1.1', 'L1.2', 'L2'"):
         make_config("L9")
     with pytest.raises(TypeError, match="unknown option"):
         make_config("L1", bitz=2)

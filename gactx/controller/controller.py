@@ -9,14 +9,19 @@ freed by hand. Neither hook synchronizes the GPU: every decision uses shapes, dt
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
+import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from gactx.config import Config, make_config
+from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_owner, storage_ptr
+from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 
@@ -55,13 +60,17 @@ class Controller:
 
     Args:
         model: the ``nn.Module`` being trained; its modules name the saved tensors.
-        level: ``"L0"`` (account, compress nothing), ``"L1"`` (4 bits), ``"L1.1"`` (8), ``"L1.2"`` (2);
-            ``None`` takes the level set by :func:`gactx.set_optimization_level` (default ``"L1"``).
-        **options: fields of :class:`gactx.Config` (``bits``, ``group_size``, ``min_numel``, ``stochastic``,
-            ``dedupe``, ``backend``, ``seed``); they win over the level's values.
+        level: ``"L0"`` (account, compress nothing), ``"L1"`` (4 bits), ``"L1.1"`` (8), ``"L1.2"`` (2),
+            ``"L2"`` / ``"L2.1"`` / ``"L2.2"`` (adaptive, average 4 / 3 / 2 bits); ``None`` takes the level
+            set by :func:`gactx.set_optimization_level` (default ``"L1"``).
+        **options: fields of :class:`gactx.Config` (``bits``, ``budget``, ``adapt_interval``, ``group_size``,
+            ``min_numel``, ``stochastic``, ``dedupe``, ``backend``, ``seed``, ...); they win over the level.
 
     Use ``install_hook()`` / ``uninstall_hook()`` or ``with Controller(model) as controller:``, and call
-    ``controller.iterate(backprop)`` once per training step, after ``optimizer.step()``.
+    ``controller.iterate(backprop)`` once per training step, after ``optimizer.step()``. At the adaptive
+    levels ``backprop`` is a closure that runs forward and backward on a (small) batch: after the first
+    step and every ``adapt_interval`` steps the controller runs it ``1 + 2 L`` times (``L`` compressed
+    tensors) to measure sensitivities, then allocates bits under the budget.
     """
 
     def __init__(self, model: nn.Module, level: str | None = None, **options) -> None:
@@ -77,6 +86,11 @@ class Controller:
         self._dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._key_ids: dict[Key, int] = {}
         self._model_ptrs: frozenset[int] = frozenset()
+        self._probe: Probe | None = None
+        self._slot_bits: dict[tuple, int] = {}  # the allocation, by slot (module, call, index)
+        self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
+        self.last_adaptation: Adaptation | None = None
+        self._warned_no_closure = False
 
     # -- installation -------------------------------------------------------------------------------------
 
@@ -111,16 +125,85 @@ class Controller:
 
     # -- the training loop ----------------------------------------------------------------------------------
 
-    def iterate(self, backprop=None) -> None:
+    def iterate(self, backprop: Callable[[], object] | None = None) -> None:
         """Call once per training step, after ``optimizer.step()``. ``backprop`` is a closure that runs
         forward and backward on a batch; the adaptive levels use it to measure sensitivities."""
         if backprop is not None and not callable(backprop):
             raise TypeError(f"backprop must be callable or None, got {type(backprop).__name__}")
         self.step += 1
+        cfg = self.config
+        if not cfg.adaptive or (self.step != 1 and self.step % cfg.adapt_interval != 0):
+            return
+        if backprop is None:
+            if not self._warned_no_closure:
+                warnings.warn(
+                    f"gactx level {cfg.level} adapts bits only when iterate() gets a backprop closure; "
+                    f"every tensor stays at {default_width(cfg.bits)} bits",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._warned_no_closure = True
+            return
+        self.adapt(backprop)
+
+    def adapt(self, backprop: Callable[[], object]) -> Adaptation:
+        """Measure every compressed tensor's sensitivity with ``backprop`` and allocate bits now.
+
+        The model is left as it was: parameters untouched, buffers (BatchNorm statistics) and every
+        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose.
+        """
+        cfg = self.config
+        if not cfg.adaptive:
+            raise RuntimeError(f"level {cfg.level} has fixed bits; adapt() needs an adaptive level (L2, L2.1, L2.2)")
+        if not self._pass.records:
+            raise RuntimeError("adapt() needs one training forward pass under the controller first")
+        training_pass, was_installed = self._pass, self.installed
+        if not was_installed:
+            self.install_hook()
+        try:
+            estimate = estimate_sensitivities(
+                self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed
+            )
+        finally:
+            if not was_installed:
+                self.uninstall_hook()
+            self._pass, self._fresh_pass = training_pass, True
+        self.sensitivity = reduce_across_ranks(estimate.sensitivity)
+        allocation, budget = plan(cfg, training_pass, self.sensitivity)
+        self._slot_bits = dict(allocation.bits)
+        self.last_adaptation = Adaptation(
+            step=self.step,
+            passes=estimate.passes,
+            seconds=estimate.seconds,
+            budget_bytes=budget,
+            allocated_bytes=allocation.nbytes,
+            predicted_variance=allocation.variance,
+            feasible=allocation.feasible,
+        )
+        logger.info("gactx adaptation at step %d: %s", self.step, self.last_adaptation)
+        return self.last_adaptation
 
     def bits_for(self, key: Key) -> int | None:
         """Bits given to the tensor named ``key`` (``None``: kept as it is)."""
-        return self.config.bits
+        cfg = self.config
+        if self._probe is not None and key[:3] == self._probe.slot:
+            return self._probe.bits
+        if not cfg.adaptive:
+            return cfg.bits
+        return self._slot_bits.get(key[:3], default_width(cfg.bits))
+
+    # -- adaptation helpers -------------------------------------------------------------------------------
+
+    def _discover(self, run: Callable[[], object]) -> list[tuple]:
+        self._pass, self._fresh_pass = PassStats(), False
+        run()
+        return [r.key[:3] for r in self._pass.records if isinstance(r.bits, int) and r.dtype.is_floating_point]
+
+    def _set_probe(self, probe: Probe | None) -> None:
+        self._probe = probe
+
+    def _probe_seed(self, slot: tuple, k: int) -> int:
+        return _mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
 
     # -- accounting -------------------------------------------------------------------------------------------
 
@@ -129,8 +212,17 @@ class Controller:
         return self._pass.summary()
 
     def report(self) -> str:
-        """A table of the most recent forward pass: one row a saved tensor (key, shape, dtype, bits, bytes)."""
-        return f"gactx level {self.config.level}, step {self.step}\n{self._pass.table()}"
+        """A table of the most recent forward pass: one row a saved tensor (key, shape, dtype, bits, bytes;
+        at the adaptive levels also its sensitivity), then the cost of the last adaptation."""
+        lines = [f"gactx level {self.config.level}, step {self.step}", self._pass.table(self.sensitivity or None)]
+        a = self.last_adaptation
+        if a is not None:
+            lines.append(
+                f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s; "
+                f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors"
+                + ("" if a.feasible else " (budget not met: narrowest widths)")
+            )
+        return "\n".join(lines)
 
     # -- hooks ----------------------------------------------------------------------------------------------
 
@@ -156,12 +248,15 @@ class Controller:
             return t
         stats = self._begin_pass_if_fresh()
         key = self._tracker.key(t)
-        ptr = storage_ptr(t)
-        nbytes = t.numel() * t.element_size()
+        ptr = storage_ptr(t) or 0
+        nbytes, storage_bytes = t.numel() * t.element_size(), self._storage_bytes(t)
+        if cfg.dedupe and stats.holds(ptr):
+            stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
+            return t
         bits = self.bits_for(key) if reason is None else None
         if bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32 and t.dtype != torch.bool):
             why = reason or ("L0" if bits is None else f"{bits} (as is)")
-            stats.add(KeyRecord(key, t.dtype, why, nbytes, nbytes), t, ptr or 0, self._storage_bytes(t), False)
+            stats.add(KeyRecord(key, t.dtype, why, nbytes, nbytes, storage_bytes), t, ptr, False)
             return t
         dedupe_key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         if cfg.dedupe:
@@ -169,12 +264,16 @@ class Controller:
             if hit is not None and hit.source() is not None:
                 stats.deduplicated += 1
                 return hit
-        seed = _mix(cfg.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
+        probe = self._probe
+        if probe is not None and key[:3] == probe.slot:
+            seed = probe.seed
+        else:
+            seed = _mix(cfg.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
         qt = quantize(t, bits, cfg.group_size, stochastic=cfg.stochastic, seed=seed, backend=cfg.backend)
         handle = Packed(qt, key, t, cfg.backend)
         if cfg.dedupe:
             self._dedupe[dedupe_key] = handle
-        stats.add(KeyRecord(key, t.dtype, qt.bits, nbytes, qt.nbytes), t, ptr or 0, self._storage_bytes(t), True)
+        stats.add(KeyRecord(key, t.dtype, qt.bits, nbytes, qt.nbytes, storage_bytes), t, ptr, True)
         return handle
 
     @staticmethod

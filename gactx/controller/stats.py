@@ -51,8 +51,9 @@ class KeyRecord:
     key: Key
     dtype: torch.dtype
     bits: int | str  # the width used, or why the tensor was kept
-    original_bytes: int
+    original_bytes: int  # the tensor's own bytes
     packed_bytes: int
+    storage_bytes: int  # its storage's bytes: what keeping it as is costs
 
 
 @dataclass
@@ -69,19 +70,26 @@ class PassStats:
     kept: int = 0
     deduplicated: int = 0
     records: list[KeyRecord] = field(default_factory=list)
+    held: dict[int, weakref.ref] = field(default_factory=dict)  # storages kept as is: address -> owner
 
-    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, storage_bytes: int, compressed: bool) -> None:
+    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool) -> None:
         self.records.append(record)
         seen = self.live.get(ptr)
         if seen is None or seen() is None:
             self.live[ptr] = weakref.ref(storage_owner(t))
-            self.original_bytes += storage_bytes
+            self.original_bytes += record.storage_bytes
         if compressed:
             self.compressed += 1
             self.packed_bytes += record.packed_bytes
         else:
             self.kept += 1
-            self.kept_storages.setdefault(ptr, (storage_bytes, str(record.bits)))
+            self.kept_storages.setdefault(ptr, (record.storage_bytes, str(record.bits)))
+            self.held[ptr] = weakref.ref(storage_owner(t))
+
+    def holds(self, ptr: int) -> bool:
+        """Whether a storage at ``ptr`` is kept as is in this pass (then more views of it cost nothing)."""
+        owner = self.held.get(ptr)
+        return owner is not None and owner() is not None
 
     def kept_by_reason(self) -> dict[str, int]:
         """Bytes of kept storages (each once), by the reason they were kept."""
@@ -102,17 +110,21 @@ class PassStats:
             deduplicated=self.deduplicated,
         )
 
-    def table(self) -> str:
-        rows = [("key", "shape", "dtype", "bits", "before", "after")]
+    def table(self, sensitivity: dict | None = None) -> str:
+        """One row a saved tensor; with ``sensitivity`` (by slot) a column of it."""
+        rows = [("key", "shape", "dtype", "bits", "before", "after") + (("sensitivity",) if sensitivity else ())]
         for r in self.records:
             dtype = str(r.dtype).removeprefix("torch.")
             shape = "x".join(map(str, r.key.shape)) or "scalar"
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
-            rows.append((str(r.key), shape, dtype, str(r.bits), before, after))
+            row = (str(r.key), shape, dtype, str(r.bits), before, after)
+            if sensitivity:
+                c = sensitivity.get(r.key[:3])
+                row += ("" if c is None else f"{c:.3g}",)
+            rows.append(row)
         s = self.summary()
-        rows.append(
-            ("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes))
-        )
+        total = ("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes))
+        rows.append(total + (("",) if sensitivity else ()))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))

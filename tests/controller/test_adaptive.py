@@ -1,0 +1,140 @@
+"""Adaptive levels: the estimator (gactx/controller/sensitivity.py) and its use by the controller."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gactx
+from benchmarks.digits import digits_cnn, digits_data
+
+
+class TwoBranches(nn.Module):
+    """Two identical branches; the second one's output is scaled by 30, so its saved tensors matter more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.b = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x):
+        return self.a(x) + 30 * self.b(x)
+
+
+def _adapted(model, run, level="L2.2", **options):
+    controller = gactx.Controller(model, level=level, **options).install_hook()
+    try:
+        run().backward()
+        controller.iterate(lambda: run().backward())
+    finally:
+        controller.uninstall_hook()
+    return controller
+
+
+def test_the_tensor_that_matters_more_gets_more_bits():
+    torch.manual_seed(0)
+    model = TwoBranches()
+    x = torch.randn(256, 32)
+    controller = _adapted(model, lambda: model(x).square().mean())
+    c = controller.sensitivity
+    assert c[("b.1", 1, 0)] > 100 * c[("a.1", 1, 0)]  # tanh outputs feeding the last linears
+    bits = controller._slot_bits  # (b.2's input is b.1's output, stored once under b.1)
+    assert bits[("b.1", 1, 0)] > bits[("a.1", 1, 0)]
+
+
+def test_same_seed_same_sensitivities_and_bits():
+    (x, y), _ = digits_data()
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = digits_cnn()
+        c = _adapted(model, lambda m=model: F.cross_entropy(m(x[:64]), y[:64]))
+        results.append((c.sensitivity, c._slot_bits))
+    assert results[0] == results[1]
+
+
+def test_adaptation_leaves_the_model_as_it_was():
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()  # BatchNorm and Dropout
+    controller = gactx.Controller(model, level="L2.2").install_hook()
+    try:
+        F.cross_entropy(model(x[:64]), y[:64]).backward()
+        before = {
+            "params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.clone() for b in model.buffers()],
+            "grads": [p.grad.clone() for p in model.parameters()],
+            "rng": torch.get_rng_state(),
+        }
+        adaptation = controller.adapt(lambda: F.cross_entropy(model(x[:8]), y[:8]).backward())
+    finally:
+        controller.uninstall_hook()
+    assert all(torch.equal(a, p) for a, p in zip(before["params"], model.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
+    assert torch.equal(before["rng"], torch.get_rng_state())
+    assert adaptation.passes == 1 + 2 * len(controller.sensitivity) and adaptation.seconds > 0
+    assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
+
+
+def test_a_byte_budget_is_respected():
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()
+    run = lambda: F.cross_entropy(model(x[:64]), y[:64])  # noqa: E731
+    controller = _adapted(model, run, budget="1MiB")
+    with controller:
+        run().backward()
+    stats = controller.memory_stats()
+    assert stats.packed_bytes <= 1 << 20
+    assert stats.packed_bytes > 0.9 * (1 << 20), "the allocator should use the room it has"
+    loose = _adapted(model, run, budget="3MiB")
+    with loose:
+        run().backward()
+    assert stats.packed_bytes < loose.memory_stats().packed_bytes <= 3 << 20
+
+
+def test_an_unmeetable_budget_warns_or_raises_when_strict():
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()
+    run = lambda: F.cross_entropy(model(x[:64]), y[:64])  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="below what 1-bit codes need"):
+        controller = _adapted(model, run, budget="600KiB")
+    assert set(controller._slot_bits.values()) == {1}
+    with pytest.raises(ValueError, match="raise the budget"):
+        _adapted(model, run, budget="600KiB", strict=True)
+
+
+def test_adaptive_level_without_a_closure_warns_once():
+    model = TwoBranches()
+    controller = gactx.Controller(model, level="L2.1")
+    with controller, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(256, 32)).sum().backward()
+            controller.iterate()
+    assert len([w for w in caught if "backprop closure" in str(w.message)]) == 1
+
+
+def test_fixed_levels_refuse_adapt_and_adapt_needs_a_pass():
+    model = TwoBranches()
+    with pytest.raises(RuntimeError, match="fixed bits"):
+        gactx.Controller(model, level="L1").adapt(lambda: None)
+    with pytest.raises(RuntimeError, match="one training forward pass"):
+        gactx.Controller(model, level="L2").adapt(lambda: None)
+
+
+def test_adaptation_follows_the_interval():
+    model = TwoBranches()
+    x = torch.randn(256, 32)
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=3)
+    steps = []
+    with controller:
+        for _ in range(7):
+            model(x).sum().backward()
+            controller.iterate(lambda: model(x).sum().backward())
+            steps.append(controller.last_adaptation.step)
+    assert steps == [1, 1, 3, 3, 3, 6, 6]

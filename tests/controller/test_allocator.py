@@ -1,0 +1,86 @@
+"""gactx/controller/allocator.py: optimal against brute force, always within budget."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gactx.controller.allocator import Item, allocate, variance_factor, widths_for
+from gactx.kernels.format import expected_nbytes
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _brute_force(items, budget, group_size=256):
+    best = None
+    for widths in itertools.product(*[widths_for(it.dtype) for it in items]):
+        nbytes = sum(expected_nbytes(it.numel, it.dtype, b, group_size) for it, b in zip(items, widths, strict=True))
+        if nbytes <= budget:
+            var = sum(it.sensitivity * variance_factor(b, it.dtype) for it, b in zip(items, widths, strict=True))
+            best = var if best is None else min(best, var)
+    return best
+
+
+items_strategy = st.lists(
+    st.builds(
+        lambda i, n, d, c: Item(i, n, d, c),
+        st.integers(0, 10**6),
+        st.integers(1, 50_000),
+        st.sampled_from(DTYPES),
+        st.floats(0, 1e4, allow_nan=False),
+    ),
+    min_size=1,
+    max_size=4,
+    unique_by=lambda it: it.key,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(items=items_strategy, fraction=st.floats(0.0, 1.2))
+def test_optimal_against_brute_force_and_within_budget(items, fraction):
+    lo = sum(min(expected_nbytes(it.numel, it.dtype, b) for b in widths_for(it.dtype)) for it in items)
+    hi = sum(max(expected_nbytes(it.numel, it.dtype, b) for b in widths_for(it.dtype)) for it in items)
+    budget = int(lo + fraction * (hi - lo))
+    result = allocate(items, budget)
+    spent = sum(expected_nbytes(it.numel, it.dtype, result.bits[it.key]) for it in items)
+    assert spent == result.nbytes
+    if budget >= lo:
+        assert result.feasible and spent <= budget
+        assert result.variance == pytest.approx(_brute_force(items, budget), rel=1e-9, abs=1e-12)
+    else:
+        assert not result.feasible
+
+
+def test_infeasible_budget_gives_the_narrowest_widths():
+    items = [Item("a", 10_000, torch.float32, 1.0), Item("b", 10_000, torch.bfloat16, 5.0)]
+    result = allocate(items, budget=100)
+    assert not result.feasible and result.bits == {"a": 1, "b": 1}
+
+
+def test_more_sensitive_tensors_get_more_bits():
+    items = [Item(i, 100_000, torch.float32, 10.0**i) for i in range(4)]
+    budget = sum(expected_nbytes(100_000, torch.float32, 4) for _ in items)
+    bits = allocate(items, budget).bits
+    assert [bits[i] for i in range(4)] == sorted(bits[i] for i in range(4))
+    assert bits[3] > bits[0]
+
+
+def test_many_tensors_stay_fast_and_within_budget():
+    import random
+    import time
+
+    rng = random.Random(0)
+    items = [Item(i, rng.randint(1000, 10**6), torch.float32, 10 ** rng.uniform(-3, 3)) for i in range(300)]
+    budget = sum(expected_nbytes(it.numel, it.dtype, 3) for it in items)
+    start = time.perf_counter()
+    result = allocate(items, budget)
+    assert time.perf_counter() - start < 30
+    assert result.feasible and result.nbytes <= budget
+
+
+def test_variance_model():
+    assert variance_factor(2) == 1 / 9 and variance_factor(8) == 1 / 255**2
+    assert variance_factor(16) == variance_factor(8) / 16 and variance_factor(32) == 0
+    assert variance_factor(16, torch.bfloat16) == 0  # stored as is
