@@ -10,20 +10,20 @@ of one step, the compression ratio and the time taken.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
 from benchmarks.digits import train_digits
+from benchmarks.kernels import device_name
 from gactx.controller.stats import format_bytes
 
 
 def main(argv: list[str] | None = None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--levels", nargs="+", default=["L1.1", "L1", "L1.2"])
+    parser.add_argument("--levels", nargs="+", default=["L1.1", "L1", "L1.2", "L2.2"])
     args = parser.parse_args(argv)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    device = device_name("cuda" if torch.cuda.is_available() else "cpu")
     print(f"gactx demo on {device}, torch {torch.__version__}: digits CNN, {args.epochs} epochs\n")
     header = f"{'run':<16}{'accuracy':>9}{'loss':>9}{'activations':>14}{'gactx holds':>14}{'ratio':>8}{'time':>8}"
     print(header)

@@ -38,12 +38,15 @@ class DigitsRun:
     accuracy: float
     loss: float
     seconds: float
+    steps: int
     memory: gactx.MemoryStats  # saved activations of the last step (level L0 when run without compression)
+    controller: gactx.Controller
 
 
 def train_digits(level: str | None, epochs: int = 8, batch: int = 64, seed: int = 0) -> DigitsRun:
     """Train from the same initialisation and batch order, compressed at ``level`` or not at all (``None``;
-    activations are then counted, not compressed, by level L0)."""
+    activations are then counted, not compressed, by level L0). At adaptive levels ``iterate`` gets a
+    closure over 16 training images for the sensitivity estimator."""
     (xtr, ytr), (xte, yte) = digits_data()
     torch.manual_seed(seed)
     model = digits_cnn()
@@ -59,11 +62,11 @@ def train_digits(level: str | None, epochs: int = 8, batch: int = 64, seed: int 
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                controller.iterate()
+                controller.iterate(lambda: F.cross_entropy(model(xtr[:16]), ytr[:16]).backward())
     finally:
         controller.uninstall_hook()
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():
         accuracy = (model(xte).argmax(1) == yte).float().mean().item()
-    return DigitsRun(level, accuracy, loss.item(), seconds, controller.memory_stats())
+    return DigitsRun(level, accuracy, loss.item(), seconds, controller.step, controller.memory_stats(), controller)

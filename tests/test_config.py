@@ -76,7 +76,9 @@ def test_budgets_in_bits_or_bytes():
 
 
 def test_unknown_level_and_option():
-    with pytest.raises(ValueError, match=r"unknown level 'L9'; available levels are \('L0', 'L1', 'L1.1', 'L1.2', 'L2'"):
+    with pytest.raises(
+        ValueError, match=r"unknown level 'L9'; available levels are \('L0', 'L1', 'L1.1', 'L1.2', 'L2'"
+    ):
         make_config("L9")
     with pytest.raises(TypeError, match="unknown option"):
         make_config("L1", bitz=2)

@@ -138,3 +138,55 @@ def test_adaptation_follows_the_interval():
             controller.iterate(lambda: model(x).sum().backward())
             steps.append(controller.last_adaptation.step)
     assert steps == [1, 1, 3, 3, 3, 6, 6]
+
+
+def _gradient_error(model, run, controller, draws=8):
+    """Mean squared distance to the full-precision gradient over ``draws`` noise draws (variance + bias^2)."""
+
+    def grad(c):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)  # same dropout masks in every run
+        if c is None:
+            run().backward()
+        else:
+            with c:
+                run().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+
+    exact = grad(None)
+    errors = []
+    for draw in range(draws):
+        controller.step = 10_000 + draw  # the noise seeds follow the step
+        errors.append(float((grad(controller) - exact).square().sum()))
+    return sum(errors) / draws
+
+
+def _digits_case():
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()
+    return model, lambda: F.cross_entropy(model(x[:64]), y[:64]), lambda: F.cross_entropy(model(x[64:80]), y[64:80])
+
+
+def _charlm_case():
+    from benchmarks.charlm import CharLM, batch, corpus, lm_loss
+
+    data = corpus()
+    torch.manual_seed(0)
+    model = CharLM()
+    x, y = batch(data, 32, 64, torch.Generator().manual_seed(0))
+    px, py = batch(data, 8, 64, torch.Generator().manual_seed(1))
+    return model, lambda: lm_loss(model, x, y), lambda: lm_loss(model, px, py)
+
+
+@pytest.mark.parametrize("case", [_digits_case, _charlm_case], ids=["digits_cnn", "char_transformer"])
+def test_adaptive_bits_lower_the_gradient_error_of_uniform_2_bits(case):
+    model, run, probe = case()
+    uniform = gactx.Controller(model, level="L1.2")
+    adaptive = gactx.Controller(model, level="L2.2")
+    with adaptive:
+        run().backward()
+        adaptive.adapt(lambda: probe().backward())
+    uniform_error, adaptive_error = _gradient_error(model, run, uniform), _gradient_error(model, run, adaptive)
+    assert adaptive.memory_stats().packed_bytes <= uniform.memory_stats().packed_bytes * 1.01
+    assert adaptive_error < 0.8 * uniform_error, (adaptive_error, uniform_error)

@@ -1,0 +1,91 @@
+"""What adaptive bits cost: the estimator's passes and seconds against training time at the interval.
+
+    python -m benchmarks.adaptation                  # digits CNN and the character-level transformer
+    python -m benchmarks.adaptation --quick          # a few steps each, to check that it runs
+
+Each model trains at level L2.2 with a sub-batch closure for the estimator (16 images; 8 sequences of 64
+characters); one adaptation runs after the first step. The step time excludes that adaptation, and the
+share of training time is ``adaptation / (interval * step + adaptation)`` at the default interval (1000).
+Writes adaptation.json and adaptation.md under ``benchmarks/results/<device>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks.charlm import train_charlm
+from benchmarks.digits import train_digits
+from benchmarks.kernels import device_name, device_slug
+from gactx.config import Config
+
+INTERVAL = Config.adapt_interval  # the default
+
+
+def measure(name: str, quick: bool) -> dict:
+    if name == "digits_cnn":
+        full, run = train_digits(None, epochs=1 if quick else 8), train_digits("L2.2", epochs=1 if quick else 8)
+    else:
+        steps = 5 if quick else 150
+        full, run = train_charlm(None, steps=steps), train_charlm("L2.2", steps=steps)
+    a = run.controller.last_adaptation
+    step_s = (run.seconds - a.seconds) / run.controller.step
+    full_step_s = full.seconds / full.controller.step
+    return {
+        "model": name,
+        "tensors_measured": (a.passes - 1) // 2,
+        "passes": a.passes,
+        "adaptation_s": round(a.seconds, 3),
+        "step_s": round(step_s, 4),
+        "full_precision_step_s": round(full_step_s, 4),
+        "share_at_interval": round(a.seconds / (INTERVAL * step_s + a.seconds), 4),
+        "steps_one_adaptation_costs": round(a.seconds / step_s, 1),
+    }
+
+
+def render(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"# gactx adaptation cost on {env['device_name']}",
+        "",
+        f"- torch {env['torch']}; run {env['date']}; level L2.2, default interval {INTERVAL} steps",
+        "- share = adaptation / (interval x step + adaptation); step time at L2.2 without the adaptation",
+        "",
+        "| model | tensors measured | passes | adaptation s | step s (L2.2) | step s (full precision) "
+        "| share of training at interval | steps one adaptation costs |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['tensors_measured']} | {r['passes']} | {r['adaptation_s']} | {r['step_s']} "
+            f"| {r['full_precision_step_s']} | {r['share_at_interval']:.2%} | {r['steps_one_adaptation_costs']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke test)")
+    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = {
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
+    out = args.out or Path(__file__).parent / "results" / device_slug(device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adaptation.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
+    table = render(rows, env)
+    (out / "adaptation.md").write_text(table)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    run()
