@@ -243,12 +243,13 @@ class Controller:
 
     def _pack(self, t: torch.Tensor):
         cfg = self.config
-        reason = keep_reason(t, cfg.min_numel, self._model_ptrs)
+        ptr = storage_ptr(t)
+        reason = keep_reason(t, ptr, cfg.min_numel, self._model_ptrs)
         if reason == KEEP_PARAMETER:
             return t
         stats = self._begin_pass_if_fresh()
         key = self._tracker.key(t)
-        ptr = storage_ptr(t) or 0
+        ptr = ptr or 0
         nbytes, storage_bytes = t.numel() * t.element_size(), self._storage_bytes(t)
         if cfg.dedupe and stats.holds(ptr):
             stats.deduplicated += 1  # its storage is already kept as is: another view of it is free

@@ -50,9 +50,9 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
 
 
-def keep_reason(t: torch.Tensor, min_numel: int, model_ptrs: frozenset[int]) -> str | None:
-    """Why ``t`` is kept as it is, or ``None`` when it should be packed (bool) or compressed (float)."""
-    ptr = storage_ptr(t)
+def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: frozenset[int]) -> str | None:
+    """Why ``t`` (its storage at ``ptr``) is kept as it is, or ``None`` when it should be packed (bool)
+    or compressed (float)."""
     if ptr is None or t.layout != torch.strided or t.device.type == "meta":
         return "unsupported layout"
     if ptr in model_ptrs or is_weight_copy(t):
