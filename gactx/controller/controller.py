@@ -183,6 +183,33 @@ class Controller:
         logger.info("gactx adaptation at step %d: %s", self.step, self.last_adaptation)
         return self.last_adaptation
 
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    STATE_VERSION = 1
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to keep its allocation: the step, the sensitivities and the bits (by slot:
+        module name, call, index), and the level they belong to. Plain Python values: ``torch.save`` or
+        JSON both take it."""
+        return {
+            "version": self.STATE_VERSION,
+            "level": self.config.level,
+            "step": self.step,
+            "sensitivity": [[*slot, c] for slot, c in self.sensitivity.items()],
+            "bits": [[*slot, b] for slot, b in self._slot_bits.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output. A state from another level is refused: its bits answer another
+        budget."""
+        if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
+            raise ValueError(f"not a gactx Controller state (version {self.STATE_VERSION}): {type(state).__name__}")
+        if state["level"] != self.config.level:
+            raise ValueError(f"state saved at level {state['level']!r} cannot load into level {self.config.level!r}")
+        self.step = int(state["step"])
+        self.sensitivity = {(m, int(c), int(i)): float(v) for m, c, i, v in state["sensitivity"]}
+        self._slot_bits = {(m, int(c), int(i)): int(b) for m, c, i, b in state["bits"]}
+
     def bits_for(self, key: Key) -> int | None:
         """Bits given to the tensor named ``key`` (``None``: kept as it is)."""
         cfg = self.config

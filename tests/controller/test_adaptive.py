@@ -190,3 +190,28 @@ def test_adaptive_bits_lower_the_gradient_error_of_uniform_2_bits(case):
     uniform_error, adaptive_error = _gradient_error(model, run, uniform), _gradient_error(model, run, adaptive)
     assert adaptive.memory_stats().packed_bytes <= uniform.memory_stats().packed_bytes * 1.01
     assert adaptive_error < 0.8 * uniform_error, (adaptive_error, uniform_error)
+
+
+def test_state_dict_round_trip_keeps_the_allocation(tmp_path):
+    import json
+
+    model, run, probe = _digits_case()
+    controller = gactx.Controller(model, level="L2.2")
+    with controller:
+        run().backward()
+        controller.iterate(lambda: probe().backward())  # step 1: adapts
+    path = tmp_path / "gactx.json"
+    path.write_text(json.dumps(controller.state_dict()))
+    resumed = gactx.Controller(model, level="L2.2")
+    resumed.load_state_dict(json.loads(path.read_text()))
+    assert resumed.step == controller.step == 1
+    assert resumed.sensitivity == controller.sensitivity and resumed._slot_bits == controller._slot_bits
+    with resumed:
+        run().backward()
+    with controller:
+        run().backward()
+    assert resumed.memory_stats() == controller.memory_stats()
+    with pytest.raises(ValueError, match="level 'L2.2' cannot load into level 'L2'"):
+        gactx.Controller(model, level="L2").load_state_dict(controller.state_dict())
+    with pytest.raises(ValueError, match="not a gactx Controller state"):
+        resumed.load_state_dict({"step": 3})
