@@ -104,7 +104,10 @@ class Controller:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
         self._tracker.attach()
         self._refresh_model_ptrs()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # The hooks run eagerly: compression is data movement outside any graph. Marking them so keeps
+        # torch.compile from trying to trace them (and breaking the graph on storage addresses).
+        pack, unpack = torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         return self
 
@@ -254,9 +257,9 @@ class Controller:
     # -- hooks ----------------------------------------------------------------------------------------------
 
     def _new_pass(self) -> None:
+        # Cheap bookkeeping only: torch.compile traces module hooks, so the parameter addresses are read
+        # again in the first pack of the pass (an eager hook), not here.
         self._fresh_pass = True
-        self._dedupe = weakref.WeakValueDictionary()
-        self._refresh_model_ptrs()
 
     def _refresh_model_ptrs(self) -> None:
         tensors = [*self.model.parameters(), *self.model.buffers()]
@@ -265,16 +268,18 @@ class Controller:
     def _begin_pass_if_fresh(self) -> PassStats:
         if self._fresh_pass:
             self._pass = PassStats()
+            self._dedupe = weakref.WeakValueDictionary()
+            self._refresh_model_ptrs()
             self._fresh_pass = False
         return self._pass
 
     def _pack(self, t: torch.Tensor):
         cfg = self.config
+        stats = self._begin_pass_if_fresh()
         ptr = storage_ptr(t)
         reason = keep_reason(t, ptr, cfg.min_numel, self._model_ptrs)
         if reason == KEEP_PARAMETER:
             return t
-        stats = self._begin_pass_if_fresh()
         key = self._tracker.key(t)
         ptr = ptr or 0
         nbytes, storage_bytes = t.numel() * t.element_size(), self._storage_bytes(t)
