@@ -1,0 +1,280 @@
+"""Models benchmark: activation and peak memory, throughput, maximum batch and accuracy of GNNs,
+transformers and CNNs trained at full precision, with gactx, with activation checkpointing and with
+``save_on_cpu``, each in fp32 and under bf16 autocast.
+
+    python -m benchmarks.run --help
+    python -m benchmarks.run                                   # every model; full size on a GPU, small on a CPU
+    python -m benchmarks.run --models bert-large --max-batch --memory-cap-gib 16
+    python -m benchmarks.run --quick                           # tiny sizes, a few steps: checks that it runs
+
+Writes models.csv, models.json and models.md (and batch_throughput.png with --sweep) under
+``benchmarks/results/<device>/``, naming the device, torch and triton versions and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks import workloads
+from benchmarks.kernels import device_name, device_slug
+from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
+from benchmarks.methods import METHODS, Method
+from gactx.kernels import _triton
+
+MIB = 1 << 20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=workloads.names(), default=workloads.names())
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
+    p.add_argument("--batch", type=int, help="batch size (GNNs: nodes); default: the workload's")
+    p.add_argument("--train-steps", type=int, default=30, help="steps trained before accuracy is measured")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (gactx's first adaptation is one)")
+    p.add_argument("--timed", type=int, default=5, help="timed steps; the median is kept")
+    p.add_argument("--max-batch", action="store_true", help="CUDA: search the largest batch that fits")
+    p.add_argument("--memory-cap-gib", type=float, help="CUDA: cap the memory (as on a smaller GPU)")
+    p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
+    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.train_steps, args.warmup, args.timed = "tiny", 4, 1, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if (args.max_batch or args.memory_cap_gib) and args.device != "cuda":
+        p.error("--max-batch and --memory-cap-gib measure the CUDA allocator: they need --device cuda")
+    return args
+
+
+def train_step(method: Method, optimizer, inputs, target) -> float:
+    w = method.workload
+    with method.forward():
+        loss = w.loss(w.model, inputs, target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    method.after_step(inputs, target)
+    return float(loss.detach())
+
+
+def saved_bytes(method: Method, inputs, target) -> dict:
+    """Activation bytes of one forward pass: the allocator on CUDA, the accounting on the CPU."""
+    w = method.workload
+    if method.device_type == "cuda":
+
+        def forward():
+            with method.forward():
+                return w.loss(w.model, inputs, target)
+
+        mem = cuda_step_memory(forward, lambda loss: loss.backward())
+        w.model.zero_grad(set_to_none=True)
+        row = {"activation_mib": mem.activation_bytes / MIB, "peak_mib": mem.peak_bytes / MIB}
+        row["static_mib"] = mem.static_bytes / MIB
+    elif method.controller is not None:
+        with method.forward():
+            w.loss(w.model, inputs, target).backward()
+        stats = method.controller.memory_stats()
+        row = {"activation_mib": stats.packed_bytes / MIB, "plain_activation_mib": stats.original_bytes / MIB}
+    else:
+        with method.forward():
+            count, loss = count_saved_bytes(w.model, lambda: w.loss(w.model, inputs, target))
+        loss.backward()
+        row = {"activation_mib": count / MIB}
+        if method.name == "checkpoint":
+            row["note"] = "CPU count sees only what is saved outside the checkpointed blocks"
+    w.model.zero_grad(set_to_none=True)
+    return row
+
+
+def run_one(name: str, method_name: str, precision: str, args: argparse.Namespace) -> dict:
+    w = workloads.build(name, args.size, args.device)
+    batch = args.batch or w.default_batch
+    method = Method(method_name, w, precision)
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
+    row = {"model": name, "size": args.size, "method": method.label, "batch": batch}
+    try:
+        inputs, target = w.make_batch(batch, gen)
+        losses = [train_step(method, optimizer, inputs, target) for _ in range(args.warmup)]
+        seconds = median_step_seconds(
+            lambda: losses.append(train_step(method, optimizer, inputs, target)),
+            args.timed, 0, args.device == "cuda",
+        )  # fmt: skip
+        row |= {"step_ms": seconds * 1e3, "samples_per_s": batch / seconds}
+        row |= saved_bytes(method, inputs, target)
+        for _ in range(max(0, args.train_steps - len(losses))):
+            losses.append(train_step(method, optimizer, *w.make_batch(batch, gen)))
+        held_out = w.make_batch(batch, torch.Generator().manual_seed(12345))
+        row |= {"final_loss": sum(losses[-3:]) / len(losses[-3:]), "accuracy": workloads.accuracy(w, *held_out)}
+        if args.max_batch:
+            row["max_batch"], _ = max_batch(lambda b: _fits(name, method_name, precision, b, args) is not None, batch)
+        if args.sweep:
+            row["sweep"] = _sweep(name, method_name, precision, batch, args)
+    finally:
+        method.close()
+    return row
+
+
+def _fits(name: str, method_name: str, precision: str, batch: int, args, timed: int = 0) -> float | None:
+    """Seconds per step at ``batch`` (a fresh model, one step after one warm-up), or None on OOM."""
+    try:
+        w = workloads.build(name, args.size, args.device)
+        method = Method(method_name, w, precision)
+        try:
+            optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
+            inputs, target = w.make_batch(batch, torch.Generator().manual_seed(0))
+            step = lambda: train_step(method, optimizer, inputs, target)  # noqa: E731
+            return median_step_seconds(step, max(timed, 1), 1, args.device == "cuda")
+        finally:
+            method.close()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sweep(name: str, method_name: str, precision: str, start: int, args) -> list[list]:
+    """[batch, samples/s or None for OOM] at doubling batch sizes from a quarter of ``start``."""
+    points, batch = [], max(2, start // 4)  # BatchNorm needs two samples to train
+    for _ in range(12 if args.device == "cuda" else 3):
+        seconds = _fits(name, method_name, precision, batch, args, timed=args.timed)
+        points.append([batch, None if seconds is None else batch / seconds])
+        if seconds is None:
+            break
+        batch *= 2
+    return points
+
+
+def compare(rows: list[dict]) -> None:
+    """Activation ratio and throughput relative to full precision of the same model and precision."""
+    for row in rows:
+        precision = "+bf16" if row["method"].endswith("+bf16") else ""
+        base = next((r for r in rows if r["model"] == row["model"] and r["method"] == f"fp{precision}"), None)
+        if base is None or "step_ms" not in row:
+            continue
+        if row.get("activation_mib"):
+            row["activation_ratio"] = base["activation_mib"] / row["activation_mib"]
+        row["relative_throughput"] = row["samples_per_s"] / base["samples_per_s"]
+
+
+COLUMNS = [
+    ("model", "model", "{}"), ("method", "method", "{}"), ("batch", "batch", "{}"),
+    ("activation_mib", "activations MiB", "{:.3g}"), ("activation_ratio", "vs fp", "{:.2f}x"),
+    ("peak_mib", "peak MiB", "{:.4g}"), ("step_ms", "step ms", "{:.3g}"),
+    ("relative_throughput", "throughput vs fp", "{:.2f}x"), ("max_batch", "max batch", "{}"),
+    ("final_loss", "loss", "{:.3f}"), ("accuracy", "accuracy", "{:.1%}"),
+]  # fmt: skip
+
+
+def render(rows: list[dict], env: dict) -> str:
+    used = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    lines = [
+        f"# gactx models benchmark on {env['device_name']}",
+        "",
+        f"- torch {env['torch']}, triton {env['triton']}; run {env['date']}; size {env['size']}",
+        f"- {env['memory']}",
+        f"- throughput: median of {env['timed']} steps after {env['warmup']} warm-up steps; accuracy on a "
+        f"held-out generated batch after {env['train_steps']} steps",
+        "",
+        "| " + " | ".join(c[1] for c in used) + " |",
+        "|" + "|".join("---" if c[0] in ("model", "method") else "--:" for c in used) + "|",
+    ]
+    for r in rows:
+        cells = [c[2].format(r[c[0]]) if r.get(c[0]) is not None else "" for c in used]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def plot(rows: list[dict], path: Path, env: dict) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = sorted({r["model"] for r in rows if r.get("sweep")})
+    if not models:
+        return False
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for r in (r for r in rows if r["model"] == model and r.get("sweep")):
+            ok = [(b, t) for b, t in r["sweep"] if t is not None]
+            style = "--" if r["method"].endswith("+bf16") else "-"
+            line = ax.plot(*zip(*ok, strict=True), style, marker="o", label=r["method"])[0] if ok else None
+            oom = [b for b, t in r["sweep"] if t is None]
+            if oom:
+                ax.plot(oom, [ok[-1][1] if ok else 0] * len(oom), "x", color=line.get_color() if line else "k", ms=10)
+        ax.set(xscale="log", xlabel="batch size (x: out of memory)", ylabel="samples / s", title=model)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"batch size vs throughput, {env['device_name']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * (1 << 30) / total))
+    memory = (
+        "activation and peak memory from the CUDA allocator (peak above the memory held at the step's start)"
+        if args.device == "cuda"
+        else "CPU: no allocator to ask; activation bytes are plain PyTorch's saved storages counted by a hook, "
+        "gactx's by its own accounting; peak memory, maximum batch and GPU throughput await a GPU"
+    )
+    env = {
+        "device_name": device_name(args.device), "torch": torch.__version__,
+        "triton": _triton.triton.__version__ if _triton.HAS_TRITON else "not installed",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size, "memory": memory,
+        "timed": args.timed, "warmup": args.warmup, "train_steps": args.train_steps,
+        "memory_cap_gib": args.memory_cap_gib,
+    }  # fmt: skip
+    cases = [(m, meth, p) for m in args.models for p in args.precisions for meth in args.methods]
+    cases = [c for c in cases if not (c[1] == "save_on_cpu" and args.device == "cpu")]  # nothing to offload to
+    try:
+        from tqdm import tqdm
+
+        cases = tqdm(cases, desc="benchmark", unit="run")
+    except ImportError:
+        pass
+    rows = []
+    for model, method, precision in cases:
+        try:
+            rows.append(run_one(model, method, precision, args))
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"model": model, "method": method + ("+bf16" if precision == "bf16" else ""), "note": "OOM"})
+    compare(rows)
+    out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "models.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
+    fields = [c[0] for c in COLUMNS if any(c[0] in r for r in rows)]
+    with open(out / "models.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    table = render(rows, env)
+    (out / "models.md").write_text(table)
+    if args.sweep:
+        plot(rows, out / "batch_throughput.png", env)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,30 @@
+"""benchmarks/run.py at tiny sizes: every model, every method, bf16, the sweep and its plot, so that none rots."""
+
+import json
+
+import pytest
+
+from benchmarks import workloads
+from benchmarks.methods import METHODS
+from benchmarks.run import run
+
+
+def test_every_model_trains_and_is_measured(tmp_path):
+    rows = run(["--quick", "--methods", "fp", "L1.2", "--precisions", "fp32", "--out", str(tmp_path)])
+    assert {r["model"] for r in rows} == set(workloads.names())
+    for r in rows:
+        assert r["step_ms"] > 0 and r["activation_mib"] > 0 and 0 <= r["accuracy"] <= 1, r
+    for r in (r for r in rows if r["method"] == "L1.2"):
+        assert r["activation_ratio"] > 1.5, r  # gactx holds less than plain PyTorch saves
+    saved = json.loads((tmp_path / "models.json").read_text())
+    assert saved["environment"]["size"] == "tiny" and len(saved["rows"]) == len(rows)
+    assert "CPU" in (tmp_path / "models.md").read_text()
+
+
+def test_every_method_in_both_precisions_with_a_sweep(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = run(["--quick", "--models", "gcn", "--sweep", "--out", str(tmp_path)])
+    expected = {m for m in METHODS if m != "save_on_cpu"}  # nothing to offload to on a CPU
+    assert {r["method"] for r in rows} == expected | {m + "+bf16" for m in expected}
+    assert all(len(r["sweep"]) >= 2 for r in rows)
+    assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
