@@ -55,7 +55,10 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     or compressed (float)."""
     if ptr is None or t.layout != torch.strided or t.device.type == "meta":
         return "unsupported layout"
-    if ptr in model_ptrs or is_weight_copy(t):
+    # An nn.Parameter (or a view of one, as linear saves weight.t()) is a weight even when its storage is
+    # new to us: FSDP2 swaps in all-gathered parameters during forward, and frees and re-gathers their
+    # storage around backward.
+    if ptr in model_ptrs or isinstance(storage_owner(t), torch.nn.Parameter) or is_weight_copy(t):
         return KEEP_PARAMETER
     if t.grad_fn is not None and type(t.grad_fn).__name__ in EXACT_OUTPUTS:
         return EXACT_OUTPUTS[type(t.grad_fn).__name__]
