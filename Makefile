@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 
-.PHONY: setup test demo bench-kernels lint
+.PHONY: setup test demo bench bench-kernels lint
 
 # torch is installed only when missing: a CPU-only machine takes torch 2.13.0 (its CPU build), and a
 # machine that already has torch (a CUDA build, say) keeps it.
@@ -14,6 +14,13 @@ test: setup
 
 demo: setup
 	$(PYTHON) -m benchmarks.demo
+
+# The committed CPU results (fp32: every model and method, with sweeps; bf16: three models, four methods).
+# On a GPU, `python -m benchmarks.run --max-batch --sweep` runs the full-size models in both precisions.
+bench: setup
+	$(PYTHON) -m benchmarks.run --size small --precisions fp32 --train-steps 20 --warmup 3 --timed 5 --sweep
+	$(PYTHON) -m benchmarks.run --size small --precisions bf16 --models sage bert-base resnet50 \
+		--methods fp L1.2 L2.2 checkpoint --train-steps 20 --warmup 3 --timed 5 --out benchmarks/results/cpu/bf16
 
 bench-kernels: setup
 	$(PYTHON) -m benchmarks.kernels

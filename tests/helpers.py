@@ -22,3 +22,12 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
 def group_steps(meta: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
     """Each element's quantization step, from a per-group ``(lo, step)`` table."""
     return meta[:, 1].repeat_interleave(group_size)[:numel]
+
+
+def live(kind: type) -> list:
+    """Objects of ``kind`` the garbage collector tracks. ``type(o)`` is used, not ``isinstance``: a dead
+    ``weakref.proxy`` left by another test raises ``ReferenceError`` when ``isinstance`` asks its class."""
+    import gc
+
+    gc.collect()
+    return [o for o in gc.get_objects() if issubclass(type(o), kind)]

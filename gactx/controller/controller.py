@@ -46,6 +46,14 @@ class Packed:
         return dequantize(self.qt, backend=self.backend)
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    """A tensor kept as it is, without its autograd history. Returning a node's own output from the pack hook
+    would make the node hold its output and the output hold the node: a cycle through C++ that Python's
+    garbage collector cannot see, so a graph never run backward (an evaluation with grad enabled, a step
+    abandoned after an exception) would never be freed. Autograd re-attaches the history on unpack."""
+    return t.detach() if t.grad_fn is not None else t
+
+
 def _mix(*values: int) -> int:
     """A stable 62-bit hash of integers (splitmix64 steps): the noise seed of one tensor in one step."""
     h = 0x9E3779B97F4A7C15
@@ -279,18 +287,18 @@ class Controller:
         ptr = storage_ptr(t)
         reason = keep_reason(t, ptr, cfg.min_numel, self._model_ptrs)
         if reason == KEEP_PARAMETER:
-            return t
+            return _as_is(t)
         key = self._tracker.key(t)
         ptr = ptr or 0
         nbytes, storage_bytes = t.numel() * t.element_size(), self._storage_bytes(t)
         if cfg.dedupe and stats.holds(ptr):
             stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
-            return t
+            return _as_is(t)
         bits = self.bits_for(key) if reason is None else None
         if bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32 and t.dtype != torch.bool):
             why = reason or ("L0" if bits is None else f"{bits} (as is)")
             stats.add(KeyRecord(key, t.dtype, why, nbytes, nbytes, storage_bytes), t, ptr, False)
-            return t
+            return _as_is(t)
         dedupe_key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         if cfg.dedupe:
             hit = self._dedupe.get(dedupe_key)

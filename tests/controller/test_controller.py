@@ -218,9 +218,11 @@ def test_handles_are_released_with_the_graph():
     import gc
     import weakref
 
+    from tests.helpers import live
+
     model = _linear_model()
     controller, loss = _saved(model, lambda: model(torch.randn(32, 64)).sum(), level="L1")
-    handles = [o for o in gc.get_objects() if isinstance(o, Packed)]
+    handles = live(Packed)
     assert len(handles) == 2
     refs = [weakref.ref(h) for h in handles]
     del handles
@@ -228,3 +230,23 @@ def test_handles_are_released_with_the_graph():
     del loss
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("level", ["L0", "L1.2"])
+def test_a_forward_never_run_backward_is_freed(level):
+    """Kept outputs (log_softmax's, ReLU's at L0) must not tie their node to themselves: a graph dropped
+    without backward (evaluation with grad enabled, a step abandoned after an error) is freed at once."""
+    import weakref
+
+    from tests.helpers import live
+
+    model = _linear_model()
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    with gactx.Controller(model, level=level) as controller:
+        logp = F.log_softmax(model(x), dim=1)
+        loss = F.nll_loss(logp, y)
+    assert controller.memory_stats().tensors >= 3
+    ref = weakref.ref(logp)
+    del logp, loss
+    assert ref() is None  # freed by reference counting alone
+    assert live(Packed) == []

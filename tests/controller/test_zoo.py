@@ -1,7 +1,5 @@
 """The controller on real architectures: exact at L0, close at 8 bits, honest accounting, no leaks."""
 
-import gc
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +8,7 @@ import gactx
 from gactx.controller import Packed
 from gactx.kernels import QuantizedTensor, expected_nbytes
 from tests.controller.zoo import ZOO, build
+from tests.helpers import live
 
 NAMES = list(ZOO)
 
@@ -83,8 +82,7 @@ def test_memory_stats_match_an_independent_count(name):
 
 
 def _live(kind) -> int:
-    gc.collect()
-    return sum(isinstance(o, kind) for o in gc.get_objects())
+    return len(live(kind))
 
 
 @pytest.mark.parametrize("name", NAMES)
