@@ -19,7 +19,7 @@ import gactx
 
 __all__ = ["METHODS", "GACTX_LEVELS", "Method"]
 
-GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2")
+GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2", "L3")
 METHODS = ("fp", *GACTX_LEVELS, "checkpoint", "save_on_cpu")
 PROBE_SAMPLES = 8  # the estimator's closure runs on this many samples of the batch
 

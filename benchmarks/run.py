@@ -246,7 +246,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         "memory_cap_gib": args.memory_cap_gib,
     }  # fmt: skip
     cases = [(m, meth, p) for m in args.models for p in args.precisions for meth in args.methods]
-    cases = [c for c in cases if not (c[1] == "save_on_cpu" and args.device == "cpu")]  # nothing to offload to
+    offloading = ("save_on_cpu", "L3")  # on a CPU there is nothing to offload to
+    cases = [c for c in cases if not (c[1] in offloading and args.device == "cpu")]
     try:
         from tqdm import tqdm
 

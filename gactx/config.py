@@ -9,7 +9,6 @@ from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES
 __all__ = [
     "Config",
     "LEVELS",
-    "PLANNED_LEVELS",
     "get_optimization_level",
     "make_config",
     "parse_bytes",
@@ -26,9 +25,8 @@ LEVELS: dict[str, dict] = {
     "L2": {"bits": 4, "adaptive": True},
     "L2.1": {"bits": 3, "adaptive": True},
     "L2.2": {"bits": 2, "adaptive": True},
+    "L3": {"bits": 4, "adaptive": True, "offload": True},
 }
-# Known to users of GACT, not available yet: asking for them is an error that says so.
-PLANNED_LEVELS = {"L3": "adaptive bits with CPU offload"}
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 << 10, "MIB": 1 << 20}
 _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
@@ -59,6 +57,10 @@ class Config:
         dedupe: store a tensor saved several times in one forward (Q, K, V inputs) once.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``, see :func:`gactx.quantize`.
         seed: base seed of the rounding noise; each tensor's noise depends on it, the step and the key.
+        offload: keep compressed CUDA tensors in pinned CPU memory between forward and backward, copied on a
+            side stream and prefetched in backward (level L3; any level with compression may set it).
+            Tensors on other devices stay where they are (with a warning).
+        prefetch: offload only: how many tensors ahead backward brings back to the device.
     """
 
     level: str = "L1"
@@ -74,11 +76,13 @@ class Config:
     dedupe: bool = True
     backend: str = "auto"
     seed: int = 0
+    offload: bool = False
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is not available; available levels are {tuple(LEVELS)}")
-        for name in ("adaptive", "strict", "stochastic", "dedupe"):
+        for name in ("adaptive", "strict", "stochastic", "dedupe", "offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.adaptive:
@@ -90,7 +94,7 @@ class Config:
             if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in ALLOWED_BITS):
                 raise ValueError(f"bits={self.bits!r} is not allowed; allowed values are None or {ALLOWED_BITS}")
             if self.budget is not None:
-                raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2)")
+                raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2, L3)")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
         if self.probe_bits not in (1, 2, 4, 8) or isinstance(self.probe_bits, bool):
@@ -103,6 +107,8 @@ class Config:
             raise ValueError(f"backend={self.backend!r} is not allowed; allowed values are {BACKENDS}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch!r} must be a non-negative int")
 
 
 def parse_bytes(budget: int | str) -> int:
@@ -127,11 +133,6 @@ def parse_bytes(budget: int | str) -> int:
 
 
 def _check_level(level: str) -> str:
-    if level in PLANNED_LEVELS:
-        raise ValueError(
-            f"level {level!r} ({PLANNED_LEVELS[level]}) is not available in this version; "
-            f"available levels are {tuple(LEVELS)}"
-        )
     if level not in LEVELS:
         raise ValueError(f"unknown level {level!r}; available levels are {tuple(LEVELS)}")
     return level

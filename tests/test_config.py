@@ -8,7 +8,7 @@ from gactx.config import LEVELS, make_config, parse_bytes
 
 def test_levels_table():
     bits = {k: v["bits"] for k, v in LEVELS.items()}
-    assert bits == {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2, "L2": 4, "L2.1": 3, "L2.2": 2}
+    assert bits == {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2, "L2": 4, "L2.1": 3, "L2.2": 2, "L3": 4}
     assert make_config("L1.2").bits == 2 and make_config("L0").bits is None
     assert [make_config(level).adaptive for level in ("L1", "L2", "L2.1", "L2.2")] == [False, True, True, True]
 
@@ -28,12 +28,11 @@ def test_global_level_is_used_when_none_is_given():
         gactx.set_optimization_level("L1")
 
 
-@pytest.mark.parametrize("level", ["L3"])
-def test_later_levels_are_a_clear_error(level):
-    with pytest.raises(ValueError, match=f"level '{level}' .* is not available in this version"):
-        make_config(level)
-    with pytest.raises(ValueError, match="not available"):
-        gactx.set_optimization_level(level)
+def test_l3_is_l2_with_offload():
+    l2, l3 = make_config("L2"), make_config("L3")
+    assert (l3.bits, l3.adaptive, l3.offload, l3.prefetch) == (l2.bits, True, True, 2)
+    assert not l2.offload
+    assert make_config("L1.2", offload=True).offload
 
 
 @pytest.mark.parametrize(
@@ -46,6 +45,8 @@ def test_later_levels_are_a_clear_error(level):
         ({"backend": "cuda"}, "backend='cuda' is not allowed"),
         ({"seed": -3}, "seed=-3"),
         ({"budget": "1GiB"}, "budget='1GiB' needs an adaptive level"),
+        ({"offload": "yes"}, "offload='yes' must be True or False"),
+        ({"prefetch": -1}, "prefetch=-1 must be a non-negative int"),
     ],
 )
 def test_bad_option_values_name_the_field(options, match):

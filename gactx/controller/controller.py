@@ -20,6 +20,7 @@ from torch import nn
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
 from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.offload import HostCopy, Offloader
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_owner, storage_ptr
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats
@@ -32,18 +33,22 @@ _MASK62 = (1 << 62) - 1
 
 
 class Packed:
-    """What autograd holds instead of a saved activation: the compressed tensor and its key."""
+    """What autograd holds instead of a saved activation: the compressed tensor (on its device, or its
+    :class:`HostCopy` in pinned CPU memory) and its key."""
 
     __slots__ = ("qt", "key", "source", "backend", "__weakref__")
 
-    def __init__(self, qt: QuantizedTensor, key: Key, source: torch.Tensor, backend: str) -> None:
+    def __init__(self, qt: QuantizedTensor | HostCopy, key: Key, source: torch.Tensor, backend: str) -> None:
         self.qt = qt
         self.key = key
         self.source = weakref.ref(storage_owner(source))  # dedupe is valid only while the storage lives
         self.backend = backend
 
     def unpack(self) -> torch.Tensor:
-        return dequantize(self.qt, backend=self.backend)
+        qt = self.qt
+        if isinstance(qt, HostCopy):
+            qt = qt.offloader.fetch(qt)
+        return dequantize(qt, backend=self.backend)
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,8 @@ class Controller:
     Args:
         model: the ``nn.Module`` being trained; its modules name the saved tensors.
         level: ``"L0"`` (account, compress nothing), ``"L1"`` (4 bits), ``"L1.1"`` (8), ``"L1.2"`` (2),
-            ``"L2"`` / ``"L2.1"`` / ``"L2.2"`` (adaptive, average 4 / 3 / 2 bits); ``None`` takes the level
+            ``"L2"`` / ``"L2.1"`` / ``"L2.2"`` (adaptive, average 4 / 3 / 2 bits), ``"L3"`` (L2, with compressed
+            CUDA tensors offloaded to pinned CPU memory and prefetched in backward); ``None`` takes the level
             set by :func:`gactx.set_optimization_level` (default ``"L1"``).
         **options: fields of :class:`gactx.Config` (``bits``, ``budget``, ``adapt_interval``, ``group_size``,
             ``min_numel``, ``stochastic``, ``dedupe``, ``backend``, ``seed``, ...); they win over the level.
@@ -99,6 +105,10 @@ class Controller:
         self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
         self._warned_no_closure = False
+        self._offloader = Offloader(self.config.prefetch) if self.config.offload else None
+        self._warned_offload = False
+        if self._offloader is not None and not torch.cuda.is_available():
+            self._warn_offload("no CUDA device is available")
 
     # -- installation -------------------------------------------------------------------------------------
 
@@ -165,7 +175,9 @@ class Controller:
         """
         cfg = self.config
         if not cfg.adaptive:
-            raise RuntimeError(f"level {cfg.level} has fixed bits; adapt() needs an adaptive level (L2, L2.1, L2.2)")
+            raise RuntimeError(
+                f"level {cfg.level} has fixed bits; adapt() needs an adaptive level (L2, L2.1, L2.2, L3)"
+            )
         if not self._pass.records:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
         training_pass, was_installed = self._pass, self.installed
@@ -269,6 +281,16 @@ class Controller:
         # again in the first pack of the pass (an eager hook), not here.
         self._fresh_pass = True
 
+    def _warn_offload(self, why: str) -> None:
+        if not self._warned_offload:
+            warnings.warn(
+                f"gactx offload (level L3, offload=True) moves compressed CUDA tensors only ({why}): "
+                f"the others are compressed and stay on their device",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned_offload = True
+
     def _refresh_model_ptrs(self) -> None:
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self._model_ptrs = frozenset(p for p in map(storage_ptr, tensors) if p is not None)
@@ -279,6 +301,8 @@ class Controller:
             self._dedupe = weakref.WeakValueDictionary()
             self._refresh_model_ptrs()
             self._fresh_pass = False
+            if self._offloader is not None:
+                self._offloader.begin_pass()
         return self._pass
 
     def _pack(self, t: torch.Tensor):
@@ -311,10 +335,17 @@ class Controller:
         else:
             seed = _mix(cfg.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
         qt = quantize(t, bits, cfg.group_size, stochastic=cfg.stochastic, seed=seed, backend=cfg.backend)
+        record = KeyRecord(key, t.dtype, qt.bits, nbytes, qt.nbytes, storage_bytes)
+        offloaded = False
+        if self._offloader is not None:
+            if self._offloader.accepts(qt.data):
+                qt, offloaded = self._offloader.offload(qt), True
+            else:
+                self._warn_offload(f"a tensor on {t.device.type}")
         handle = Packed(qt, key, t, cfg.backend)
         if cfg.dedupe:
             self._dedupe[dedupe_key] = handle
-        stats.add(KeyRecord(key, t.dtype, qt.bits, nbytes, qt.nbytes, storage_bytes), t, ptr, True)
+        stats.add(record, t, ptr, True, offloaded)
         return handle
 
     @staticmethod

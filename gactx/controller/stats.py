@@ -30,6 +30,8 @@ class MemoryStats:
         compressed: how many of them were compressed (bool masks included).
         kept: how many were kept as they were (small, integer, float64, ...).
         deduplicated: saves answered with a handle already made in this pass.
+        offloaded_bytes: the part of ``packed_bytes`` waiting in pinned CPU memory (level L3 or
+            ``offload=True``, CUDA tensors); the device holds ``device_bytes``.
     """
 
     original_bytes: int = 0
@@ -39,11 +41,17 @@ class MemoryStats:
     compressed: int = 0
     kept: int = 0
     deduplicated: int = 0
+    offloaded_bytes: int = 0
 
     @property
     def ratio(self) -> float:
         """``original_bytes / packed_bytes`` (1.0 when nothing was saved)."""
         return self.original_bytes / self.packed_bytes if self.packed_bytes else 1.0
+
+    @property
+    def device_bytes(self) -> int:
+        """What gactx holds on the tensors' device: ``packed_bytes - offloaded_bytes``."""
+        return self.packed_bytes - self.offloaded_bytes
 
 
 @dataclass
@@ -71,8 +79,9 @@ class PassStats:
     deduplicated: int = 0
     records: list[KeyRecord] = field(default_factory=list)
     held: dict[int, weakref.ref] = field(default_factory=dict)  # storages kept as is: address -> owner
+    offloaded_bytes: int = 0
 
-    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool) -> None:
+    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False) -> None:
         self.records.append(record)
         seen = self.live.get(ptr)
         if seen is None or seen() is None:
@@ -81,6 +90,8 @@ class PassStats:
         if compressed:
             self.compressed += 1
             self.packed_bytes += record.packed_bytes
+            if offloaded:
+                self.offloaded_bytes += record.packed_bytes
         else:
             self.kept += 1
             self.kept_storages.setdefault(ptr, (record.storage_bytes, str(record.bits)))
@@ -108,6 +119,7 @@ class PassStats:
             compressed=self.compressed,
             kept=self.kept,
             deduplicated=self.deduplicated,
+            offloaded_bytes=self.offloaded_bytes,
         )
 
     def table(self, sensitivity: dict | None = None) -> str:
@@ -133,6 +145,8 @@ class PassStats:
         lines.insert(1, "-" * len(lines[0]))
         lines.insert(len(lines) - 1, "-" * len(lines[0]))
         lines.append(f"ratio {s.ratio:.2f}x; {s.deduplicated} saves deduplicated")
+        if s.offloaded_bytes:
+            lines.append(f"in pinned CPU memory: {format_bytes(s.offloaded_bytes)} of {format_bytes(s.packed_bytes)}")
         kept = ", ".join(f"{why} {format_bytes(n)}" for why, n in self.kept_by_reason().items())
         if kept:
             lines.append(f"kept as is (each storage once): {kept}")
