@@ -29,6 +29,19 @@ except ImportError:  # pragma: no cover - transformers is optional
     TrainerCallback = object
 
 
+def _controller(callback, model) -> Controller:
+    """A controller for ``model`` at ``callback``'s level and options (not yet installed)."""
+    controller = Controller(model, level=callback.level, **callback.options)
+    if controller.config.adaptive and callback.probe_batch is None:
+        raise ValueError(f"level {controller.config.level} adapts bits: give {type(callback).__name__} a probe_batch")
+    return controller
+
+
+def _stop(controller: Controller | None) -> None:
+    if controller is not None and controller.installed:
+        controller.uninstall_hook()
+
+
 class GactxCallback(TrainerCallback):
     """Compress the activations of a Hugging Face ``Trainer``'s model.
 
@@ -45,10 +58,7 @@ class GactxCallback(TrainerCallback):
         self.controller: Controller | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.controller = Controller(model, level=self.level, **self.options)
-        if self.controller.config.adaptive and self.probe_batch is None:
-            raise ValueError(f"level {self.controller.config.level} adapts bits: give GactxCallback a probe_batch")
-        self.controller.install_hook()
+        self.controller = _controller(self, model).install_hook()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.controller is None:
@@ -61,8 +71,7 @@ class GactxCallback(TrainerCallback):
         self.controller.iterate(backprop)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.controller is not None and self.controller.installed:
-            self.controller.uninstall_hook()
+        _stop(self.controller)
 
 
 def _lightning_callback_class() -> type:
@@ -91,11 +100,7 @@ def _lightning_callback_class() -> type:
             self._resume: dict | None = None
 
         def on_train_start(self, trainer, pl_module) -> None:
-            self.controller = Controller(pl_module, level=self.level, **self.options)
-            if self.controller.config.adaptive and self.probe_batch is None:
-                raise ValueError(
-                    f"level {self.controller.config.level} adapts bits: give GactxLightningCallback a probe_batch"
-                )
+            self.controller = _controller(self, pl_module)
             if self._resume is not None:  # fit(ckpt_path=...) restored callbacks before training starts
                 self.controller.load_state_dict(self._resume)
             self.controller.install_hook()
@@ -114,8 +119,7 @@ def _lightning_callback_class() -> type:
             self.controller.iterate(backprop)
 
         def on_train_end(self, trainer, pl_module) -> None:
-            if self.controller is not None and self.controller.installed:
-                self.controller.uninstall_hook()
+            _stop(self.controller)
 
         def state_dict(self) -> dict:
             """The controller's state (step, sensitivities, bits), saved in Lightning's checkpoints."""

@@ -1,4 +1,4 @@
-"""Assertions shared by the kernel tests."""
+"""Helpers shared by the tests: bit-level assertions, live-object counts, two-rank runs."""
 
 import torch
 
@@ -31,3 +31,27 @@ def live(kind: type) -> list:
 
     gc.collect()
     return [o for o in gc.get_objects() if issubclass(type(o), kind)]
+
+
+def on_two_ranks(worker, folder) -> list[dict]:
+    """Run ``worker(rank)`` in two gloo processes on the CPU; return what each rank's call returned (JSON)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(2, str(folder), worker), nprocs=2, join=True)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _rank_main(rank: int, world: int, folder: str, worker) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        result = worker(rank)
+        with open(f"{folder}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()

@@ -91,10 +91,6 @@ class HostCopy:
     on_device: QuantizedTensor | None = None  # brought back: kept until the handle is freed
     event: object = None  # marks the end of the copy back, until the current stream has waited for it
 
-    @property
-    def nbytes(self) -> int:
-        return self.qt.nbytes
-
 
 class Offloader:
     """Moves quantized payloads to pinned host memory in forward and prefetches them in backward.

@@ -1,12 +1,11 @@
 """DistributedDataParallel with two gloo processes on the CPU: gactx at L0 changes nothing, and at an
 adaptive level every rank compresses with the same bits."""
 
-import json
-
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from tests.helpers import on_two_ranks
 
 STEPS = 3
 
@@ -37,37 +36,34 @@ def _train(model, x, y, controller=None, probe=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, folder: str) -> None:
-    import torch.distributed as dist
+def _rank_data(rank: int):
+    """Each of two ranks trains its half of every batch."""
+    x, y = _data()
+    half = slice(rank * 32, rank * 32 + 32)
+    return x[:, half], y[:, half]
+
+
+def _worker(rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gactx
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    try:
-        x, y = _data()
-        half = slice(rank * 32, rank * 32 + 32)  # each rank trains its half of every batch
-        x, y = x[:, half], y[:, half]
-        plain = _train(DDP(_model()), x, y)
-        with_l0 = _train(DDP(ddp_l0 := _model()), x, y, gactx.Controller(ddp_l0, level="L0"))
-        model = DDP(_model())
-        controller = gactx.Controller(model, level="L2.2")
-        _train(model, x, y, controller, lambda: F.cross_entropy(model(x[0, :8]), y[0, :8]).backward())
-        result = {
-            "plain": [p.tolist() for p in plain],
-            "l0_equal": all(torch.equal(a, b) for a, b in zip(plain, with_l0, strict=True)),
-            "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
-            "compressed": controller.memory_stats().compressed,
-        }
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    x, y = _rank_data(rank)
+    plain = _train(DDP(_model()), x, y)
+    with_l0 = _train(DDP(ddp_l0 := _model()), x, y, gactx.Controller(ddp_l0, level="L0"))
+    model = DDP(_model())
+    controller = gactx.Controller(model, level="L2.2")
+    _train(model, x, y, controller, lambda: F.cross_entropy(model(x[0, :8]), y[0, :8]).backward())
+    return {
+        "plain": [p.tolist() for p in plain],
+        "l0_equal": all(torch.equal(a, b) for a, b in zip(plain, with_l0, strict=True)),
+        "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
+        "compressed": controller.memory_stats().compressed,
+    }
 
 
 def test_ddp_two_gloo_processes(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = on_two_ranks(_worker, tmp_path)
     assert r0["l0_equal"] and r1["l0_equal"], "gactx at L0 changed DDP training"
     single = _train(_model(), *_data())  # one process, whole batches: the same training up to summation order
     for p, q in zip(single, r0["plain"], strict=True):

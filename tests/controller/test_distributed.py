@@ -1,51 +1,42 @@
 """Under torch.distributed every rank must allocate the same bits: two gloo processes on the CPU."""
 
-import json
-
 import torch
-import torch.multiprocessing as mp
+
+from tests.helpers import on_two_ranks
 
 
-def _worker(rank: int, world: int, folder: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int) -> dict:
     import torch.nn.functional as F
 
     import gactx
     import gactx.controller.controller as controller_module
     from benchmarks.digits import digits_cnn
 
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = digits_cnn()  # the same initialisation everywhere
-        gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
-        x, y = torch.randn(64, 1, 8, 8, generator=gen), torch.randint(0, 10, (64,), generator=gen)
-        raw = {}
-        reduce = controller_module.reduce_across_ranks
+    torch.manual_seed(0)
+    model = digits_cnn()  # the same initialisation everywhere
+    gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    x, y = torch.randn(64, 1, 8, 8, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    raw = {}
+    reduce = controller_module.reduce_across_ranks
 
-        def spy(sensitivity):
-            raw.update(sensitivity)
-            return reduce(sensitivity)
+    def spy(sensitivity):
+        raw.update(sensitivity)
+        return reduce(sensitivity)
 
-        controller_module.reduce_across_ranks = spy
-        controller = gactx.Controller(model, level="L2.2")
-        with controller:
-            F.cross_entropy(model(x), y).backward()
-            controller.iterate(lambda: F.cross_entropy(model(x[:16]), y[:16]).backward())
-        result = {
-            "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
-            "reduced": sorted((repr(k), v) for k, v in controller.sensitivity.items()),
-            "raw": sorted((repr(k), v) for k, v in raw.items()),
-        }
-        with open(f"{folder}/rank{rank}.json", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    controller_module.reduce_across_ranks = spy
+    controller = gactx.Controller(model, level="L2.2")
+    with controller:
+        F.cross_entropy(model(x), y).backward()
+        controller.iterate(lambda: F.cross_entropy(model(x[:16]), y[:16]).backward())
+    return {
+        "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
+        "reduced": sorted((repr(k), v) for k, v in controller.sensitivity.items()),
+        "raw": sorted((repr(k), v) for k, v in raw.items()),
+    }
 
 
 def test_two_gloo_processes_choose_identical_bits(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = on_two_ranks(_worker, tmp_path)
     assert r0["raw"] != r1["raw"], "the ranks saw different data and should measure different sensitivities"
     assert r0["reduced"] == r1["reduced"]
     assert r0["bits"] == r1["bits"] and len(r0["bits"]) >= 4
