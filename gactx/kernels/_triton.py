@@ -11,7 +11,7 @@ import os
 
 import torch
 
-__all__ = ["HAS_TRITON", "INTERPRET", "triton", "tl", "require_triton", "triton_runs_on"]
+__all__ = ["HAS_TRITON", "INTERPRET", "triton", "tl", "constexpr", "jit", "require_triton", "triton_runs_on"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -46,6 +46,15 @@ def require_triton(x: torch.Tensor) -> None:
         )
 
 
-def jit(fn):
-    """``triton.jit`` when Triton is installed; otherwise the plain function, never launched."""
-    return triton.jit(fn) if HAS_TRITON else fn
+def jit(fn=None, **options):
+    """``triton.jit`` (with its options: ``do_not_specialize``, ...) when Triton is installed; otherwise the
+    plain function, never launched."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if HAS_TRITON else fn
+
+
+def constexpr(value):
+    """A module-level constant that kernels may read: the compiler reads only ``tl.constexpr`` globals (the
+    interpreter reads any, so only compiling for a GPU catches a plain one). Without Triton, the value itself."""
+    return tl.constexpr(value) if HAS_TRITON else value

@@ -11,40 +11,75 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._triton import jit, tl, triton
+from gactx.kernels._triton import jit, tl
 
-__all__ = ["triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
+__all__ = ["bitmask_launch", "triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
 
-# Bytes a program writes: 2048 bytes cover 16384 mask elements, about 4 KiB of traffic at 4 warps.
+# Bytes of packed output a program: 2048 cover 16384 mask elements, 128 a thread at 4 warps: 16-byte loads
+# of the mask and 16-byte stores of the packed bits.
 BYTES_PER_PROGRAM = 2048
-INTERPRET_BYTES_PER_PROGRAM = 1 << 15
+NUM_WARPS = 4
+INTERPRET_BYTES_PER_PROGRAM = 1 << 15  # the interpreter runs programs one after another: fewer, larger
 
 
-def _grid(n_bytes: int, interpret: bool) -> tuple[int, tuple[int]]:
-    block = min(INTERPRET_BYTES_PER_PROGRAM if interpret else BYTES_PER_PROGRAM, triton.next_power_of_2(n_bytes))
-    return block, (triton.cdiv(n_bytes, block),)
-
-
-@jit
-def _pack_bool_kernel(mask_ptr, out_ptr, n, n_bytes, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK * 8 + tl.arange(0, BLOCK * 8).to(tl.int64)
-    m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-    m = tl.reshape(m, (BLOCK, 8))
-    packed = tl.sum(m << tl.arange(0, 8)[None, :], axis=1)
-    boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    tl.store(out_ptr + boffs, packed.to(tl.uint8), mask=boffs < n_bytes)
+def bitmask_launch(n: int, interpret: bool = False) -> tuple[int, dict]:
+    """``(programs, meta-parameters)`` of the pack and unpack kernels for ``n`` mask elements (see ``aot.py``)."""
+    block = INTERPRET_BYTES_PER_PROGRAM if interpret else BYTES_PER_PROGRAM
+    return -(-n // (block * 8)), dict(BLOCK=block, TAIL=n % (block * 8) != 0, num_warps=NUM_WARPS)
 
 
 @jit
-def _unpack_bool_kernel(packed_ptr, out_ptr, n, n_bytes, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    packed = tl.load(packed_ptr + boffs, mask=boffs < n_bytes, other=0).to(tl.int32)
-    m = (packed[:, None] >> tl.arange(0, 8)[None, :]) & 1
-    m = tl.reshape(m, (BLOCK * 8,))
+def _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     offs = pid * BLOCK * 8 + tl.arange(0, BLOCK * 8).to(tl.int64)
-    tl.store(out_ptr + offs, m.to(tl.uint8), mask=offs < n)
+    if MASKED:
+        m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+    else:
+        m = tl.load(mask_ptr + offs).to(tl.int32)
+    packed = tl.sum(tl.reshape(m, (BLOCK, 8)) << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
+    boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    if MASKED:
+        tl.store(out_ptr + boffs, packed, mask=boffs < (n + 7) // 8)
+    else:
+        tl.store(out_ptr + boffs, packed)
+
+
+@jit(do_not_specialize=["n"])
+def _pack_bool_kernel(mask_ptr, out_ptr, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if TAIL:  # the last program holds the end of the mask: masked loads and stores there only
+        if pid == tl.num_programs(0) - 1:
+            _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, True)
+        else:
+            _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, False)
+    else:
+        _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, False)
+
+
+@jit
+def _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    if MASKED:
+        packed = tl.load(packed_ptr + boffs, mask=boffs < (n + 7) // 8, other=0).to(tl.int32)
+    else:
+        packed = tl.load(packed_ptr + boffs).to(tl.int32)
+    m = tl.reshape((packed[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK * 8,)).to(tl.uint8)
+    offs = pid * BLOCK * 8 + tl.arange(0, BLOCK * 8).to(tl.int64)
+    if MASKED:
+        tl.store(out_ptr + offs, m, mask=offs < n)
+    else:
+        tl.store(out_ptr + offs, m)
+
+
+@jit(do_not_specialize=["n"])
+def _unpack_bool_kernel(packed_ptr, out_ptr, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if TAIL:  # the last program holds the end of the mask: masked loads and stores there only
+        if pid == tl.num_programs(0) - 1:
+            _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, True)
+        else:
+            _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, False)
+    else:
+        _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, False)
 
 
 def triton_pack_bool(flat: torch.Tensor, interpret: bool = False) -> torch.Tensor:
@@ -52,8 +87,8 @@ def triton_pack_bool(flat: torch.Tensor, interpret: bool = False) -> torch.Tenso
     n = flat.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
     if n:
-        block, grid = _grid(out.numel(), interpret)
-        _pack_bool_kernel[grid](flat.view(torch.uint8), out, n, out.numel(), BLOCK=block)
+        programs, launch = bitmask_launch(n, interpret)
+        _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, **launch)
     return out
 
 
@@ -61,8 +96,8 @@ def triton_unpack_bool(packed: torch.Tensor, n: int, interpret: bool = False) ->
     """Unpack ``n`` bools from ``packed`` into a new contiguous 1-D bool tensor."""
     out = torch.empty(n, dtype=torch.bool, device=packed.device)
     if n:
-        block, grid = _grid(packed.numel(), interpret)
-        _unpack_bool_kernel[grid](packed, out.view(torch.uint8), n, packed.numel(), BLOCK=block)
+        programs, launch = bitmask_launch(n, interpret)
+        _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, **launch)
     return out
 
 

@@ -2,61 +2,97 @@
 
 A code ``q`` of a group with finite ``lo`` decodes to ``q * step + lo``. A group with non-finite ``lo``
 (it held NaN or +-Inf, see ``format.py``) decodes its top code to ``lo`` and the others to
-``(q - (2**bits - 2) // 2) * step``. Decoded finite values are clamped to +-FLT_MAX (the step's margin
-could carry a group that reaches FLT_MAX past it). The result is cast to the output dtype (round to
-nearest even).
+``(q - (2**bits - 2) // 2) * step``. Decoded finite values are clamped to +-FLT_MAX (the
+step's margin could carry a group that reaches FLT_MAX past it). The result is cast to the output dtype
+(round to nearest even). Both implementations round the product and the sum separately (the
+kernel is compiled with ``enable_fp_fusion=False``), so they decode to identical bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gactx.kernels._triton import jit, tl, triton
-from gactx.kernels.half import bf16_bits_rne
-from gactx.kernels.quantize import FLT_MAX, launch_config
+from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels.half import bf16_bits
+from gactx.kernels.quantize import ELEMENTS_PER_PROGRAM, FLT_MAX, INTERPRET_ELEMENTS_PER_PROGRAM, NUM_WARPS
 
-__all__ = ["triton_dequantize", "torch_dequantize"]
+__all__ = ["triton_dequantize", "torch_dequantize", "dequantize_launch"]
+
+_FLT_MAX = constexpr(FLT_MAX)
 
 
 @jit
-def _dequantize_kernel(
-    codes_ptr,
-    meta_ptr,
-    out_ptr,
-    n,
-    n_bytes,
-    n_groups,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-):
+def _dequantize_rows(
+    codes_ptr, meta_ptr, out_ptr, pid, n,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    PER_BYTE: tl.constexpr = 8 // BITS
-    GROUP_BYTES: tl.constexpr = GROUP // PER_BYTE
-    pid = tl.program_id(0).to(tl.int64)
+    CENTRE: tl.constexpr = (LEVELS - 1) // 2
+    PLANES: tl.constexpr = 8 // BITS  # codes a byte
+    WIDTH: tl.constexpr = GROUP // PLANES  # elements a plane, bytes a group
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    boffs = rows[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES).to(tl.int64)[None, :]
-    packed = tl.load(codes_ptr + boffs, mask=boffs < n_bytes, other=0).to(tl.int32)
-    shifts = tl.arange(0, PER_BYTE) * BITS
-    q = (packed[:, :, None] >> shifts[None, None, :]) & LEVELS
-    q = tl.reshape(q, (ROWS, GROUP)).to(tl.float32)
-
-    in_range = rows < n_groups
-    lo = tl.load(meta_ptr + rows * 2, mask=in_range, other=0.0)[:, None]
-    step = tl.load(meta_ptr + rows * 2 + 1, mask=in_range, other=0.0)[:, None]
-    special = (tl.abs(lo) >= float("inf")) | (lo != lo)  # NaN compares false
-    centre: tl.constexpr = (LEVELS - 1) // 2
-    # The step margin may carry a group whose max is near FLT_MAX past it: clamp, never make inf.
-    value = tl.where(special, (q - centre) * step, q * step + lo)
-    value = tl.minimum(tl.maximum(value, -FLT_MAX), FLT_MAX)
-    value = tl.where(special & (q == LEVELS), lo, value)
-
-    offs = rows[:, None] * GROUP + tl.arange(0, GROUP).to(tl.int64)[None, :]
-    if OUT_BF16:  # out_ptr is the int16 view of a bfloat16 tensor
-        tl.store(out_ptr + offs, bf16_bits_rne(value), mask=offs < n)
+    boffs = rows[:, None] * WIDTH + tl.arange(0, WIDTH).to(tl.int64)[None, :]
+    if MASKED:
+        in_range = rows < (n + GROUP - 1) // GROUP
+        packed = tl.load(codes_ptr + boffs, mask=in_range[:, None], other=0).to(tl.int32)
+        lo = tl.load(meta_ptr + rows * 2, mask=in_range, other=0.0)
+        step = tl.load(meta_ptr + rows * 2 + 1, mask=in_range, other=0.0)
     else:
-        tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=offs < n)
+        packed = tl.load(codes_ptr + boffs).to(tl.int32)
+        lo = tl.load(meta_ptr + rows * 2)
+        step = tl.load(meta_ptr + rows * 2 + 1)
+
+    special = (tl.abs(lo) >= float("inf")) | (lo != lo)  # NaN compares false
+    base = tl.where(special, 0.0, lo)
+    top = tl.where(special, lo, tl.minimum(tl.maximum(LEVELS * step + base, -_FLT_MAX), _FLT_MAX))[:, None]
+    centre = tl.where(special, CENTRE, 0)[:, None]
+    base = base[:, None]
+    step = step[:, None]
+    offs = rows[:, None] * GROUP + tl.arange(0, WIDTH).to(tl.int64)[None, :]
+    for p in tl.static_range(PLANES):  # plane p: elements p * WIDTH .. (p + 1) * WIDTH - 1 (format.py)
+        q = (packed >> (p * BITS)) & LEVELS
+        value = (q - centre).to(tl.float32) * step + base
+        value = tl.minimum(tl.maximum(value, -_FLT_MAX), _FLT_MAX)
+        value = tl.where(q == LEVELS, top, value)
+        if OUT_BF16:  # out_ptr is the int16 view of a bfloat16 tensor
+            value = bf16_bits(value, EMULATE)
+        else:
+            value = value.to(out_ptr.dtype.element_ty)
+        if MASKED:
+            tl.store(out_ptr + offs + p * WIDTH, value, mask=offs + p * WIDTH < n)
+        else:
+            tl.store(out_ptr + offs + p * WIDTH, value)
+
+
+@jit(do_not_specialize=["n"])  # one compiled kernel whatever n is (but int32 or int64)
+def _dequantize_kernel(
+    codes_ptr, meta_ptr, out_ptr, n,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
+    TAIL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
+        if pid == tl.num_programs(0) - 1:
+            _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, True)
+        else:
+            _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, False)
+    else:
+        _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, False)
+
+
+def dequantize_launch(
+    n: int, dtype: torch.dtype, bits: int, group_size: int, interpret: bool = False
+) -> tuple[int, dict]:
+    """``(programs, meta-parameters)`` of ``_dequantize_kernel`` for ``n`` elements of ``dtype``; the same
+    programs as quantize's, for :func:`triton_dequantize` and for the ahead-of-time compile (``aot.py``)."""
+    rows = max(1, (INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM) // group_size)
+    block = rows * group_size
+    meta = dict(
+        BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, EMULATE=interpret,
+        TAIL=n % block != 0, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return -(-n // block), meta
 
 
 def triton_dequantize(
@@ -65,16 +101,10 @@ def triton_dequantize(
 ) -> torch.Tensor:  # fmt: skip
     """Decode ``n`` elements from ``(codes, meta)`` into a new contiguous 1-D tensor of ``dtype``."""
     out = torch.empty(n, dtype=dtype, device=codes.device)
-    n_groups = meta.shape[0]
-    if n_groups == 0:
+    if n == 0:
         return out
-    rows, num_warps = launch_config(n_groups, group_size, interpret)
-    grid = (triton.cdiv(n_groups, rows),)
-    out_bf16 = dtype == torch.bfloat16
-    _dequantize_kernel[grid](
-        codes, meta, out.view(torch.int16) if out_bf16 else out, n, codes.numel(), n_groups,
-        BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=out_bf16, num_warps=num_warps,
-    )  # fmt: skip
+    programs, launch = dequantize_launch(n, dtype, bits, group_size, interpret)
+    _dequantize_kernel[(programs,)](codes, meta, out.view(torch.int16) if dtype == torch.bfloat16 else out, n, **launch)
     return out
 
 
@@ -86,14 +116,15 @@ def torch_dequantize(
     if n_groups == 0:
         return torch.empty(n, dtype=dtype, device=codes.device)
     levels, per_byte = (1 << bits) - 1, 8 // bits
-    group_bytes = group_size // per_byte
-    padded = torch.zeros(n_groups * group_bytes, dtype=torch.int32, device=codes.device)
-    padded[: codes.numel()] = codes
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    q = ((padded.view(n_groups, group_bytes, 1) >> shifts) & levels).view(n_groups, group_size).float()
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32)[:, None] * bits
+    planes = codes.view(n_groups, 1, group_size // per_byte).to(torch.int32) >> shifts  # see format.py
+    q = (planes & levels).view(n_groups, group_size)
 
     lo, step = meta[:, 0:1], meta[:, 1:2]
     special = ~torch.isfinite(lo)
-    value = torch.where(special, (q - (levels - 1) // 2) * step, q * step + lo).clamp(-FLT_MAX, FLT_MAX)
-    value = torch.where(special & (q == levels), lo, value)
+    base = torch.where(special, 0.0, lo)
+    centre = torch.where(special, (levels - 1) // 2, 0)
+    top = torch.where(special, lo, (levels * step + base).clamp(-FLT_MAX, FLT_MAX))
+    value = ((q - centre).float() * step + base).clamp(-FLT_MAX, FLT_MAX)
+    value = torch.where(q == levels, top, value)
     return value.view(-1)[:n].to(dtype)

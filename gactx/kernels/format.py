@@ -3,14 +3,19 @@
 A tensor is read in memory order (a channels_last or transposed tensor is not copied first; see
 :func:`memory_order`) and cut into groups of ``group_size`` consecutive elements; the last group may be
 short. Each group keeps two float32 numbers, ``(lo, step)``, and one ``b``-bit code per element, packed
-densely into uint8, first element in the lowest bits::
+into uint8 in planes: a group of ``G`` elements is ``P = 8 / b`` planes of ``G / P`` consecutive elements,
+and byte ``k`` of the group holds element ``k`` of each plane, plane 0 in the lowest bits::
 
-    bits = 2, one byte holds four codes          bits = 4, one byte holds two codes
-    bit:   7  6 | 5  4 | 3  2 | 1  0             bit:   7  6  5  4 | 3  2  1  0
-         [ e3   |  e2  |  e1  |  e0  ]                [    e1     |    e0     ]
+    bits = 2, G = 32: four planes of 8 elements      bits = 4, G = 32: two planes of 16 elements
+    byte k, bit:  7  6 |  5  4 |  3  2 | 1  0         byte k, bit:  7  6  5  4 | 3  2  1  0
+               [ e24+k | e16+k | e8+k  | ek  ]                   [   e16+k    |    ek     ]
 
-    payload: ceil(numel * bits / 8) bytes, groups back to back (a group of 256 at 2 bits is 64 bytes)
+    payload: numel rounded up to whole groups, times bits / 8 bytes, groups back to back (a group of 256
+             at 2 bits is 64 bytes; the codes past the end of a short last group are 0)
     meta:    float32 [n_groups, 2] = (lo, step), 8 bytes a group: 0.25 bit/element at group_size 256
+
+Planes, not neighbours, share a byte so that a GPU thread holding a run of consecutive elements of each
+plane packs and unpacks whole bytes in its own registers (``quantize.py``).
 
 A code ``q`` decodes to ``q * step + lo``. float32 metadata is exact for any input dtype and range, so
 quantizing against the stored values keeps stochastic rounding unbiased (see ``quantize.py``).
@@ -99,7 +104,7 @@ def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int =
     if bits == 16:
         return numel * 2
     n_groups = -(-numel // group_size)
-    return -(-numel * bits // 8) + META_BYTES_PER_GROUP * n_groups
+    return n_groups * group_size * bits // 8 + META_BYTES_PER_GROUP * n_groups
 
 
 def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:

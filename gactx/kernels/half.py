@@ -16,25 +16,41 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._triton import jit, tl, triton
+from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels.random import ROUNDS, philox
 
-__all__ = ["bf16_bits_rne", "bf16_bits_to_float", "triton_round_bf16", "torch_round_bf16"]
+_ROUNDS = constexpr(ROUNDS)
 
-BLOCK = 4096  # elements a program: 16 KiB read, 8 KiB written
-INTERPRET_BLOCK = 1 << 16
+__all__ = ["bf16_bits", "bf16_bits_to_float", "round_bf16_launch", "triton_round_bf16", "torch_round_bf16"]
+
+# Elements a program: 8192 at 4 warps is 64 a thread, 8 consecutive ones in each of eight slices (128-bit
+# loads), and one Philox call (128 random bits) for the 16 random bits of each of eight elements.
+ELEMENTS_PER_PROGRAM = 8192
+NUM_WARPS = 4
+INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16  # the interpreter runs programs one after another: fewer, larger
+SLICES = constexpr(8)
+
+
+def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> tuple[int, dict]:
+    """``(programs, meta-parameters)`` of ``_round_bf16_kernel`` for ``n`` elements (see ``aot.py``)."""
+    block = INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM
+    meta = dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, TAIL=n % block != 0, num_warps=NUM_WARPS)
+    return -(-n // block), meta
 
 
 @jit
-def bf16_bits_rne(x):
+def bf16_bits(x, EMULATE: tl.constexpr):
     """float32 -> bfloat16 bit pattern (int16), round to nearest even, NaN kept NaN.
 
-    Done on the bits because the interpreter's own fp32 -> bf16 cast truncates, while CUDA and torch round
-    to nearest even: spelling it out makes both backends agree to the bit everywhere.
+    Compiled, the hardware conversion (two elements an instruction on sm_80+). Under the interpreter, whose
+    own cast truncates, the same rounding done on the bits, so that both backends agree with torch's cast.
     """
-    pattern = x.to(tl.int32, bitcast=True)
-    rounded = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16
-    quiet_nan = (pattern >> 16) | 0x40  # keep sign and exponent, set the quiet bit
-    return tl.where(x != x, quiet_nan, rounded).to(tl.int16)
+    if EMULATE:
+        pattern = x.to(tl.int32, bitcast=True)
+        rounded = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16
+        quiet_nan = (pattern >> 16) | 0x40  # keep sign and exponent, set the quiet bit
+        return tl.where(x != x, quiet_nan, rounded).to(tl.int16)
+    return x.to(tl.bfloat16).to(tl.int16, bitcast=True)
 
 
 @jit
@@ -44,33 +60,67 @@ def bf16_bits_to_float(bits):
 
 
 @jit
-def _round_bf16_kernel(x_ptr, out_ptr, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    valid = offs < n
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+def _stochastic_bf16_bits(x, r):
+    """bfloat16 bit pattern of ``x`` rounded up with probability (dropped bits) / 2**16, ``r ~ U{0 .. 65535}``."""
+    pattern = x.to(tl.int32, bitcast=True)
+    up = (pattern + r) >> 16
+    # Rounding up must not turn a finite value into inf (exponent field all ones); NaN stays NaN.
+    keep_up = ((up & 0x7F80) != 0x7F80) | (tl.abs(x) >= float("inf"))
+    half = tl.where(keep_up, up, pattern >> 16)
+    return tl.where(x != x, (pattern >> 16) | 0x40, half).to(tl.int16)
+
+
+@jit
+def _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+                      EMULATE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    WIDTH: tl.constexpr = BLOCK // SLICES
+    offs = pid * BLOCK + tl.arange(0, WIDTH).to(tl.int64)
+    xs = ()
+    for i in tl.static_range(SLICES):
+        if MASKED:
+            xs = xs + (tl.load(x_ptr + offs + i * WIDTH, mask=offs + i * WIDTH < n, other=0.0),)
+        else:
+            xs = xs + (tl.load(x_ptr + offs + i * WIDTH),)
     if STOCHASTIC:
-        zero = tl.zeros_like(offs).to(tl.uint32)
-        r, _, _, _ = tl.philox(seed, offs.to(tl.uint32), (offs >> 32).to(tl.uint32), zero, zero)
-        pattern = x.to(tl.int32, bitcast=True)
-        up = (pattern + (r & 0xFFFF).to(tl.int32)) >> 16
-        down = pattern >> 16
-        # Rounding up must not turn a finite value into inf (exponent field all ones).
-        keep_up = ((up & 0x7F80) != 0x7F80) | (tl.abs(x) >= float("inf"))
-        half = tl.where(keep_up, up, down).to(tl.int16)
-        half = tl.where(x != x, bf16_bits_rne(x), half)
+        # One Philox call a position: its four 32-bit outputs are eight 16-bit draws, one a slice. The counter
+        # (position in the program, program, 0, bits of slice 0) is unique and in the loads' layout.
+        local = (offs - pid * BLOCK).to(tl.uint32)
+        block = local * 0 + pid.to(tl.uint32)
+        r0, r1, r2, r3 = philox(seed, local, block, local * 0, xs[0].to(tl.uint32, bitcast=True), _ROUNDS)
+        rs = ((r0 & 0xFFFF).to(tl.int32), (r1 & 0xFFFF).to(tl.int32), (r2 & 0xFFFF).to(tl.int32),
+              (r3 & 0xFFFF).to(tl.int32), (r0 >> 16).to(tl.int32), (r1 >> 16).to(tl.int32), (r2 >> 16).to(tl.int32),
+              (r3 >> 16).to(tl.int32))  # fmt: skip
+    for i in tl.static_range(SLICES):
+        if STOCHASTIC:
+            half = _stochastic_bf16_bits(xs[i], rs[i])
+        else:
+            half = bf16_bits(xs[i], EMULATE)
+        if MASKED:
+            tl.store(out_ptr + offs + i * WIDTH, half, mask=offs + i * WIDTH < n)
+        else:
+            tl.store(out_ptr + offs + i * WIDTH, half)
+
+
+@jit(do_not_specialize=["n", "seed"])
+def _round_bf16_kernel(x_ptr, out_ptr, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+                       EMULATE: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
+        if pid == tl.num_programs(0) - 1:
+            _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, True)
+        else:
+            _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
     else:
-        half = bf16_bits_rne(x)
-    tl.store(out_ptr + offs, half, mask=valid)
+        _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
 
 
 def triton_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int, interpret: bool = False) -> torch.Tensor:
     """Round a contiguous 1-D float32 tensor to bfloat16."""
-    out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=flat.device)
-    if flat.numel():
-        block = min(INTERPRET_BLOCK if interpret else BLOCK, triton.next_power_of_2(flat.numel()))
-        grid = (triton.cdiv(flat.numel(), block),)
-        _round_bf16_kernel[grid](flat, out.view(torch.int16), flat.numel(), seed, STOCHASTIC=stochastic, BLOCK=block)
+    n = flat.numel()
+    out = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
+    if n:
+        programs, launch = round_bf16_launch(n, stochastic, interpret)
+        _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, **launch)
     return out
 
 

@@ -2,130 +2,246 @@
 
 For a group with finite values in ``[min, max]`` and ``L = 2**bits - 1``::
 
-    step = (max - min) / L * (1 + 2**-20)          # fp32; the margin keeps (x - min) / step <= L
-    q    = floor((x - min) / step + u)             # u ~ U[0, 1): E[q * step + min] = x (unbiased)
-                                                   # u = 1/2 with stochastic=False (round half up)
+    step = max((max - min) / L * (1 + 2**-20), 2**-126)  # fp32; the margin keeps (x - min) / step < L
+    inv  = 1 / step                                       # once a group (IEEE division), not once an element
+    q    = trunc((x - min) * inv + (1 + u)) - 1           # u ~ U[0, 1): E[q * step + min] = x (unbiased)
+                                                          # u = 1/2 with stochastic=False (round half up)
 
-The margin costs 2**-19 of variance and guarantees that no code is clamped, so the rounding stays exactly
-unbiased. A group whose range underflows float32 gets the smallest subnormal step (exact on that grid).
-A group of identical values has step 0 and decodes exactly.
+The margin costs 2**-19 of variance and guarantees that no code is clamped, so the rounding stays unbiased.
+``(x - min) * inv + (1 + u)`` lies in ``[1, L + 2)``, where truncation is floor. The step is at least the
+smallest normal float32, so that ``inv`` is finite; a group whose range is smaller than that (values within
+a few subnormal ulps of each other) is rounded, still unbiasedly, on that coarser grid. A group of identical
+values has step 0 and decodes exactly. ``u`` has 23 random bits (Philox in Triton, ``torch.rand`` in torch).
 
 Groups that hold NaN or +-Inf (see ``format.py``): finite elements are quantized on a grid of ``L`` levels
-centred on zero with ``step = 2 * max|x| / (L - 1)``, unbiased for ``bits >= 2``; at 1 bit they have one
-level, zero. Their non-finite elements get the top code and come back as the group's non-finite value.
+centred on zero, ``step = 2 * max|x| / (L - 1)`` and ``q = trunc(x * inv + c + 1 + u) - 1`` with
+``c = (L - 1) // 2``, unbiased for ``bits >= 2``; at 1 bit they have one level, zero. Their non-finite
+elements get the top code and come back as the group's non-finite value.
 
 Both implementations compute the same float32 operations in the same order (IEEE division, no fused
-multiply-add), so with ``stochastic=False`` they produce identical bytes. With ``stochastic=True`` the
-noise differs (Philox in Triton, ``torch.Generator`` in torch) and only the statistics agree.
+multiply-add: the kernel is compiled with ``enable_fp_fusion=False``), so with ``stochastic=False`` they
+produce identical bytes. With ``stochastic=True`` the noise differs and only the statistics agree.
+
+The kernel, one program of ``ROWS`` groups, is built to stay under the memory-bound instruction budget of a
+GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
+
+- Loads and stores are unmasked except in the last program of a launch whose size is not a multiple of the
+  program's (``TAIL``): a mask on every element stops 128-bit loads unless ``n`` is a multiple of 16.
+- A group is read as four slices (eight at 1 bit: at least one a plane of ``format.py``), so that one Philox call
+  (four 32-bit outputs) serves four elements and a byte's codes sit in one thread.
+- Four reductions, fused across the slices before they cross threads: min and max of ``x + x * 0`` (NaN
+  where ``x`` is not finite, and NaN is skipped), and the largest bit pattern as signed and as unsigned
+  int32, which tell NaN, +Inf and -Inf apart: finite patterns sort below +Inf's as signed and below -Inf's as
+  unsigned, and each NaN above the infinity of its sign.
+- One reciprocal a group instead of a division an element; non-finite elements reach the top code through
+  ``min(|s|, L + 1)`` (NaN is skipped), not through a select.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gactx.kernels._triton import jit, tl, triton
+from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
+from gactx.kernels.random import ROUNDS, philox
 
-__all__ = ["triton_quantize", "torch_quantize", "launch_config"]
+__all__ = ["triton_quantize", "torch_quantize", "quantize_launch"]
 
 # float32 constants shared by both implementations.
 SAFETY = 1.0 + 2.0**-20  # step margin, see the module docstring
 FLT_MAX = 3.4028234663852886e38
-TINY = 1.401298464324817e-45  # smallest positive subnormal float32
-# About 4096 elements a program keeps a group's load, reduction and packing in registers at 4 warps.
-ELEMENTS_PER_PROGRAM = 4096
+MIN_STEP = 2.0**-126  # smallest normal float32: its reciprocal, 2**126, is finite
+# The same, and bit patterns of the infinities as int32, for kernels.
+_SAFETY, _FLT_MAX, _MIN_STEP = constexpr(SAFETY), constexpr(FLT_MAX), constexpr(MIN_STEP)
+_INF = constexpr(float("inf"))
+_ROUNDS = constexpr(ROUNDS)
+_POS_INF_BITS = constexpr(0x7F800000)  # +Inf's pattern, as int32
+_NEG_INF_UBITS = constexpr(0xFF800000)  # -Inf's pattern, as uint32
+# Elements a program on a GPU: 8192 at 4 warps is 64 elements a thread, which amortizes a program's per-group
+# work (reductions across threads, two divisions, the metadata) to about 3 instructions an element, and
+# leaves 16 consecutive elements of each slice to a thread: 128-bit loads of float32 and of bfloat16 alike.
+ELEMENTS_PER_PROGRAM = 8192
+NUM_WARPS = 4
 # The interpreter runs programs one after another in Python: fewer, larger programs are much faster.
 INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16
 
 
-def launch_config(n_groups: int, group_size: int, interpret: bool) -> tuple[int, int]:
-    """``(rows, num_warps)``: groups per program (a power of two) and warps for a launch."""
-    target = INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM
-    rows = max(1, target // group_size)
-    rows = min(rows, triton.next_power_of_2(max(n_groups, 1)))
-    num_warps = 8 if rows * group_size >= 8192 else 4
-    return rows, num_warps
+def quantize_launch(
+    n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
+) -> tuple[int, dict]:
+    """``(programs, meta-parameters)`` of ``_quantize_kernel`` for ``n`` elements of ``dtype``: the one place
+    that chooses them, for :func:`triton_quantize` and for the ahead-of-time compile (``aot.py``)."""
+    rows = max(1, (INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM) // group_size)
+    block = rows * group_size
+    meta = dict(
+        BITS=bits, GROUP=group_size, ROWS=rows, STOCHASTIC=stochastic, IN_BF16=dtype == torch.bfloat16,
+        TAIL=n % block != 0, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )  # fmt: skip
+    return -(-n // block), meta
 
 
 @jit
-def _quantize_kernel(
-    x_ptr,
-    codes_ptr,
-    meta_ptr,
-    n,
-    n_bytes,
-    n_groups,
-    seed,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    ROWS: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    IN_BF16: tl.constexpr,
-):
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    PER_BYTE: tl.constexpr = 8 // BITS
-    GROUP_BYTES: tl.constexpr = GROUP // PER_BYTE
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * GROUP + tl.arange(0, GROUP).to(tl.int64)[None, :]
-    valid = offs < n
-    if IN_BF16:  # x_ptr is the int16 view of a bfloat16 tensor
-        x = bf16_bits_to_float(tl.load(x_ptr + offs, mask=valid, other=0))
+def _load_fp32(ptr, offs, n, IN_BF16: tl.constexpr, MASKED: tl.constexpr):
+    """Load a block as float32; ``ptr`` is the int16 view of a bfloat16 tensor when ``IN_BF16``."""
+    if MASKED:
+        raw = tl.load(ptr + offs, mask=offs < n, other=0)
     else:
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        raw = tl.load(ptr + offs)
+    if IN_BF16:
+        return bf16_bits_to_float(raw)
+    return raw.to(tl.float32)
 
-    finite = valid & (tl.abs(x) < float("inf"))  # NaN compares false
-    fmin = tl.min(tl.where(finite, x, float("inf")), axis=1)
-    fmax = tl.max(tl.where(finite, x, -float("inf")), axis=1)
-    amax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-    has_nan = tl.max((valid & (x != x)).to(tl.int32), axis=1) > 0
-    has_pinf = tl.max((valid & (x == float("inf"))).to(tl.int32), axis=1) > 0
-    has_ninf = tl.max((valid & (x == -float("inf"))).to(tl.int32), axis=1) > 0
-    special = has_nan | has_pinf | has_ninf
-    fmin = tl.where(fmin < float("inf"), fmin, 0.0)  # a group with no finite value
-    fmax = tl.where(fmax > -float("inf"), fmax, 0.0)
+
+@jit
+def _shift_plus_uniform(r, mantissa, exponent):
+    """``centre + 1 + u`` from the random bits ``r``, one instruction an element: ``centre + 1`` is 1 or
+    ``2**(bits - 1)``, a power of two, so ``u`` fills the low bits of the mantissa of a float in
+    ``[centre + 1, centre + 2)``: 23 random bits at centre 0, 24 - bits in a group holding NaN or +-Inf."""
+    return ((r & mantissa) | exponent).to(tl.float32, bitcast=True)
+
+
+@jit
+def _nan_if_not_finite(x, offs, n, MASKED: tl.constexpr):
+    """``x`` where finite, NaN elsewhere (``inf * 0`` is NaN) and past ``n``: min and max skip NaN."""
+    z = x + x * 0.0
+    if MASKED:
+        z = tl.where(offs < n, z, float("nan"))
+    return z
+
+
+@jit
+def _code_plus_one(x, offs, n, origin, inv, shift, LEVELS: tl.constexpr, MASKED: tl.constexpr):
+    """``q + 1`` as int32: ``trunc((x - origin) * inv + shift)``, ``shift = centre + 1 + u``. Non-finite
+    elements, and all of a group whose range overflowed float32 (``x - origin`` is inf), get the top code:
+    ``|s|`` is inf or NaN there and ``minimum`` skips NaN. Past ``n``, code 0."""
+    s = tl.minimum(tl.abs((x - origin) * inv + shift), LEVELS + 1.0)
+    if MASKED:
+        s = tl.where(offs < n, s, 1.0)
+    return s.to(tl.int32)
+
+
+@jit
+def _quantize_rows(
+    x_ptr, codes_ptr, meta_ptr, pid, n, seed,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    IN_BF16: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    CENTRE: tl.constexpr = (LEVELS - 1) // 2
+    PLANES: tl.constexpr = 8 // BITS  # codes a byte
+    SLICES: tl.constexpr = 8 if BITS == 1 else 4  # at least the planes, and four for one Philox call
+    WIDTH: tl.constexpr = GROUP // SLICES
+    SETS: tl.constexpr = SLICES // PLANES  # slices whose bytes are stored, each with the codes of PLANES slices
+    ONES: tl.constexpr = 255 // LEVELS  # a 1 in each code's lowest bit (0b01010101 at 2 bits): the +1s
+    rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * GROUP + tl.arange(0, WIDTH).to(tl.int64)[None, :]  # the first slice
+    xs = ()
+    for i in tl.static_range(SLICES):
+        xs = xs + (_load_fp32(x_ptr, offs + i * WIDTH, n, IN_BF16, MASKED),)
+
+    # Four reductions, fused across the slices before they cross threads: min and max of the finite values
+    # (NaN skipped), and the largest bit pattern as signed and as unsigned int32. Finite patterns are below
+    # +Inf's (0x7F800000) as signed and below -Inf's (0xFF800000) as unsigned; NaNs are above the infinity
+    # of their sign in both orders.
+    low = _nan_if_not_finite(xs[0], offs, n, MASKED)
+    high = low
+    sbits = xs[0].to(tl.int32, bitcast=True)
+    ubits = xs[0].to(tl.uint32, bitcast=True)
+    for i in tl.static_range(1, SLICES):
+        z = _nan_if_not_finite(xs[i], offs + i * WIDTH, n, MASKED)
+        low = tl.minimum(low, z)
+        high = tl.maximum(high, z)
+        sbits = tl.maximum(sbits, xs[i].to(tl.int32, bitcast=True))
+        ubits = tl.maximum(ubits, xs[i].to(tl.uint32, bitcast=True))
+    fmin = tl.min(low, axis=1)
+    fmax = tl.max(high, axis=1)
+    smax = tl.max(sbits, axis=1)
+    umax = tl.max(ubits, axis=1)
+
+    pos = smax >= _POS_INF_BITS  # +Inf or +NaN
+    neg = umax >= _NEG_INF_UBITS  # -Inf or -NaN
+    special = pos | neg
+    nan = (smax > _POS_INF_BITS) | (umax > _NEG_INF_UBITS) | (pos & neg)
+    kind = tl.where(nan, float("nan"), tl.where(pos, _INF, -_INF))
+    fmin = tl.where(fmin == fmin, fmin, 0.0)  # NaN: a group with no finite value
+    fmax = tl.where(fmax == fmax, fmax, 0.0)
 
     # Normal groups: [fmin, fmax] on L levels. Special groups: [-amax, amax] on L - 1 intervals.
-    span = tl.where(special, 2.0 * amax, fmax - fmin)
+    span = tl.where(special, 2.0 * tl.maximum(-fmin, fmax), fmax - fmin)
     intervals = tl.where(special, LEVELS - 1, LEVELS).to(tl.float32)
-    step = tl.math.div_rn(span, tl.maximum(intervals, 1.0)) * SAFETY
-    step = tl.minimum(step, FLT_MAX)
-    step = tl.where(span > 0.0, tl.maximum(step, TINY), 0.0)
+    step = tl.math.div_rn(span, tl.maximum(intervals, 1.0)) * _SAFETY
+    step = tl.minimum(step, _FLT_MAX)
+    step = tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0)
     step = tl.where(intervals > 0.0, step, 0.0)
-    kind = tl.where(has_nan | (has_pinf & has_ninf), float("nan"), tl.where(has_pinf, float("inf"), -float("inf")))
+    inv = tl.where(step > 0.0, tl.math.div_rn(1.0, tl.where(step > 0.0, step, 1.0)), 0.0)
     lo = tl.where(special, kind, fmin)
-
-    safe_step = tl.where(step > 0.0, step, 1.0)[:, None]
-    centre = tl.where(special, (LEVELS - 1) // 2, 0).to(tl.float32)[:, None]
-    origin = tl.where(special, 0.0, fmin)[:, None]
-    t = tl.math.div_rn(x - origin, safe_step) + centre
-    if STOCHASTIC:
-        zero = tl.zeros_like(offs).to(tl.uint32)
-        bits, _, _, _ = tl.philox(seed, offs.to(tl.uint32), (offs >> 32).to(tl.uint32), zero, zero)
-        t = t + tl.uint_to_uniform_float(bits)
+    if MASKED:
+        in_range = rows < (n + GROUP - 1) // GROUP
+        tl.store(meta_ptr + rows * 2, lo, mask=in_range)
+        tl.store(meta_ptr + rows * 2 + 1, step, mask=in_range)
     else:
-        t = t + 0.5
-    top = tl.where(special, LEVELS - 1, LEVELS).to(tl.float32)[:, None]
-    q = tl.minimum(tl.maximum(tl.floor(t), 0.0), top)
-    q = tl.where(finite, q, LEVELS)
-    q = tl.where(valid, q, 0).to(tl.int32)
+        tl.store(meta_ptr + rows * 2, lo)
+        tl.store(meta_ptr + rows * 2 + 1, step)
 
-    # Pack PER_BYTE codes into each byte, first element in the lowest bits (see format.py).
-    q = tl.reshape(q, (ROWS, GROUP_BYTES, PER_BYTE))
-    shifts = tl.arange(0, PER_BYTE) * BITS
-    packed = tl.sum(q << shifts[None, None, :], axis=2)
-    boffs = rows[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES).to(tl.int64)[None, :]
-    tl.store(codes_ptr + boffs, packed.to(tl.uint8), mask=boffs < n_bytes)
+    origin = tl.where(special, 0.0, fmin)[:, None]
+    inv = inv[:, None]
+    if STOCHASTIC:
+        # A Philox call a position of four slices, one output a slice. The counter is (element in the program,
+        # program, call, bits of the element of slice 0): unique. The data word costs nothing and puts the
+        # calls in the layout of the loads (a counter made of indices alone is computed in another layout,
+        # and its outputs are moved through shared memory).
+        local = (offs - pid * (ROWS * GROUP)).to(tl.uint32)
+        block = local * 0 + pid.to(tl.uint32)
+        data = xs[0].to(tl.uint32, bitcast=True)
+        mantissa = tl.where(special, 0x7FFFFF >> (BITS - 1), 0x7FFFFF).to(tl.uint32)[:, None]
+        exponent = tl.where(special, (127 + BITS - 1) << 23, 127 << 23).to(tl.uint32)[:, None]
+        shifts = ()
+        for call in tl.static_range(SLICES // 4):
+            rs = philox(seed, local, block, local * 0 + call, data, _ROUNDS)
+            for j in tl.static_range(4):
+                shifts = shifts + (_shift_plus_uniform(rs[j], mantissa, exponent),)
+    else:
+        half = tl.where(special, CENTRE + 1.5, 1.5)[:, None]
+        shifts = ()
+        for _ in tl.static_range(SLICES):
+            shifts = shifts + (half,)
+    q1s = ()
+    for i in tl.static_range(SLICES):
+        q1s = q1s + (_code_plus_one(xs[i], offs + i * WIDTH, n, origin, inv, shifts[i], LEVELS, MASKED),)
 
-    in_range = rows < n_groups
-    tl.store(meta_ptr + rows * 2, lo, mask=in_range)
-    tl.store(meta_ptr + rows * 2 + 1, step, mask=in_range)
+    # Planes (format.py): byte k of slice i (i < SETS) holds the codes at k of slices i, i + SETS, ...
+    boffs = rows[:, None] * (GROUP * BITS // 8) + tl.arange(0, WIDTH).to(tl.int64)[None, :]
+    for i in tl.static_range(SETS):
+        packed = q1s[i]
+        for p in tl.static_range(1, PLANES):
+            packed += q1s[i + p * SETS] << (p * BITS)
+        packed = (packed - ONES).to(tl.uint8)
+        if MASKED:
+            tl.store(codes_ptr + boffs + i * WIDTH, packed, mask=rows[:, None] < (n + GROUP - 1) // GROUP)
+        else:
+            tl.store(codes_ptr + boffs + i * WIDTH, packed)
+
+
+@jit(do_not_specialize=["n", "seed"])  # one compiled kernel whatever n and seed are (but int32 or int64)
+def _quantize_kernel(
+    x_ptr, codes_ptr, meta_ptr, n, seed,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    IN_BF16: tl.constexpr, TAIL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
+        if pid == tl.num_programs(0) - 1:
+            _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, True)
+        else:
+            _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, False)
+    else:
+        _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, False)
 
 
 def _allocate(flat: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.numel()
     n_groups = -(-n // group_size)
-    codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=flat.device)
+    codes = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8, device=flat.device)
     meta = torch.empty((n_groups, 2), dtype=torch.float32, device=flat.device)
     return codes, meta
 
@@ -136,16 +252,12 @@ def triton_quantize(
     """Quantize a contiguous 1-D float tensor; returns ``(codes, meta)`` as described in ``format.py``."""
     assert flat.dim() == 1 and flat.is_contiguous()
     codes, meta = _allocate(flat, bits, group_size)
-    n_groups = meta.shape[0]
-    if n_groups == 0:
+    n = flat.numel()
+    if n == 0:
         return codes, meta
-    rows, num_warps = launch_config(n_groups, group_size, interpret)
-    grid = (triton.cdiv(n_groups, rows),)
-    in_bf16 = flat.dtype == torch.bfloat16
-    _quantize_kernel[grid](
-        flat.view(torch.int16) if in_bf16 else flat, codes, meta, flat.numel(), codes.numel(), n_groups, seed,
-        BITS=bits, GROUP=group_size, ROWS=rows, STOCHASTIC=stochastic, IN_BF16=in_bf16, num_warps=num_warps,
-    )  # fmt: skip
+    programs, launch = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
+    x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+    _quantize_kernel[(programs,)](x, codes, meta, n, seed, **launch)
     return codes, meta
 
 
@@ -158,6 +270,7 @@ def torch_quantize(
     if n_groups == 0:
         return codes, meta
     levels, per_byte = (1 << bits) - 1, 8 // bits
+    centre = (levels - 1) // 2
     x = torch.zeros(n_groups * group_size, dtype=torch.float32, device=flat.device)
     x[:n] = flat
     x = x.view(n_groups, group_size)
@@ -167,37 +280,34 @@ def torch_quantize(
     inf = torch.tensor(float("inf"), device=x.device)
     fmin = torch.where(finite, x, inf).amin(1)
     fmax = torch.where(finite, x, -inf).amax(1)
-    amax = torch.where(finite, x.abs(), 0.0).amax(1)
     has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
     special = has_nan | has_pinf | has_ninf
     fmin = torch.where(fmin < inf, fmin, 0.0)
     fmax = torch.where(fmax > -inf, fmax, 0.0)
 
-    span = torch.where(special, 2.0 * amax, fmax - fmin)
+    span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
     intervals = torch.where(special, levels - 1, levels).float()
     step = span / intervals.clamp(min=1.0) * SAFETY
     step = step.clamp(max=FLT_MAX)
-    step = torch.where(span > 0, step.clamp(min=TINY), 0.0)
+    step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
     step = torch.where(intervals > 0, step, 0.0)
+    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
     kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
+    origin = torch.where(special, 0.0, fmin)
+    shift = torch.where(special, centre, 0).float()
     lo = torch.where(special, kind, fmin)
 
-    safe_step = torch.where(step > 0, step, 1.0)[:, None]
-    centre = torch.where(special, (levels - 1) // 2, 0).float()[:, None]
-    origin = torch.where(special, 0.0, fmin)[:, None]
-    t = (x - origin) / safe_step + centre
     if stochastic:
         gen = torch.Generator(device=flat.device).manual_seed(seed)
-        t = t + torch.rand(t.shape, generator=gen, device=flat.device)
+        one_plus_u = 1.0 + torch.rand(x.shape, generator=gen, device=flat.device)
     else:
-        t = t + 0.5
-    top = torch.where(special, levels - 1, levels).float()[:, None]
-    q = torch.minimum(t.floor().clamp(min=0.0), top)
-    q = torch.where(finite, q, float(levels))
-    q = torch.where(valid, q, 0.0).to(torch.int32)
+        one_plus_u = torch.tensor(1.5, device=flat.device)
+    s = ((x - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
+    s = torch.where(valid, torch.fmin(s, torch.tensor(levels + 1.0, device=x.device)), 1.0)
+    q = s.to(torch.int32) - 1
 
-    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32) * bits
-    packed = (q.view(n_groups, group_size // per_byte, per_byte) << shifts).sum(2)
-    codes.copy_(packed.view(-1)[: codes.numel()])
+    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32)[:, None] * bits
+    packed = (q.view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1)  # planes, see format.py
+    codes.copy_(packed.view(-1))
     meta[:, 0], meta[:, 1] = lo, step
     return codes, meta

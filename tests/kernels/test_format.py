@@ -8,8 +8,8 @@ from gactx.kernels.format import ALLOWED_BITS, GROUP_SIZES, check_args, expected
 
 def test_nbytes_formula():
     assert expected_nbytes(256, torch.float32, 2, 256) == 64 + 8
-    assert expected_nbytes(257, torch.float32, 2, 256) == 65 + 16
-    assert expected_nbytes(1, torch.float32, 1, 256) == 1 + 8
+    assert expected_nbytes(257, torch.float32, 2, 256) == 128 + 16  # codes cover whole groups
+    assert expected_nbytes(1, torch.float32, 1, 256) == 32 + 8
     assert expected_nbytes(0, torch.float32, 4, 256) == 0
     assert expected_nbytes(100, torch.float32, 16) == 200
     assert expected_nbytes(100, torch.bfloat16, 32) == 200
