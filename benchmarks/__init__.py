@@ -1,3 +1,5 @@
-"""Benchmarks of gactx: kernel throughput (``python -m benchmarks.kernels``). Not part of the installed package."""
+"""Benchmarks of gactx: kernels (``python -m benchmarks.kernels``), models (``python -m benchmarks.run``), the demo.
+
+Not part of the installed package."""
 
 __all__: list[str] = []

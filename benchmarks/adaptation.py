@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.charlm import train_charlm
+from benchmarks.device import device_name, device_slug
 from benchmarks.digits import train_digits
-from benchmarks.kernels import device_name, device_slug
 from gactx.config import Config
 
 INTERVAL = Config.adapt_interval  # the default

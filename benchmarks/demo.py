@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.kernels import device_name
+from benchmarks.device import device_name
 from benchmarks.run import compare, run_one
 
 MODELS = ("sage", "bert-base", "resnet50")

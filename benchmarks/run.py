@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import workloads
-from benchmarks.kernels import device_name, device_slug
+from benchmarks.device import device_name, device_slug
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import METHODS, Method
 from gactx.kernels import _triton

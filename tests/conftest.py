@@ -30,3 +30,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 def device(request) -> str:
     """Every test that takes ``device`` runs on the CPU and, where there is one, on the GPU."""
     return request.param
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (a minute or more each: the ahead-of-time GPU compiles) run first, so that
+    pytest-xdist starts them on both workers at once and the short tests fill in around them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from gactx.kernels._grid import launches
 from gactx.kernels._triton import jit, tl
 
 __all__ = ["bitmask_launch", "triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
@@ -22,14 +23,17 @@ NUM_WARPS = 4
 INTERPRET_BYTES_PER_PROGRAM = 1 << 15  # the interpreter runs programs one after another: fewer, larger
 
 
-def bitmask_launch(n: int, interpret: bool = False) -> tuple[int, dict]:
-    """``(programs, meta-parameters)`` of the pack and unpack kernels for ``n`` mask elements (see ``aot.py``)."""
+def bitmask_launch(n: int, interpret: bool = False) -> list[tuple[int, int, dict]]:
+    """``(programs, first program, meta-parameters)`` of each launch of the pack or unpack kernel for ``n``
+    mask elements (see ``aot.py``)."""
     block = INTERPRET_BYTES_PER_PROGRAM if interpret else BYTES_PER_PROGRAM
-    return -(-n // (block * 8)), dict(BLOCK=block, TAIL=n % (block * 8) != 0, num_warps=NUM_WARPS)
+    meta = dict(BLOCK=block, num_warps=NUM_WARPS)
+    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, block * 8)]
 
 
-@jit
-def _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+@jit(do_not_specialize=["n", "first"])
+def _pack_bool_kernel(mask_ptr, out_ptr, n, first, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64) + first
     offs = pid * BLOCK * 8 + tl.arange(0, BLOCK * 8).to(tl.int64)
     if MASKED:
         m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
@@ -43,20 +47,9 @@ def _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED: tl.
         tl.store(out_ptr + boffs, packed)
 
 
-@jit(do_not_specialize=["n"])
-def _pack_bool_kernel(mask_ptr, out_ptr, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    if TAIL:  # the last program holds the end of the mask: masked loads and stores there only
-        if pid == tl.num_programs(0) - 1:
-            _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, True)
-        else:
-            _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, False)
-    else:
-        _pack_bool_block(mask_ptr, out_ptr, pid, n, BLOCK, False)
-
-
-@jit
-def _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+@jit(do_not_specialize=["n", "first"])
+def _unpack_bool_kernel(packed_ptr, out_ptr, n, first, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64) + first
     boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     if MASKED:
         packed = tl.load(packed_ptr + boffs, mask=boffs < (n + 7) // 8, other=0).to(tl.int32)
@@ -70,25 +63,13 @@ def _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK: tl.constexpr, MASKED:
         tl.store(out_ptr + offs, m)
 
 
-@jit(do_not_specialize=["n"])
-def _unpack_bool_kernel(packed_ptr, out_ptr, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    if TAIL:  # the last program holds the end of the mask: masked loads and stores there only
-        if pid == tl.num_programs(0) - 1:
-            _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, True)
-        else:
-            _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, False)
-    else:
-        _unpack_bool_block(packed_ptr, out_ptr, pid, n, BLOCK, False)
-
-
 def triton_pack_bool(flat: torch.Tensor, interpret: bool = False) -> torch.Tensor:
     """Pack a contiguous 1-D bool tensor into ``ceil(n / 8)`` bytes."""
     n = flat.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
     if n:
-        programs, launch = bitmask_launch(n, interpret)
-        _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, **launch)
+        for programs, first, launch in bitmask_launch(n, interpret):
+            _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, first, **launch)
     return out
 
 
@@ -96,8 +77,8 @@ def triton_unpack_bool(packed: torch.Tensor, n: int, interpret: bool = False) ->
     """Unpack ``n`` bools from ``packed`` into a new contiguous 1-D bool tensor."""
     out = torch.empty(n, dtype=torch.bool, device=packed.device)
     if n:
-        programs, launch = bitmask_launch(n, interpret)
-        _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, **launch)
+        for programs, first, launch in bitmask_launch(n, interpret):
+            _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, first, **launch)
     return out
 
 

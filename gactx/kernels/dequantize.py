@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import torch
 
+from gactx.kernels._grid import launches
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits
-from gactx.kernels.quantize import ELEMENTS_PER_PROGRAM, FLT_MAX, INTERPRET_ELEMENTS_PER_PROGRAM, NUM_WARPS
+from gactx.kernels.quantize import FLT_MAX, NUM_WARPS, program_rows
 
 __all__ = ["triton_dequantize", "torch_dequantize", "dequantize_launch"]
 
 _FLT_MAX = constexpr(FLT_MAX)
 
 
-@jit
-def _dequantize_rows(
-    codes_ptr, meta_ptr, out_ptr, pid, n,
+@jit(do_not_specialize=["n", "first"])  # one compiled kernel whatever n is (but int32 or int64)
+def _dequantize_kernel(
+    codes_ptr, meta_ptr, out_ptr, n, first,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
     MASKED: tl.constexpr,
 ):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64) + first
     LEVELS: tl.constexpr = (1 << BITS) - 1
     CENTRE: tl.constexpr = (LEVELS - 1) // 2
     PLANES: tl.constexpr = 8 // BITS  # codes a byte
@@ -65,34 +67,17 @@ def _dequantize_rows(
             tl.store(out_ptr + offs + p * WIDTH, value)
 
 
-@jit(do_not_specialize=["n"])  # one compiled kernel whatever n is (but int32 or int64)
-def _dequantize_kernel(
-    codes_ptr, meta_ptr, out_ptr, n,
-    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
-    TAIL: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
-        if pid == tl.num_programs(0) - 1:
-            _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, True)
-        else:
-            _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, False)
-    else:
-        _dequantize_rows(codes_ptr, meta_ptr, out_ptr, pid, n, BITS, GROUP, ROWS, OUT_BF16, EMULATE, False)
-
-
 def dequantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, interpret: bool = False
-) -> tuple[int, dict]:
-    """``(programs, meta-parameters)`` of ``_dequantize_kernel`` for ``n`` elements of ``dtype``; the same
-    programs as quantize's, for :func:`triton_dequantize` and for the ahead-of-time compile (``aot.py``)."""
-    rows = max(1, (INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM) // group_size)
-    block = rows * group_size
+) -> list[tuple[int, int, dict]]:
+    """``(programs, first program, meta-parameters)`` of each launch of ``_dequantize_kernel`` for ``n``
+    elements of ``dtype``; the programs of quantize, for :func:`triton_dequantize` and for ``aot.py``."""
+    rows = program_rows(group_size, bits, dtype.itemsize, interpret)
     meta = dict(
         BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, EMULATE=interpret,
-        TAIL=n % block != 0, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
-    return -(-n // block), meta
+    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, rows * group_size)]
 
 
 def triton_dequantize(
@@ -103,8 +88,9 @@ def triton_dequantize(
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
-    programs, launch = dequantize_launch(n, dtype, bits, group_size, interpret)
-    _dequantize_kernel[(programs,)](codes, meta, out.view(torch.int16) if dtype == torch.bfloat16 else out, n, **launch)
+    target = out.view(torch.int16) if dtype == torch.bfloat16 else out
+    for programs, first, launch in dequantize_launch(n, dtype, bits, group_size, interpret):
+        _dequantize_kernel[(programs,)](codes, meta, target, n, first, **launch)
     return out
 
 

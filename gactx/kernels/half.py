@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gactx.kernels._grid import launches
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.random import ROUNDS, philox
 
@@ -31,11 +32,11 @@ INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16  # the interpreter runs programs one af
 SLICES = constexpr(8)
 
 
-def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> tuple[int, dict]:
-    """``(programs, meta-parameters)`` of ``_round_bf16_kernel`` for ``n`` elements (see ``aot.py``)."""
+def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> list[tuple[int, int, dict]]:
+    """``(programs, first program, meta-parameters)`` of each launch of ``_round_bf16_kernel`` (see ``aot.py``)."""
     block = INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM
-    meta = dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, TAIL=n % block != 0, num_warps=NUM_WARPS)
-    return -(-n // block), meta
+    meta = dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, num_warps=NUM_WARPS)
+    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, block)]
 
 
 @jit
@@ -70,9 +71,10 @@ def _stochastic_bf16_bits(x, r):
     return tl.where(x != x, (pattern >> 16) | 0x40, half).to(tl.int16)
 
 
-@jit
-def _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
-                      EMULATE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+@jit(do_not_specialize=["n", "seed", "first"])
+def _round_bf16_kernel(x_ptr, out_ptr, n, seed, first, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+                       EMULATE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64) + first
     WIDTH: tl.constexpr = BLOCK // SLICES
     offs = pid * BLOCK + tl.arange(0, WIDTH).to(tl.int64)
     xs = ()
@@ -101,26 +103,13 @@ def _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC: tl.constexpr, BL
             tl.store(out_ptr + offs + i * WIDTH, half)
 
 
-@jit(do_not_specialize=["n", "seed"])
-def _round_bf16_kernel(x_ptr, out_ptr, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
-                       EMULATE: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
-        if pid == tl.num_programs(0) - 1:
-            _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, True)
-        else:
-            _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
-    else:
-        _round_bf16_block(x_ptr, out_ptr, pid, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
-
-
 def triton_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int, interpret: bool = False) -> torch.Tensor:
     """Round a contiguous 1-D float32 tensor to bfloat16."""
     n = flat.numel()
     out = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
     if n:
-        programs, launch = round_bf16_launch(n, stochastic, interpret)
-        _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, **launch)
+        for programs, first, launch in round_bf16_launch(n, stochastic, interpret):
+            _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, first, **launch)
     return out
 
 

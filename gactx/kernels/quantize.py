@@ -2,7 +2,8 @@
 
 For a group with finite values in ``[min, max]`` and ``L = 2**bits - 1``::
 
-    step = max((max - min) / L * (1 + 2**-20), 2**-126)  # fp32; the margin keeps (x - min) / step < L
+    step = max((max - min) * f, 2**-126)                  # fp32, f = (1 + 2**-20) / L rounded to fp32: the
+                                                          # margin keeps (x - min) / step < L
     inv  = 1 / step                                       # once a group (IEEE division), not once an element
     q    = trunc((x - min) * inv + (1 + u)) - 1           # u ~ U[0, 1): E[q * step + min] = x (unbiased)
                                                           # u = 1/2 with stochastic=False (round half up)
@@ -25,8 +26,8 @@ produce identical bytes. With ``stochastic=True`` the noise differs and only the
 The kernel, one program of ``ROWS`` groups, is built to stay under the memory-bound instruction budget of a
 GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
-- Loads and stores are unmasked except in the last program of a launch whose size is not a multiple of the
-  program's (``TAIL``): a mask on every element stops 128-bit loads unless ``n`` is a multiple of 16.
+- Whole programs run unmasked; the rest of a tensor, if any, in a second launch of one masked program
+  (``_grid.py``): a mask on every element stops 128-bit loads unless ``n`` is a multiple of 16.
 - A group is read as four slices (eight at 1 bit: at least one a plane of ``format.py``), so that one Philox call
   (four 32-bit outputs) serves four elements and a byte's codes sit in one thread.
 - Four reductions, fused across the slices before they cross threads: min and max of ``x + x * 0`` (NaN
@@ -39,8 +40,10 @@ GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from gactx.kernels._grid import launches
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
@@ -57,27 +60,58 @@ _INF = constexpr(float("inf"))
 _ROUNDS = constexpr(ROUNDS)
 _POS_INF_BITS = constexpr(0x7F800000)  # +Inf's pattern, as int32
 _NEG_INF_UBITS = constexpr(0xFF800000)  # -Inf's pattern, as uint32
-# Elements a program on a GPU: 8192 at 4 warps is 64 elements a thread, which amortizes a program's per-group
-# work (reductions across threads, two divisions, the metadata) to about 3 instructions an element, and
-# leaves 16 consecutive elements of each slice to a thread: 128-bit loads of float32 and of bfloat16 alike.
-ELEMENTS_PER_PROGRAM = 8192
+# Elements a program on a GPU: 4096 at 4 warps is 32 a thread, 8 consecutive ones in each of four slices
+# (128-bit loads of float32 and of bfloat16 alike). 8192 would amortize a program's fixed work (reductions
+# across threads, a division, the metadata) over twice the elements, 25 instead of 28 instructions an element,
+# but needs up to 230 registers a thread, 2 programs an SM, and spills on sm_80 with 16-bit inputs.
+ELEMENTS_PER_PROGRAM = 4096
+# At 1 bit a group is read in eight slices: 16-bit elements need 8192 a program for 8 consecutive ones a slice.
+ELEMENTS_PER_PROGRAM_1BIT_16 = 8192
+MAX_REGISTERS_1BIT_16 = 168  # see MAX_REGISTERS; 3 programs an SM
+# The end of a tensor runs masked (``_grid.py``) in programs of 2048: a mask an element is live throughout.
+MASKED_ELEMENTS_PER_PROGRAM = 2048
 NUM_WARPS = 4
+# Left to itself, ptxas holds some variants to 72-80 registers and spills (8-64 bytes a thread); a limit of
+# 128 lets it use what it needs, and still leaves room for 4 programs an SM.
+MAX_REGISTERS = 128
 # The interpreter runs programs one after another in Python: fewer, larger programs are much faster.
 INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16
 
 
+def program_rows(group_size: int, bits: int, itemsize: int, interpret: bool, masked: bool = False) -> int:
+    """Groups a program of quantize (and dequantize, of ``itemsize``-byte output) handles."""
+    if interpret:
+        elements = INTERPRET_ELEMENTS_PER_PROGRAM
+    elif masked:
+        elements = MASKED_ELEMENTS_PER_PROGRAM
+    else:
+        elements = ELEMENTS_PER_PROGRAM_1BIT_16 if bits == 1 and itemsize == 2 else ELEMENTS_PER_PROGRAM
+    return max(1, elements // group_size)
+
+
+def step_factor(intervals: int) -> float:
+    """``(1 + 2**-20) / intervals`` rounded to float32 (0 for no interval): ``step = span * factor``, one
+    multiplication a group instead of a division; the margin covers the rounding of the factor."""
+    return float(np.float32(SAFETY / intervals)) if intervals else 0.0
+
+
 def quantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
-) -> tuple[int, dict]:
-    """``(programs, meta-parameters)`` of ``_quantize_kernel`` for ``n`` elements of ``dtype``: the one place
-    that chooses them, for :func:`triton_quantize` and for the ahead-of-time compile (``aot.py``)."""
-    rows = max(1, (INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM) // group_size)
-    block = rows * group_size
+) -> list[tuple[int, int, dict]]:
+    """``(programs, first program, meta-parameters)`` of each launch of ``_quantize_kernel`` for ``n`` elements
+    of ``dtype``: the one place that chooses them, for :func:`triton_quantize` and for ``aot.py``."""
+    rows = program_rows(group_size, bits, dtype.itemsize, interpret)
+    tail_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
+    # A group is read in SLICES slices: four, for one Philox call, and at least one a plane of format.py.
     meta = dict(
-        BITS=bits, GROUP=group_size, ROWS=rows, STOCHASTIC=stochastic, IN_BF16=dtype == torch.bfloat16,
-        TAIL=n % block != 0, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        BITS=bits, GROUP=group_size, SLICES=max(4, 8 // bits), STOCHASTIC=stochastic,
+        IN_BF16=dtype == torch.bfloat16, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        maxnreg=MAX_REGISTERS_1BIT_16 if bits == 1 and dtype.itemsize == 2 else MAX_REGISTERS,
     )  # fmt: skip
-    return -(-n // block), meta
+    return [
+        (programs, first, {**meta, "ROWS": tail_rows if masked else rows, "MASKED": masked})
+        for programs, first, masked in launches(n, rows * group_size, tail_rows * group_size)
+    ]
 
 
 @jit
@@ -120,16 +154,16 @@ def _code_plus_one(x, offs, n, origin, inv, shift, LEVELS: tl.constexpr, MASKED:
     return s.to(tl.int32)
 
 
-@jit
-def _quantize_rows(
-    x_ptr, codes_ptr, meta_ptr, pid, n, seed,
-    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+@jit(do_not_specialize=["n", "seed", "first"])  # one compiled kernel whatever n and seed are (but int32 or int64)
+def _quantize_kernel(
+    x_ptr, codes_ptr, meta_ptr, n, seed, first,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, SLICES: tl.constexpr, STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64) + first
     LEVELS: tl.constexpr = (1 << BITS) - 1
     CENTRE: tl.constexpr = (LEVELS - 1) // 2
     PLANES: tl.constexpr = 8 // BITS  # codes a byte
-    SLICES: tl.constexpr = 8 if BITS == 1 else 4  # at least the planes, and four for one Philox call
     WIDTH: tl.constexpr = GROUP // SLICES
     SETS: tl.constexpr = SLICES // PLANES  # slices whose bytes are stored, each with the codes of PLANES slices
     ONES: tl.constexpr = 255 // LEVELS  # a 1 in each code's lowest bit (0b01010101 at 2 bits): the +1s
@@ -166,22 +200,24 @@ def _quantize_rows(
     fmin = tl.where(fmin == fmin, fmin, 0.0)  # NaN: a group with no finite value
     fmax = tl.where(fmax == fmax, fmax, 0.0)
 
-    # Normal groups: [fmin, fmax] on L levels. Special groups: [-amax, amax] on L - 1 intervals.
+    # Normal groups: [fmin, fmax] on L levels. Special groups: [-amax, amax] on L - 1 intervals (none at 1 bit).
+    # step_factor() for kernels: a constexpr float is rounded to float32 where it meets a tensor.
     span = tl.where(special, 2.0 * tl.maximum(-fmin, fmax), fmax - fmin)
-    intervals = tl.where(special, LEVELS - 1, LEVELS).to(tl.float32)
-    step = tl.math.div_rn(span, tl.maximum(intervals, 1.0)) * _SAFETY
-    step = tl.minimum(step, _FLT_MAX)
-    step = tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0)
-    step = tl.where(intervals > 0.0, step, 0.0)
+    if LEVELS == 1:
+        step = tl.minimum(span * (_SAFETY / LEVELS), _FLT_MAX)
+        step = tl.where(special, 0.0, tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0))
+    else:
+        step = tl.minimum(span * tl.where(special, _SAFETY / (LEVELS - 1), _SAFETY / LEVELS), _FLT_MAX)
+        step = tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0)
     inv = tl.where(step > 0.0, tl.math.div_rn(1.0, tl.where(step > 0.0, step, 1.0)), 0.0)
     lo = tl.where(special, kind, fmin)
+    # (lo, step) pairs, joined: one 8-byte store a group.
+    pairs = tl.join(lo, step)
+    pair_ptr = meta_ptr + rows[:, None] * 2 + tl.arange(0, 2)[None, :]
     if MASKED:
-        in_range = rows < (n + GROUP - 1) // GROUP
-        tl.store(meta_ptr + rows * 2, lo, mask=in_range)
-        tl.store(meta_ptr + rows * 2 + 1, step, mask=in_range)
+        tl.store(pair_ptr, pairs, mask=rows[:, None] < (n + GROUP - 1) // GROUP)
     else:
-        tl.store(meta_ptr + rows * 2, lo)
-        tl.store(meta_ptr + rows * 2 + 1, step)
+        tl.store(pair_ptr, pairs)
 
     origin = tl.where(special, 0.0, fmin)[:, None]
     inv = inv[:, None]
@@ -222,22 +258,6 @@ def _quantize_rows(
             tl.store(codes_ptr + boffs + i * WIDTH, packed)
 
 
-@jit(do_not_specialize=["n", "seed"])  # one compiled kernel whatever n and seed are (but int32 or int64)
-def _quantize_kernel(
-    x_ptr, codes_ptr, meta_ptr, n, seed,
-    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
-    IN_BF16: tl.constexpr, TAIL: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    if TAIL:  # the last program holds the end of the tensor: masked loads and stores there only
-        if pid == tl.num_programs(0) - 1:
-            _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, True)
-        else:
-            _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, False)
-    else:
-        _quantize_rows(x_ptr, codes_ptr, meta_ptr, pid, n, seed, BITS, GROUP, ROWS, STOCHASTIC, IN_BF16, False)
-
-
 def _allocate(flat: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = flat.numel()
     n_groups = -(-n // group_size)
@@ -255,9 +275,9 @@ def triton_quantize(
     n = flat.numel()
     if n == 0:
         return codes, meta
-    programs, launch = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    _quantize_kernel[(programs,)](x, codes, meta, n, seed, **launch)
+    for programs, first, launch in quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret):
+        _quantize_kernel[(programs,)](x, codes, meta, n, seed, first, **launch)
     return codes, meta
 
 
@@ -286,11 +306,12 @@ def torch_quantize(
     fmax = torch.where(fmax > -inf, fmax, 0.0)
 
     span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
-    intervals = torch.where(special, levels - 1, levels).float()
-    step = span / intervals.clamp(min=1.0) * SAFETY
+    factor = torch.tensor([step_factor(levels), step_factor(levels - 1)], dtype=torch.float32, device=x.device)
+    step = span * factor[special.long()]
     step = step.clamp(max=FLT_MAX)
     step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
-    step = torch.where(intervals > 0, step, 0.0)
+    if levels == 1:
+        step = torch.where(special, 0.0, step)
     inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
     kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
     origin = torch.where(special, 0.0, fmin)

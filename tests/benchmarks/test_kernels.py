@@ -1,13 +1,12 @@
-"""benchmarks/kernels.py runs at tiny sizes and writes its tables, so that it cannot rot."""
+"""benchmarks/kernels.py: ``--throughput`` runs the throughput sweep; without it, the roofline tables."""
 
-import json
-
-from benchmarks.kernels import run
+from benchmarks import kernels
 
 
-def test_quick_kernel_benchmark_writes_rows(tmp_path):
-    rows = run(["--quick", "--device", "cpu", "--out", str(tmp_path)])
-    assert rows and {r["bits"] for r in rows} == {2, 4}
-    assert all(r["quantize_gbps"] > 0 and r["dequantize_gbps"] > 0 and r["clone_gbps"] > 0 for r in rows)
-    saved = json.loads((tmp_path / "kernels.json").read_text())
-    assert saved["rows"] and "cpu" in (tmp_path / "kernels.md").read_text().lower()
+def test_throughput_flag_runs_the_sweep(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels.throughput, "run", lambda argv: calls.append(("throughput", argv)))
+    monkeypatch.setattr(kernels.roofline, "run", lambda argv: calls.append(("roofline", argv)))
+    kernels.run(["--throughput", "--quick"])
+    kernels.run(["--gpu", "h200"])
+    assert calls == [("throughput", ["--quick"]), ("roofline", ["--gpu", "h200"])]

@@ -22,3 +22,12 @@ def test_pack_matches_numpy_and_round_trips(device, n):
     packed = torch_pack_bool(mask)
     assert torch.equal(torch_unpack_bool(packed, n), mask)
     assert torch.equal(triton_unpack_bool(packed, n, interpret), mask)
+
+
+def test_gpu_launch_configuration_across_programs_and_tail():
+    n = 2 * 2048 * 8 + 77  # two whole programs of the GPU's launch, then a masked one
+    mask = _mask(n, "cpu")
+    expected = np.packbits(mask.numpy(), bitorder="little")
+    packed = triton_pack_bool(mask, interpret=False)
+    assert np.array_equal(packed.numpy(), expected)
+    assert torch.equal(triton_unpack_bool(packed, n, interpret=False), mask)

@@ -43,6 +43,17 @@ def test_special_values_decode_identically_and_keep_non_finite(device, bits, dty
 
 
 @pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_launch_configuration_decodes_identically_across_programs_and_tail(bits, dtype):
+    """The GPU's meta-parameters (whole programs, then a masked one), run by the interpreter. bfloat16 output is
+    left out: compiled, it uses the hardware conversion, which the interpreter's cast (truncation) is not."""
+    n = 2 * 8192 + 300
+    codes, meta = torch_quantize(_sample(n, dtype, "cpu"), bits, 256, True, 3)
+    a = triton_dequantize(codes, meta, bits, 256, n, dtype, interpret=False)
+    assert_same_bits(a, torch_dequantize(codes, meta, bits, 256, n, dtype))
+
+
+@pytest.mark.parametrize("bits", BITS)
 def test_finite_values_of_a_non_finite_group_stay_within_a_step(bits):
     x = torch.linspace(-2, 3, 64)
     x[5], x[20], x[40] = float("nan"), float("inf"), -float("inf")

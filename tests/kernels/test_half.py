@@ -49,3 +49,14 @@ def test_stochastic_rounding_is_unbiased(impl):
     )
     # Per element the variance is at most ulp^2 / 4: the mean is within 5 standard errors.
     assert ((total / seeds - x.double()).abs() <= 5 * ulp.abs().double() / 2 / seeds**0.5).all()
+
+
+def test_gpu_launch_configuration_matches_torch_across_programs_and_tail():
+    """The GPU's programs (8192 elements, whole ones and then a masked one) under the interpreter, stochastic
+    (round to nearest is the hardware conversion when compiled, which the interpreter does not run)."""
+    x = torch.randn(2 * 8192 + 300, generator=torch.Generator().manual_seed(4)) * 3
+    y = triton_round_bf16(x, True, 9, interpret=False).float()
+    down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
+    assert ((y == down) | (y == up)).all()
+    assert (y == up).float().mean().item() > 0.3, "every element rounded one way: the tail or a program skipped"

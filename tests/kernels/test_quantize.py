@@ -67,6 +67,26 @@ def test_identical_bytes_across_group_sizes(device, group_size):
     assert_same_bits(meta_a, meta_b)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_gpu_launch_configuration_matches_the_twin_across_programs_and_tail(bits, dtype, stochastic):
+    """The GPU's meta-parameters (a launch of whole programs of 4096 elements, then one of masked programs of 2048
+    for the rest), run by the interpreter: identical bytes in deterministic mode, each code within a step else."""
+    n = 2 * 8192 + 2048 + 300
+    x = _sample(n, dtype, "cpu", seed=3)
+    codes_a, meta_a = triton_quantize(x, bits, 256, stochastic, 5, interpret=False)
+    codes_b, meta_b = torch_quantize(x, bits, 256, stochastic, 5)
+    assert_same_bits(meta_a, meta_b)
+    if not stochastic:
+        assert torch.equal(codes_a, codes_b)
+    else:
+        from gactx.kernels.dequantize import torch_dequantize
+
+        xhat = torch_dequantize(codes_a, meta_a, bits, 256, n, torch.float32)
+        assert ((xhat - x.float()).abs() <= group_steps(meta_a, 256, n) * (1 + 1e-5)).all()
+
+
 def test_metadata_is_group_min_and_step():
     x = torch.tensor([2.0, 5.0, 3.0, 4.0] * 8 + [-1.0] * 32)
     _, meta = torch_quantize(x, 2, 32, False, 0)

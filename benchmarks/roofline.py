@@ -1,0 +1,151 @@
+"""The Triton kernels as a named GPU runs them, from their compiled code; measured beside it when a GPU is here.
+
+For each kernel and configuration (group 256, the default; unmasked programs, every program of a tensor but
+its last): registers, SASS instructions an element, bytes moved an element, and for a tensor of
+``--elements`` elements the time its bytes take at the device's bandwidth (memory) against the time its
+instructions take to issue (issue); the larger bounds the kernel. Compiled for the device's architecture with
+``gactx.kernels.aot`` (no GPU needed). On a CUDA machine the kernels also run and ``triton.testing.do_bench``
+times them (median); without one that column says so: no GPU figure is ever made up.
+
+    python -m benchmarks.kernels                      # H100 (sm_90)
+    python -m benchmarks.kernels --gpu h200 a100      # several devices, one table each
+
+Writes ``roofline.md`` and ``roofline.json`` under ``benchmarks/results/<gpu>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from gactx.kernels import _triton, aot
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ELEMENTS = 1 << 26  # 64 Mi elements: a 256 MiB float32 activation, far past any cache
+
+
+def pick(families: list[str], quick: bool) -> list[aot.KernelSpec]:
+    """Unmasked variants at group size 256, fp32 and bf16; ``quick``: 4-bit fp32 (de)quantize, nothing else."""
+
+    def wanted(config: dict) -> bool:
+        if config["masked"] or config.get("group", 256) != 256 or config.get("dtype") == "fp16":
+            return False
+        return not quick or (config.get("bits") == 4 and config.get("dtype") == "fp32")
+
+    return [spec for spec in aot.specs(families) if wanted(spec.config)]
+
+
+def measured_ms(spec: aot.KernelSpec, elements: int) -> float:
+    """Median milliseconds of one launcher call on ``elements`` elements, on this machine's GPU."""
+    import triton.testing
+
+    import gactx
+    from gactx.kernels.bitmask import triton_pack_bool, triton_unpack_bool
+    from gactx.kernels.half import triton_round_bf16
+
+    c = spec.config
+    dtype = aot.DTYPES.get(c.get("dtype", "fp32"))
+    x = torch.randn(elements, device="cuda").to(dtype)
+    if spec.family == "quantize":
+        call = lambda: gactx.quantize(x, c["bits"], c["group"], stochastic=c["stochastic"], backend="triton")  # noqa: E731
+    elif spec.family == "dequantize":
+        q = gactx.quantize(x, c["bits"], c["group"], backend="triton")
+        call = lambda: gactx.dequantize(q, backend="triton")  # noqa: E731
+    elif spec.family == "round_bf16":
+        call = lambda: triton_round_bf16(x, c["stochastic"], 1)  # noqa: E731
+    elif spec.family == "pack_bool":
+        mask = x > 0
+        call = lambda: triton_pack_bool(mask)  # noqa: E731
+    else:
+        packed = triton_pack_bool(x > 0)
+        call = lambda: triton_unpack_bool(packed, elements)  # noqa: E731
+    return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+
+
+def rows_for(device: aot.Device, specs: list[aot.KernelSpec], elements: int, measure: bool) -> list[dict]:
+    rows = []
+    for spec in specs:
+        compiled = aot.compile_spec(spec, device.arch)
+        per_element, moved = compiled.per_element, spec.bytes_per_element
+        memory_us = elements * moved / device.bandwidth * 1e6
+        issue_us = elements * per_element / device.instructions_per_second * 1e6
+        row = {
+            "kernel": spec.family,
+            "configuration": " ".join(f"{k}={v}" for k, v in spec.config.items() if k != "masked"),
+            "registers": compiled.registers,
+            "instructions_per_element": round(per_element, 2),
+            "bytes_per_element": round(moved, 3),
+            "budget_per_element": round(aot.budget(device, moved), 1),
+            "memory_us": round(memory_us, 1),
+            "issue_us": round(issue_us, 1),
+            "bound": "memory" if memory_us >= issue_us else "issue",
+            "problems": compiled.problems(),
+            "measured_us": round(measured_ms(spec, elements) * 1e3, 1) if measure else None,
+        }
+        rows.append(row)
+    return rows
+
+
+def render(device: aot.Device, rows: list[dict], env: dict) -> str:
+    lines = [
+        f"# gactx kernels on {device.name} (sm_{device.arch}), from the compiled code",
+        "",
+        f"- {device.name}: {device.bandwidth / 1e12:.2f} TB/s, {device.sms} SMs x {device.schedulers} warp "
+        f"instructions a cycle at {device.clock_hz / 1e9:.3f} GHz = {aot.budget(device, 1):.2f} instructions an "
+        "element for each byte the element moves (the budget: below it, memory-bound)",
+        f"- compiled with triton {env['triton']} for sm_{device.arch} on {env['compiled_on']}, {env['date']}",
+        f"- times for a tensor of {env['elements']:,} elements; memory = bytes / bandwidth, issue = instructions / "
+        "issue rate, whichever is larger bounds the kernel",
+        f"- measured: {env['measured']}",
+        "- unmasked programs (all of a tensor but its end, less than a program), group size 256",
+        "",
+        "| kernel | configuration | regs | instr/elem | bytes/elem | budget | memory us | issue us | bound "
+        "| measured us |",
+        "|---|---|--:|--:|--:|--:|--:|--:|---|--:|",
+    ]
+    for r in rows:
+        measured = "-" if r["measured_us"] is None else f"{r['measured_us']:.1f}"
+        cells = [r["kernel"], r["configuration"], str(r["registers"]), f"{r['instructions_per_element']:.1f}",
+                 f"{r['bytes_per_element']:.2f}", f"{r['budget_per_element']:.1f}", f"{r['memory_us']:.1f}",
+                 f"{r['issue_us']:.1f}", r["bound"], measured]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--gpu", nargs="+", choices=sorted(aot.DEVICES), default=["h100"], help="default: h100")
+    parser.add_argument("--family", nargs="+", choices=aot.FAMILIES, default=list(aot.FAMILIES))
+    parser.add_argument("--elements", type=int, default=ELEMENTS, help="tensor size for the times")
+    parser.add_argument("--quick", action="store_true", help="4-bit fp32 (de)quantize only")
+    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<gpu>/")
+    args = parser.parse_args(argv)
+    if _triton.INTERPRET:
+        parser.error("compiling for a GPU needs the real JIT: unset TRITON_INTERPRET")
+    here = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    specs = pick(args.family, args.quick)
+    tables = {}
+    for name in args.gpu:
+        device = aot.DEVICES[name]
+        measure = here is not None and torch.cuda.get_device_capability()[0] * 10 == device.arch
+        env = {
+            "triton": _triton.triton.__version__,
+            "compiled_on": "a machine with " + (here or "no GPU"),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "elements": args.elements,
+            "measured": f"on {here}, triton.testing.do_bench, median" if measure
+            else f"not here ({here or 'no GPU on this machine'}): no measured time",
+        }  # fmt: skip
+        rows = rows_for(device, specs, args.elements, measure)
+        table = render(device, rows, env)
+        out = args.out or RESULTS / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "roofline.md").write_text(table)
+        (out / "roofline.json").write_text(json.dumps({"device": name, "environment": env, "rows": rows}, indent=1))
+        print(table)
+        tables[name] = rows
+    return tables

@@ -1,0 +1,434 @@
+"""Every Triton kernel of gactx compiled ahead of time for real GPUs, on a machine without one.
+
+``triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` runs Triton's
+front end, its optimizer and the ptxas that ships in the triton wheel: PTX and a cubin, with no GPU and no
+driver. A launch on a GPU goes through the same front end, so a kernel that fails here fails there. The
+interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python and accepts what the compiler rejects (plain
+Python globals, for one); this module refuses to run under it.
+
+:func:`specs` lists every configuration the launchers can choose (both call the kernels' ``*_launch``
+functions); :func:`compile_spec` compiles one and reads from the result what decides correctness and speed
+on a GPU:
+
+- registers and spills (ptxas's own report, ``-v``);
+- fused multiply-adds in the PTX: ``q * step + lo`` fused rounds once, torch rounds twice, so a kernel whose
+  bytes must equal its torch twin's has none;
+- the width of its global loads or stores on 16-byte aligned pointers: 128 bits, or a thread moves too few
+  bytes an instruction to reach memory bandwidth;
+- SASS instructions per element (``nvdisasm``): the kernels have no loops, so each thread of a program runs
+  each instruction at most once; divided by the elements a thread handles. Counted on the unmasked variant
+  (every program but those holding the end of a tensor, ``_grid.py``). Out-of-line subroutines
+  (``$__internal_*``: IEEE division's slow path, taken for denormal or huge operands, once a group at most)
+  are left out; branches inside the kernel are counted whole.
+
+An H100 SXM issues 132 SMs x 4 warp instructions a cycle. A kernel moving ``B`` bytes an element at
+3.35 TB/s is memory-bound while it needs fewer than about ``8.9 x B`` instructions an element at 1.755 GHz
+(:func:`budget`); above that, issuing instructions takes longer than moving the bytes.
+
+Compiled variants beyond the meta-parameters: the kernels do not specialize on the value of ``n`` or
+``seed`` (``do_not_specialize``), so only their integer width (int32 below 2**31) and the pointers'
+16-byte alignment make other variants; :func:`specs` compiles every meta-parameter set with aligned pointers
+and int32 sizes, and :func:`variant_specs` one set a kernel with int64 sizes and unaligned pointers.
+
+    python -m gactx.kernels.aot                            # every kernel, sm_80 and sm_90, a table
+    python -m gactx.kernels.aot --arch 90 --family quantize --bits 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from gactx.kernels import _triton
+from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmask_launch
+from gactx.kernels.dequantize import _dequantize_kernel, dequantize_launch
+from gactx.kernels.format import CODE_BITS, GROUP_SIZES
+from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
+from gactx.kernels.quantize import _quantize_kernel, quantize_launch
+
+__all__ = [
+    "ARCHS",
+    "DEVICES",
+    "FAMILIES",
+    "Compiled",
+    "Device",
+    "KernelSpec",
+    "budget",
+    "compile_spec",
+    "specs",
+    "variant_specs",
+]
+
+ARCHS = (80, 90)  # A100 and H100/H200: the GPUs gactx's users train on
+FAMILIES = ("quantize", "dequantize", "round_bf16", "pack_bool", "unpack_bool")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# How the launchers pass a tensor of each dtype: bfloat16 as its int16 bits (the interpreter has no bf16 math).
+POINTER = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*i16"}
+OPTIONS = ("num_warps", "enable_fp_fusion", "maxnreg")  # launch options among a launcher's meta-parameters
+
+
+@dataclass(frozen=True)
+class Device:
+    """What bounds a kernel on one GPU: bytes a second, and warp instructions a second."""
+
+    name: str
+    arch: int
+    sms: int
+    clock_hz: float  # sustained SM clock under load; the spec sheets' boost clocks are 10-15% higher
+    bandwidth: float  # bytes a second (spec sheet)
+    schedulers: int = 4  # warp instructions an SM issues a cycle
+
+    @property
+    def instructions_per_second(self) -> float:
+        """Thread instructions a second: warp instructions times 32 lanes."""
+        return self.sms * self.schedulers * 32 * self.clock_hz
+
+
+DEVICES = {
+    "a100": Device("A100 SXM 80GB", 80, 108, 1.41e9, 2.039e12),
+    "h100": Device("H100 SXM", 90, 132, 1.755e9, 3.35e12),
+    "h200": Device("H200 SXM", 90, 132, 1.755e9, 4.8e12),
+}
+
+
+def budget(device: Device, bytes_per_element: float) -> float:
+    """Instructions an element a kernel can issue in the time its bytes take to move: above it, issue-bound."""
+    return device.instructions_per_second / device.bandwidth * bytes_per_element
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled variant of one kernel: what the launcher passes, and what its code must show."""
+
+    family: str
+    config: dict  # the launcher's choices, in words: dtype, bits, group, stochastic, masked
+    kernel: object = field(repr=False, compare=False)
+    signature: dict  # argument -> Triton type, "constexpr" for meta-parameters
+    constexprs: dict
+    options: dict  # num_warps, enable_fp_fusion
+    elements: int  # elements a program
+    bytes_per_element: float  # bytes the kernel moves to and from memory an element
+    exact: bool  # its results must equal its torch twin's bit for bit: no fused multiply-add
+    wide: str  # "ld", "st" or "ld st": the global accesses that must be 128 bits wide (without a tail)
+    wide_bits: int = 128  # less where a thread's run of consecutive elements is shorter than 16 bytes
+    aligned: bool = True  # pointers 16-byte aligned (what the JIT assumes of a fresh torch allocation)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.config.items())
+
+    @property
+    def threads(self) -> int:
+        return self.options["num_warps"] * 32
+
+
+def _spec(family: str, config: dict, kernel, pointers: dict, ints: dict, meta: dict, **kwargs) -> KernelSpec:
+    constexprs = {k: v for k, v in meta.items() if k not in OPTIONS}
+    options = {k: v for k, v in meta.items() if k in OPTIONS}
+    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr")}
+    return KernelSpec(family, {**config, "masked": meta["MASKED"]}, kernel, signature, constexprs, options, **kwargs)
+
+
+# A size that is a whole number of programs for every launcher, and one element more: both launches, unmasked
+# and masked.
+_WHOLE = 1 << 24
+
+
+_SIZE_SEED = {"n": "i32", "seed": "i64", "first": "i32"}  # sizes below 2**31; seeds drawn below 2**62
+
+
+def _both(launch) -> list[dict]:
+    """The meta-parameters of each launch of a tensor of ``_WHOLE + 1`` elements: unmasked, then masked."""
+    return [meta for _, _, meta in launch]
+
+
+def _quantize_specs(bits_filter: Iterable[int] | None = None) -> list[KernelSpec]:
+    out = []
+    for name, dtype in DTYPES.items():
+        pointers = {"x_ptr": POINTER[name], "codes_ptr": "*u8", "meta_ptr": "*fp32"}
+        for bits, group, stochastic in itertools.product(bits_filter or CODE_BITS, GROUP_SIZES, (False, True)):
+            config = dict(dtype=name, bits=bits, group=group, stochastic=stochastic)
+            for meta in _both(quantize_launch(_WHOLE + 1, dtype, bits, group, stochastic)):
+                # Bits a thread can load in one piece: a slice's width, or its share of the slice.
+                width, threads = group // meta["SLICES"], meta["num_warps"] * 32
+                run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
+                moved = dtype.itemsize + bits / 8 + 8 / group
+                spec = _spec("quantize", config, _quantize_kernel, pointers, _SIZE_SEED, meta,
+                             elements=meta["ROWS"] * group, bytes_per_element=moved, exact=True, wide="ld",
+                             wide_bits=min(128, run))  # fmt: skip
+                out.append(spec)
+    return out
+
+
+def _dequantize_specs(bits_filter: Iterable[int] | None = None) -> list[KernelSpec]:
+    out = []
+    for name, dtype in DTYPES.items():
+        pointers = {"codes_ptr": "*u8", "meta_ptr": "*fp32", "out_ptr": POINTER[name]}
+        for bits, group in itertools.product(bits_filter or CODE_BITS, GROUP_SIZES):
+            for meta in _both(dequantize_launch(_WHOLE + 1, dtype, bits, group)):
+                # Bits a thread can store in one piece: a plane's width (format.py), or its share of the plane.
+                width, threads = group // (8 // bits), meta["num_warps"] * 32
+                run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
+                spec = _spec("dequantize", dict(dtype=name, bits=bits, group=group), _dequantize_kernel, pointers,
+                             {"n": "i32", "first": "i32"}, meta, elements=meta["ROWS"] * group,
+                             bytes_per_element=dtype.itemsize + bits / 8 + 8 / group, exact=True, wide="st",
+                             wide_bits=min(128, run))  # fmt: skip
+                out.append(spec)
+    return out
+
+
+def _round_bf16_specs() -> list[KernelSpec]:
+    out = []
+    pointers = {"x_ptr": "*fp32", "out_ptr": "*i16"}
+    for stochastic in (False, True):
+        for meta in _both(round_bf16_launch(_WHOLE + 1, stochastic)):
+            spec = _spec("round_bf16", dict(stochastic=stochastic), _round_bf16_kernel, pointers, _SIZE_SEED, meta,
+                         elements=meta["BLOCK"],
+                         bytes_per_element=6.0, exact=True, wide="ld st")  # fmt: skip
+            out.append(spec)
+    return out
+
+
+def _bitmask_specs(family: str) -> list[KernelSpec]:
+    kernel, names, wide = {
+        "pack_bool": (_pack_bool_kernel, ("mask_ptr", "out_ptr"), "ld"),
+        "unpack_bool": (_unpack_bool_kernel, ("packed_ptr", "out_ptr"), "st"),
+    }[family]
+    pointers = dict.fromkeys(names, "*u8")
+    return [
+        _spec(
+            family,
+            {},
+            kernel,
+            pointers,
+            {"n": "i32", "first": "i32"},
+            meta,
+            elements=meta["BLOCK"] * 8,
+            bytes_per_element=1.125,
+            exact=True,
+            wide=wide,
+        )  # fmt: skip
+        for meta in _both(bitmask_launch(_WHOLE + 1))
+    ]
+
+
+def specs(families: Iterable[str] = FAMILIES, bits: Iterable[int] | None = None) -> list[KernelSpec]:
+    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows (de)quantize)."""
+    builders = {
+        "quantize": lambda: _quantize_specs(bits),
+        "dequantize": lambda: _dequantize_specs(bits),
+        "round_bf16": _round_bf16_specs,
+        "pack_bool": lambda: _bitmask_specs("pack_bool"),
+        "unpack_bool": lambda: _bitmask_specs("unpack_bool"),
+    }
+    return [spec for family in families for spec in builders[family]()]
+
+
+def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
+    """One meta-parameter set a kernel with int64 sizes, an int32 seed and unaligned pointers."""
+    out = []
+    for family in families:
+        spec = next(s for s in specs([family]) if s.config["masked"] and s.config.get("bits", 4) == 4)
+        ints = {k: {"n": "i64", "seed": "i32"}.get(k, v) for k, v in spec.signature.items()}
+        config = {**spec.config, "sizes": "int64", "pointers": "unaligned"}
+        out.append(
+            KernelSpec(
+                family,
+                config,
+                spec.kernel,
+                ints,
+                spec.constexprs,
+                spec.options,
+                spec.elements,
+                spec.bytes_per_element,
+                spec.exact,
+                spec.wide,
+                spec.wide_bits,
+                aligned=False,
+            )  # fmt: skip
+        )
+    return out
+
+
+@dataclass
+class Compiled:
+    """What the compiled code of one spec shows, for one architecture."""
+
+    spec: KernelSpec
+    arch: int
+    registers: int = 0
+    spill_bytes: int = 0  # bytes of spill stores and loads a thread (ptxas)
+    sass: int = 0  # instructions in the cubin, NOPs excluded
+    fma: int = 0  # fused multiply-adds in the PTX
+    load_bits: list[int] = field(default_factory=list)  # width of each global load in the PTX
+    store_bits: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def per_element(self) -> float:
+        """SASS instructions a thread issues an element (see the module docstring)."""
+        return self.sass / (self.spec.elements / self.spec.threads)
+
+    def problems(self) -> list[str]:
+        """What would fail or be slow on a GPU; empty when the kernel passes."""
+        if self.error:
+            return [f"does not compile: {self.error}"]
+        found = []
+        if self.spill_bytes:
+            found.append(f"spills {self.spill_bytes} bytes of registers a thread to local memory")
+        if self.spec.exact and self.fma:
+            found.append(f"{self.fma} fused multiply-adds: results differ from the torch twin in the last bit")
+        if self.spec.aligned and not self.spec.config["masked"]:
+            for kind, widths in (("ld", self.load_bits), ("st", self.store_bits)):
+                narrow = sorted({w for w in widths if w < self.spec.wide_bits})
+                if kind in self.spec.wide.split() and (not widths or narrow):
+                    found.append(f"global {kind} narrower than {self.spec.wide_bits} bits: {narrow or 'none'}")
+        return found
+
+    def row(self) -> dict:
+        """A flat record for tables and JSON."""
+        return {
+            "family": self.spec.family,
+            **self.spec.config,
+            "arch": self.arch,
+            "registers": self.registers,
+            "spill_bytes": self.spill_bytes,
+            "sass": self.sass,
+            "per_element": round(self.per_element, 2),
+            "bytes_per_element": round(self.spec.bytes_per_element, 4),
+            "fma": self.fma,
+            "widest_load": max(self.load_bits, default=0),
+            "widest_store": max(self.store_bits, default=0),
+            "seconds": round(self.seconds, 2),
+            "problems": self.problems(),
+        }
+
+
+_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st)\.global\S*", re.MULTILINE)
+
+
+def _access_bits(ptx: str) -> dict[str, list[int]]:
+    """Width in bits of each global load and store in ``ptx`` (``ld.global.v4.b32`` is 128)."""
+    found: dict[str, list[int]] = {"ld": [], "st": []}
+    for match in _ACCESS.finditer(ptx):
+        parts = match.group(0).split()[-1].split(".")
+        vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        element = next(int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p))
+        found[match.group(1)].append(vector * element)
+    return found
+
+
+def _nvidia_tool(name: str, *args: str) -> str:
+    path = getattr(_triton.triton.knobs.nvidia, name).path
+    return subprocess.run([path, *args], check=True, capture_output=True, text=True).stdout
+
+
+def _compile(source, arch: int, options: dict):
+    """``triton.compile`` for ``sm_<arch>``, and the log of ptxas (``-v``: registers, stack frame, spills)."""
+    from triton.backends.compiler import GPUTarget
+
+    knobs = _triton.triton.knobs
+    log, dump, cache = io.StringIO(), knobs.nvidia.dump_ptxas_log, knobs.cache.dir
+    knobs.nvidia.dump_ptxas_log = True  # Triton prints ptxas's log: keep it
+    # An empty cache: a cached kernel skips the front end, which is what rejects what the interpreter accepts.
+    with tempfile.TemporaryDirectory(prefix="gactx-aot-") as empty:
+        knobs.cache.dir = empty
+        try:
+            with contextlib.redirect_stdout(log):
+                kernel = _triton.triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(options))
+        finally:
+            knobs.nvidia.dump_ptxas_log, knobs.cache.dir = dump, cache
+    return kernel, log.getvalue()
+
+
+def compile_spec(spec: KernelSpec, arch: int) -> Compiled:
+    """Compile ``spec`` for ``sm_<arch>`` and read its resources, PTX and SASS; errors are recorded, not raised."""
+    if _triton.INTERPRET or not _triton.HAS_TRITON:
+        raise RuntimeError("compiling for a GPU needs triton and the real JIT: run without TRITON_INTERPRET=1")
+    from triton.compiler import ASTSource
+
+    result = Compiled(spec, arch)
+    names = list(spec.signature)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in spec.signature.items() if v.startswith("*")}
+    source = ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs if spec.aligned else None)
+    start = time.perf_counter()
+    try:
+        kernel, ptxas_log = _compile(source, arch, spec.options)
+    except Exception as e:  # the compiler's verdict is the result: report it, compile the rest
+        cause = e.__cause__ or e  # Triton wraps the front end's error (a NameError, say) with the source
+        result.error = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+        result.seconds = time.perf_counter() - start
+        return result
+    result.seconds = time.perf_counter() - start
+    ptx = kernel.asm["ptx"]
+    result.fma = len(re.findall(r"\bfma\.", ptx))
+    accesses = _access_bits(ptx)
+    result.load_bits, result.store_bits = accesses["ld"], accesses["st"]
+    # ptxas: "Used 72 registers", and for the kernel and each subroutine "8 bytes stack frame, 0 bytes spill
+    # stores, 0 bytes spill loads". A stack frame alone is no spill: a call to IEEE division's slow path
+    # saves registers there, on that path only.
+    result.registers = max(int(n) for n in re.findall(r"Used (\d+) registers", ptxas_log))
+    result.spill_bytes = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
+    if not spec.config["masked"]:  # nvdisasm takes ~0.35 s a call; a masked program a tensor needs no count
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            sass = _nvidia_tool("nvdisasm", "-c", f.name)
+        kernel_body = re.split(r"^\$__internal", sass, flags=re.MULTILINE)[0]  # out-of-line subroutines follow
+        instructions = re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.+?)\s*;", kernel_body, re.MULTILINE)
+        result.sass = sum(1 for ins in instructions if not re.match(r"(@!?U?P\w+\s+)?NOP\b", ins))
+    return result
+
+
+def _table(results: list[Compiled]) -> str:
+    lines = ["| kernel | configuration | sm | regs | spill B | instr/elem | bytes/elem | fma | ld/st bits | problems |"]
+    lines.append("|---|---|--:|--:|--:|--:|--:|--:|---|---|")
+    for r in results:
+        widths = f"{max(r.load_bits, default=0)}/{max(r.store_bits, default=0)}"
+        count = f"{r.per_element:.1f}" if r.sass else "-"
+        cells = [r.spec.family, r.spec.label, str(r.arch), str(r.registers), str(r.spill_bytes),
+                 count, f"{r.spec.bytes_per_element:.2f}", str(r.fma), widths,
+                 "; ".join(r.problems()) or "-"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gactx.kernels.aot", description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS))
+    parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    parser.add_argument("--bits", type=int, nargs="+", choices=CODE_BITS, help="(de)quantize widths; default all")
+    parser.add_argument(
+        "--variants", choices=("with", "without", "only"), default="with",
+        help="the int64-size, unaligned-pointer variants (one a kernel): with the rest, without, or only them",
+    )  # fmt: skip
+    parser.add_argument("--json", help="write one record a compiled kernel to this file")
+    args = parser.parse_args(argv)
+    todo = [] if args.variants == "only" else specs(args.family, args.bits)
+    todo += [] if args.variants == "without" else variant_specs(args.family)
+    results = [compile_spec(spec, arch) for arch in args.arch for spec in todo]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.row() for r in results], f, indent=1)
+    print(_table(results))
+    failed = [r for r in results if r.problems()]
+    seconds = sum(r.seconds for r in results)
+    print(f"\n{len(results)} kernels compiled in {seconds:.0f} s, {len(failed)} with problems", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""gactx/kernels/aot.py: every Triton kernel compiles for sm_80 and sm_90 on this CPU machine, with no spill, no
+fused multiply-add where bytes must match the torch twin, 128-bit accesses, and within its instruction budget.
+
+The compiles run in child processes: this process runs kernels under the interpreter (tests/conftest.py),
+whose kernels the compiler cannot take. Each compile starts from an empty Triton cache (``aot._compile``): a
+cached kernel skips the front end, where a plain Python global fails.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gactx.kernels import aot
+from gactx.kernels.dequantize import dequantize_launch
+from gactx.kernels.format import CODE_BITS, GROUP_SIZES
+from gactx.kernels.quantize import quantize_launch
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the kernels are built to: SASS instructions an element on sm_90 (H100, H200), unmasked programs.
+QUANTIZE_BUDGET = 45  # stochastic 2- and 4-bit quantize
+DEQUANTIZE_BUDGET = 25  # every dequantize
+# Chunks small enough for pytest-xdist to spread over two workers (quantize is two thirds of the work).
+CHUNKS = [
+    (("quantize",), [1], "without"),
+    (("quantize",), [2], "without"),
+    (("quantize",), [4], "without"),
+    (("quantize",), [8], "without"),
+    (("dequantize",), None, "without"),
+    (("round_bf16", "pack_bool", "unpack_bool"), None, "without"),
+    (aot.FAMILIES, None, "only"),
+]
+
+
+def _run(module: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", aot.ARCHS)
+@pytest.mark.parametrize(
+    ("families", "bits", "variants"),
+    CHUNKS,
+    ids=[f"{'+'.join(f)}-{'+'.join(map(str, b or ['all']))}-{v}" for f, b, v in CHUNKS],
+)
+def test_every_kernel_compiles_for_the_gpu(tmp_path, arch, families, bits, variants):
+    out = tmp_path / "rows.json"
+    args = ["--arch", str(arch), "--family", *families, "--variants", variants, "--json", str(out)]
+    proc = _run("gactx.kernels.aot", args + (["--bits", *map(str, bits)] if bits else []), tmp_path)
+    assert out.exists(), proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    expected = [] if variants == "only" else aot.specs(families, bits)
+    expected += [] if variants == "without" else aot.variant_specs(families)
+    assert len(rows) == len(expected), "a configuration the launchers can choose was not compiled"
+    problems = [f"{r['family']} {r}: {r['problems']}" for r in rows if r["problems"]]
+    assert not problems, "\n".join(problems[:20])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if arch != 90:
+        return
+    for r in rows:
+        if r["masked"] or r.get("sizes"):
+            continue
+        if r["family"] == "quantize" and r["stochastic"] and r["bits"] in (2, 4):
+            assert r["per_element"] <= QUANTIZE_BUDGET, r
+        if r["family"] == "dequantize":
+            assert r["per_element"] <= DEQUANTIZE_BUDGET, r
+
+
+def test_the_checks_catch_each_fault(tmp_path):
+    """A plain global, a fused multiply-add, masked (scalar) loads and a spill are each reported; a clean
+    kernel is not: the checks above can fail."""
+    out = tmp_path / "cases.json"
+    proc = _run("tests.kernels.aot_cases", [str(out)], tmp_path)
+    assert out.exists(), proc.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert "does not compile" in found["plain_global"]["problems"][0]
+    assert found["multiply_add"]["fma"] > 0 and any("fused" in p for p in found["multiply_add"]["problems"])
+    assert any("narrower than 128" in p for p in found["masked_everywhere"]["problems"])
+    spilled = found["register_limit"]
+    assert spilled["spill_bytes"] > 0 and any("spills" in p for p in spilled["problems"])
+    assert found["clean"]["problems"] == []
+
+
+def _constexprs(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k not in aot.OPTIONS}
+
+
+def test_specs_hold_every_configuration_the_launchers_choose():
+    quantize = {tuple(s.config.values()): s for s in aot.specs(["quantize"])}
+    dequantize = {tuple(s.config.values()): s for s in aot.specs(["dequantize"])}
+    assert len(quantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2 * 2  # dtypes, bits, groups, rounding, mask
+    assert len(dequantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2
+    for n in (1, 300, 8192, 3 * 8192 + 5, 1 << 20):
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            for bits, group in ((4, 256), (1, 32), (8, 4096)):
+                for _, _, meta in quantize_launch(n, dtype, bits, group, True):
+                    spec = quantize[(name, bits, group, True, meta["MASKED"])]
+                    assert spec.constexprs == _constexprs(meta)
+                for _, _, meta in dequantize_launch(n, dtype, bits, group):
+                    assert dequantize[(name, bits, group, meta["MASKED"])].constexprs == _constexprs(meta)
+
+
+def test_access_widths_are_read_from_ptx():
+    ptx = """
+	ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+	@%p1 ld.global.b16 { %rs1 }, [ %rd2 + 0 ];
+	@!%p2 st.global.v2.b32 [ %rd3 + 0 ], { %r5, %r6 };
+	st.global.b8 [ %rd4 + 0 ], { %rs2 };
+	ld.global.L1::evict_last.v4.b32 { %r7, %r8, %r9, %r10 }, [ %rd5 + 0 ];
+"""
+    assert aot._access_bits(ptx) == {"ld": [128, 16, 128], "st": [64, 8]}
+
+
+def test_budget_is_issue_rate_over_bandwidth():
+    h100, h200 = aot.DEVICES["h100"], aot.DEVICES["h200"]
+    assert aot.budget(h100, 1.0) == pytest.approx(132 * 4 * 32 * 1.755e9 / 3.35e12)  # about 8.85 an element-byte
+    assert aot.budget(h200, 4.53) < aot.budget(h100, 4.53)  # more bandwidth, same SMs: less room
