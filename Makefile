@@ -10,7 +10,7 @@ setup:
 	$(PYTHON) -m pip install --quiet -e ".[test,bench]"
 
 test: setup
-	$(PYTHON) -m pytest -n 2 -q
+	$(PYTHON) -m pytest -n 2 --dist worksteal -q
 
 demo: setup
 	$(PYTHON) -m benchmarks.demo
@@ -22,8 +22,10 @@ bench: setup
 	$(PYTHON) -m benchmarks.run --size small --precisions bf16 --models sage bert-base resnet50 \
 		--methods fp L1.2 L2.2 checkpoint --train-steps 20 --warmup 3 --timed 5 --out benchmarks/results/cpu/bf16
 
+# The compiled kernels' roofline for three GPUs (no GPU needed), then throughput on this machine's device.
 bench-kernels: setup
-	$(PYTHON) -m benchmarks.kernels
+	$(PYTHON) -m benchmarks.kernels --gpu h100 h200 a100
+	$(PYTHON) -m benchmarks.kernels --throughput
 
 lint:
 	ruff check gactx tests benchmarks && ruff format --check gactx tests benchmarks

@@ -33,6 +33,7 @@ def device(request) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (a minute or more each: the ahead-of-time GPU compiles) run first, so that
-    pytest-xdist starts them on both workers at once and the short tests fill in around them."""
+    """Tests marked ``slow`` (a minute or more each: the ahead-of-time GPU compiles) run first, so that the
+    short ones fill in around them; with ``--dist worksteal`` (the Makefile's) an idle worker takes queued
+    tests from a busy one, so the slow ones do not wait in one worker's queue."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -20,9 +20,9 @@ from gactx.kernels._grid import launches
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.random import ROUNDS, philox
 
-_ROUNDS = constexpr(ROUNDS)
-
 __all__ = ["bf16_bits", "bf16_bits_to_float", "round_bf16_launch", "triton_round_bf16", "torch_round_bf16"]
+
+_ROUNDS = constexpr(ROUNDS)
 
 # Elements a program: 8192 at 4 warps is 64 a thread, 8 consecutive ones in each of eight slices (128-bit
 # loads), and one Philox call (128 random bits) for the 16 random bits of each of eight elements.
