@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +27,35 @@ from gactx.kernels import _triton, aot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENTS = 1 << 26  # 64 Mi elements: a 256 MiB float32 activation, far past any cache
+
+
+@dataclass(frozen=True)
+class Device:
+    """What bounds a kernel on one GPU: bytes a second, and warp instructions a second."""
+
+    name: str
+    arch: int
+    sms: int
+    clock_hz: float  # SM clock assumed: 1.755 GHz for H100/H200 (boost 1.98 GHz), the 1.41 GHz boost for A100
+    bandwidth: float  # bytes a second (spec sheet)
+    schedulers: int = 4  # warp instructions an SM issues a cycle
+
+    @property
+    def instructions_per_second(self) -> float:
+        """Thread instructions a second: warp instructions times 32 lanes."""
+        return self.sms * self.schedulers * 32 * self.clock_hz
+
+
+DEVICES = {
+    "a100": Device("A100 SXM 80GB", 80, 108, 1.41e9, 2.039e12),
+    "h100": Device("H100 SXM", 90, 132, 1.755e9, 3.35e12),
+    "h200": Device("H200 SXM", 90, 132, 1.755e9, 4.8e12),
+}
+
+
+def budget(device: Device, bytes_per_element: float) -> float:
+    """Instructions an element a kernel can issue in the time its bytes take to move: above it, issue-bound."""
+    return device.instructions_per_second / device.bandwidth * bytes_per_element
 
 
 def pick(families: list[str], quick: bool) -> list[aot.KernelSpec]:
@@ -66,7 +96,7 @@ def measured_ms(spec: aot.KernelSpec, elements: int) -> float:
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
 
-def rows_for(device: aot.Device, specs: list[aot.KernelSpec], elements: int, measure: bool) -> list[dict]:
+def rows_for(device: Device, specs: list[aot.KernelSpec], elements: int, measure: bool) -> list[dict]:
     rows = []
     for spec in specs:
         compiled = aot.compile_spec(spec, device.arch)
@@ -79,7 +109,7 @@ def rows_for(device: aot.Device, specs: list[aot.KernelSpec], elements: int, mea
             "registers": compiled.registers,
             "instructions_per_element": round(per_element, 2),
             "bytes_per_element": round(moved, 3),
-            "budget_per_element": round(aot.budget(device, moved), 1),
+            "budget_per_element": round(budget(device, moved), 1),
             "memory_us": round(memory_us, 1),
             "issue_us": round(issue_us, 1),
             "bound": "memory" if memory_us >= issue_us else "issue",
@@ -90,12 +120,12 @@ def rows_for(device: aot.Device, specs: list[aot.KernelSpec], elements: int, mea
     return rows
 
 
-def render(device: aot.Device, rows: list[dict], env: dict) -> str:
+def render(device: Device, rows: list[dict], env: dict) -> str:
     lines = [
         f"# gactx kernels on {device.name} (sm_{device.arch}), from the compiled code",
         "",
         f"- {device.name}: {device.bandwidth / 1e12:.2f} TB/s, {device.sms} SMs x {device.schedulers} warp "
-        f"instructions a cycle at {device.clock_hz / 1e9:.3f} GHz = {aot.budget(device, 1):.2f} instructions an "
+        f"instructions a cycle at {device.clock_hz / 1e9:.3f} GHz = {budget(device, 1):.2f} instructions an "
         "element for each byte the element moves (the budget: below it, memory-bound)",
         f"- compiled with triton {env['triton']} for sm_{device.arch} on {env['compiled_on']}, {env['date']}",
         f"- times for a tensor of {env['elements']:,} elements; memory = bytes / bandwidth, issue = instructions / "
@@ -118,7 +148,7 @@ def render(device: aot.Device, rows: list[dict], env: dict) -> str:
 
 def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu", nargs="+", choices=sorted(aot.DEVICES), default=["h100"], help="default: h100")
+    parser.add_argument("--gpu", nargs="+", choices=sorted(DEVICES), default=["h100"], help="default: h100")
     parser.add_argument("--family", nargs="+", choices=aot.FAMILIES, default=list(aot.FAMILIES))
     parser.add_argument("--elements", type=int, default=ELEMENTS, help="tensor size for the times")
     parser.add_argument("--quick", action="store_true", help="4-bit fp32 (de)quantize only")
@@ -130,7 +160,7 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
     specs = pick(args.family, args.quick)
     tables = {}
     for name in args.gpu:
-        device = aot.DEVICES[name]
+        device = DEVICES[name]
         measure = here is not None and torch.cuda.get_device_capability()[0] * 10 == device.arch
         env = {
             "triton": _triton.triton.__version__,

@@ -23,7 +23,7 @@ on a GPU:
 
 An H100 SXM issues 132 SMs x 4 warp instructions a cycle. A kernel moving ``B`` bytes an element at
 3.35 TB/s is memory-bound while it needs fewer than about ``8.9 x B`` instructions an element at 1.755 GHz
-(:func:`budget`); above that, issuing instructions takes longer than moving the bytes.
+(``benchmarks/roofline.py``); above that, issuing instructions takes longer than moving the bytes.
 
 Compiled variants beyond the meta-parameters: the kernels do not specialize on the value of ``n`` or
 ``seed`` (``do_not_specialize``), so only their integer width (int32 below 2**31) and the pointers'
@@ -60,12 +60,9 @@ from gactx.kernels.quantize import _quantize_kernel, quantize_launch
 
 __all__ = [
     "ARCHS",
-    "DEVICES",
     "FAMILIES",
     "Compiled",
-    "Device",
     "KernelSpec",
-    "budget",
     "compile_spec",
     "specs",
     "variant_specs",
@@ -77,35 +74,6 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # How the launchers pass a tensor of each dtype: bfloat16 as its int16 bits (the interpreter has no bf16 math).
 POINTER = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*i16"}
 OPTIONS = ("num_warps", "enable_fp_fusion", "maxnreg")  # launch options among a launcher's meta-parameters
-
-
-@dataclass(frozen=True)
-class Device:
-    """What bounds a kernel on one GPU: bytes a second, and warp instructions a second."""
-
-    name: str
-    arch: int
-    sms: int
-    clock_hz: float  # sustained SM clock under load; the spec sheets' boost clocks are 10-15% higher
-    bandwidth: float  # bytes a second (spec sheet)
-    schedulers: int = 4  # warp instructions an SM issues a cycle
-
-    @property
-    def instructions_per_second(self) -> float:
-        """Thread instructions a second: warp instructions times 32 lanes."""
-        return self.sms * self.schedulers * 32 * self.clock_hz
-
-
-DEVICES = {
-    "a100": Device("A100 SXM 80GB", 80, 108, 1.41e9, 2.039e12),
-    "h100": Device("H100 SXM", 90, 132, 1.755e9, 3.35e12),
-    "h200": Device("H200 SXM", 90, 132, 1.755e9, 4.8e12),
-}
-
-
-def budget(device: Device, bytes_per_element: float) -> float:
-    """Instructions an element a kernel can issue in the time its bytes take to move: above it, issue-bound."""
-    return device.instructions_per_second / device.bandwidth * bytes_per_element
 
 
 @dataclass(frozen=True)

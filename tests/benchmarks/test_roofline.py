@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from benchmarks import roofline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,3 +33,9 @@ def test_quick_tables_for_two_gpus(tmp_path):
     if not torch.cuda.is_available():
         assert all(r["measured_us"] is None for r in rows.values())
         assert "no measured time" in (tmp_path / "roofline.md").read_text()
+
+
+def test_budget_is_issue_rate_over_bandwidth():
+    h100, h200 = roofline.DEVICES["h100"], roofline.DEVICES["h200"]
+    assert roofline.budget(h100, 1.0) == pytest.approx(132 * 4 * 32 * 1.755e9 / 3.35e12)  # about 8.85 an element-byte
+    assert roofline.budget(h200, 4.53) < roofline.budget(h100, 4.53)  # more bandwidth, same SMs: less room

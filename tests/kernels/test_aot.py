@@ -117,9 +117,3 @@ def test_access_widths_are_read_from_ptx():
 	ld.global.L1::evict_last.v4.b32 { %r7, %r8, %r9, %r10 }, [ %rd5 + 0 ];
 """
     assert aot._access_bits(ptx) == {"ld": [128, 16, 128], "st": [64, 8]}
-
-
-def test_budget_is_issue_rate_over_bandwidth():
-    h100, h200 = aot.DEVICES["h100"], aot.DEVICES["h200"]
-    assert aot.budget(h100, 1.0) == pytest.approx(132 * 4 * 32 * 1.755e9 / 3.35e12)  # about 8.85 an element-byte
-    assert aot.budget(h200, 4.53) < aot.budget(h100, 4.53)  # more bandwidth, same SMs: less room
