@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["launches"]
+__all__ = ["launches", "launch_metas"]
 
 
 def launches(n: int, block: int, tail_block: int | None = None) -> list[tuple[int, int, bool]]:
@@ -23,3 +23,14 @@ def launches(n: int, block: int, tail_block: int | None = None) -> list[tuple[in
     if rest:
         out.append((-(-rest // tail_block), full * (block // tail_block), True))
     return out
+
+
+def launch_metas(
+    n: int, block: int, meta: dict, tail_block: int | None = None, tail_meta: dict | None = None
+) -> list[tuple[int, int, dict]]:
+    """:func:`launches` with each launch's meta-parameters: ``meta``, ``MASKED``, and for the masked launch
+    ``tail_meta`` on top."""
+    return [
+        (programs, first, {**meta, **((tail_meta or {}) if masked else {}), "MASKED": masked})
+        for programs, first, masked in launches(n, block, tail_block)
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launches
+from gactx.kernels._grid import launch_metas
 from gactx.kernels._triton import jit, tl
 
 __all__ = ["bitmask_launch", "triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
@@ -28,7 +28,7 @@ def bitmask_launch(n: int, interpret: bool = False) -> list[tuple[int, int, dict
     mask elements (see ``aot.py``)."""
     block = INTERPRET_BYTES_PER_PROGRAM if interpret else BYTES_PER_PROGRAM
     meta = dict(BLOCK=block, num_warps=NUM_WARPS)
-    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, block * 8)]
+    return launch_metas(n, block * 8, meta)
 
 
 @jit(do_not_specialize=["n", "first"])

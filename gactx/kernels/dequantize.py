@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launches
+from gactx.kernels._grid import launch_metas
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.quantize import FLT_MAX, NUM_WARPS, program_rows
@@ -77,7 +77,7 @@ def dequantize_launch(
         BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, EMULATE=interpret,
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
-    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, rows * group_size)]
+    return launch_metas(n, rows * group_size, meta)
 
 
 def triton_dequantize(

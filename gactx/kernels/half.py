@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launches
+from gactx.kernels._grid import launch_metas
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.random import ROUNDS, philox
 
@@ -36,7 +36,7 @@ def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> list
     """``(programs, first program, meta-parameters)`` of each launch of ``_round_bf16_kernel`` (see ``aot.py``)."""
     block = INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM
     meta = dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, num_warps=NUM_WARPS)
-    return [(programs, first, {**meta, "MASKED": masked}) for programs, first, masked in launches(n, block)]
+    return launch_metas(n, block, meta)
 
 
 @jit

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gactx.kernels._grid import launches
+from gactx.kernels._grid import launch_metas
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
@@ -108,10 +108,7 @@ def quantize_launch(
         IN_BF16=dtype == torch.bfloat16, num_warps=NUM_WARPS, enable_fp_fusion=False,
         maxnreg=MAX_REGISTERS_1BIT_16 if bits == 1 and dtype.itemsize == 2 else MAX_REGISTERS,
     )  # fmt: skip
-    return [
-        (programs, first, {**meta, "ROWS": tail_rows if masked else rows, "MASKED": masked})
-        for programs, first, masked in launches(n, rows * group_size, tail_rows * group_size)
-    ]
+    return launch_metas(n, rows * group_size, {**meta, "ROWS": rows}, tail_rows * group_size, {"ROWS": tail_rows})
 
 
 @jit
