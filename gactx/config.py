@@ -32,6 +32,7 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 1 
 _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 
 _default_level = "L1"
+OP_RULES = ("learn", "always", "off")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class Config:
             side stream and prefetched in backward (level L3; any level with compression may set it).
             Tensors on other devices stay where they are (with a warning).
         prefetch: offload only: how many tensors ahead backward brings back to the device.
+        op_rules: how the op that saved each tensor is learned (see the README's "What is compressed"):
+            ``"learn"`` watches the aten ops of a forward pass after one that met a save not seen before and
+            keeps what it learned per slot; ``"always"`` watches every forward pass (an op's scalar
+            arguments, a clamp bound say, are then never stale; about 14 us an op of host time); ``"off"``
+            never watches: only saved results name their op (through their ``grad_fn``), inputs are
+            quantized as linear inputs (GACT's behaviour).
     """
 
     level: str = "L1"
@@ -78,6 +85,7 @@ class Config:
     seed: int = 0
     offload: bool = False
     prefetch: int = 2
+    op_rules: str = "learn"
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -107,6 +115,8 @@ class Config:
             raise ValueError(f"backend={self.backend!r} is not allowed; allowed values are {BACKENDS}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative int")
+        if self.op_rules not in OP_RULES:
+            raise ValueError(f"op_rules={self.op_rules!r} is not allowed; allowed values are {OP_RULES}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r} must be a non-negative int")
 

@@ -12,11 +12,15 @@ import torch.distributed as dist
 
 from gactx.config import Config, parse_bytes
 from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate
+from gactx.controller.rules import ALLOCATED, ATTENTION_BITS
 from gactx.controller.stats import PassStats
 
 __all__ = ["Adaptation", "default_width", "reduce_across_ranks", "plan"]
 
 logger = logging.getLogger(__name__)
+
+# Widths a class allows, where not every width (see rules.py).
+CLASS_WIDTHS = {"attention": tuple(w for w in WIDTHS if w >= ATTENTION_BITS)}
 
 
 @dataclass(frozen=True)
@@ -64,18 +68,24 @@ def plan(config: Config, last_pass: PassStats, sensitivity: dict) -> tuple[Alloc
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
+    fixed = sum(n for n, _ in last_pass.kept_storages.values())
     for record in last_pass.records:
-        if isinstance(record.bits, int) and record.dtype.is_floating_point:
+        if record.cls in ALLOCATED and isinstance(record.bits, int):
             slot = record.key[:3]
             numel = torch.Size(record.key.shape).numel()
-            items.append(Item(slot, numel, record.dtype, sensitivity.get(slot, fallback), record.storage_bytes))
+            c = sensitivity.get(slot, fallback)
+            widths = CLASS_WIDTHS.get(record.cls)
+            items.append(Item(slot, numel, record.dtype, c, record.storage_bytes, widths, record.cls == "smooth"))
+        elif isinstance(record.bits, int):
+            fixed += record.packed_bytes  # masks, signs, dropout masks: a fixed width, lossless
     if config.budget is not None:
-        fixed = sum(n for n, _ in last_pass.kept_storages.values()) + sum(
-            r.packed_bytes for r in last_pass.records if r.dtype == torch.bool and isinstance(r.bits, int)
-        )
         budget = parse_bytes(config.budget) - fixed
     else:
-        budget = sum(int(it.numel * config.bits / 8) + 8 * -(-it.numel // config.group_size) for it in items)
+        # The average width, or a class's narrowest where that is wider (attention: 4 bits at L2.2).
+        budget = sum(
+            int(it.numel * max(config.bits, min(it.widths or WIDTHS)) / 8) + 8 * -(-it.numel // config.group_size)
+            for it in items
+        )
     allocation = allocate(items, budget, config.group_size)
     if not allocation.feasible:
         message = (

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gactx.kernels.codes import coded_nbytes
 from gactx.kernels.format import expected_nbytes
 
 __all__ = ["WIDTHS", "Item", "Allocation", "variance_factor", "widths_for", "allocate"]
@@ -52,9 +53,13 @@ class Item:
     dtype: torch.dtype
     sensitivity: float
     as_is_bytes: int | None = None  # what keeping it as is costs, if more than its elements (a view)
+    widths: tuple[int, ...] | None = None  # the widths its class allows (None: all)
+    coded: bool = False  # widths up to 8 are FewBit codes: no per-group metadata, a table
 
 
 def _bytes(item: Item, bits: int, group_size: int) -> int:
+    if item.coded and bits <= 8:
+        return coded_nbytes(item.numel, bits, item.dtype)
     nbytes = expected_nbytes(item.numel, item.dtype, bits, group_size)
     as_is = bits == 32 or (bits == 16 and item.dtype != torch.float32)
     return max(nbytes, item.as_is_bytes or 0) if as_is else nbytes
@@ -76,7 +81,7 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
     """
     options = []
     for item in items:
-        widths = widths_for(item.dtype)
+        widths = tuple(w for w in widths_for(item.dtype) if item.widths is None or w in item.widths)
         nbytes = np.array([_bytes(item, b, group_size) for b in widths], dtype=np.int64)
         var = np.array([max(item.sensitivity, 0.0) * variance_factor(b, item.dtype) for b in widths])
         options.append((widths, nbytes, var))

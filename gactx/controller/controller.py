@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
 import zlib
 from collections.abc import Callable
 
@@ -20,43 +19,18 @@ from torch import nn
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
 from gactx.controller.identity import Key, ModuleTracker
-from gactx.controller.offload import HostCopy, Offloader
-from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_owner, storage_ptr
+from gactx.controller.offload import Offloader
+from gactx.controller.pack import PackPath
+from gactx.controller.policy import storage_ptr
+from gactx.controller.rules import ALLOCATED
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
-from gactx.controller.stats import KeyRecord, MemoryStats, PassStats
-from gactx.kernels import QuantizedTensor, dequantize, quantize
+from gactx.controller.stats import MemoryStats, PassStats
+from gactx.controller.store import Packed
 
 __all__ = ["Controller", "Packed"]
 
 logger = logging.getLogger(__name__)
 _MASK62 = (1 << 62) - 1
-
-
-class Packed:
-    """What autograd holds instead of a saved activation: the compressed tensor (on its device, or its
-    :class:`HostCopy` in pinned CPU memory) and its key."""
-
-    __slots__ = ("qt", "key", "source", "backend", "__weakref__")
-
-    def __init__(self, qt: QuantizedTensor | HostCopy, key: Key, source: torch.Tensor, backend: str) -> None:
-        self.qt = qt
-        self.key = key
-        self.source = weakref.ref(storage_owner(source))  # dedupe is valid only while the storage lives
-        self.backend = backend
-
-    def unpack(self) -> torch.Tensor:
-        qt = self.qt
-        if isinstance(qt, HostCopy):
-            qt = qt.offloader.fetch(qt)
-        return dequantize(qt, backend=self.backend)
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    """A tensor kept as it is, without its autograd history. Returning a node's own output from the pack hook
-    would make the node hold its output and the output hold the node: a cycle through C++ that Python's
-    garbage collector cannot see, so a graph never run backward (an evaluation with grad enabled, a step
-    abandoned after an exception) would never be freed. Autograd re-attaches the history on unpack."""
-    return t.detach() if t.grad_fn is not None else t
 
 
 def _mix(*values: int) -> int:
@@ -93,19 +67,25 @@ class Controller:
         self.model = model
         self.config: Config = make_config(level, **options)
         self.step = 0
-        self._tracker = ModuleTracker(model, on_new_pass=self._new_pass)
+        self._tracker = ModuleTracker(model, on_new_pass=self._new_pass, on_pass_end=self._pass_end)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._pass = PassStats()  # the most recent forward pass that saved anything
-        self._fresh_pass = True  # a new pass began; its first save replaces self._pass
-        self._dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._key_ids: dict[Key, int] = {}
-        self._model_ptrs: frozenset[int] = frozenset()
         self._probe: Probe | None = None
         self._slot_bits: dict[tuple, int] = {}  # the allocation, by slot (module, call, index)
         self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
         self._warned_no_closure = False
         self._offloader = Offloader(self.config.prefetch) if self.config.offload else None
+        self._path = PackPath(
+            self.config,
+            self._tracker,
+            self._model_ptrs,
+            self.bits_for,
+            self._probing,
+            self._seed,
+            self._offloader,
+            self._warn_offload,
+        )
         self._warned_offload = False
         if self._offloader is not None and not torch.cuda.is_available():
             self._warn_offload("no CUDA device is available")
@@ -121,10 +101,9 @@ class Controller:
         if self.installed:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
         self._tracker.attach()
-        self._refresh_model_ptrs()
         # The hooks run eagerly: compression is data movement outside any graph. Marking them so keeps
         # torch.compile from trying to trace them (and breaking the graph on storage addresses).
-        pack, unpack = torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack)
+        pack, unpack = torch.compiler.disable(self._path.pack), torch.compiler.disable(self._unpack)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
         return self
@@ -135,6 +114,7 @@ class Controller:
             raise RuntimeError("this Controller's hooks are not installed")
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(None, None, None)
+        self._path.end_forward()  # uninstalled inside a forward: stop watching its ops
         self._tracker.detach()
 
     def __enter__(self) -> Controller:
@@ -190,7 +170,7 @@ class Controller:
         finally:
             if not was_installed:
                 self.uninstall_hook()
-            self._pass, self._fresh_pass = training_pass, True
+            self._pass, self._path.fresh = training_pass, True
         self.sensitivity = reduce_across_ranks(estimate.sensitivity)
         allocation, budget = plan(cfg, training_pass, self.sensitivity)
         self._slot_bits = dict(allocation.bits)
@@ -234,23 +214,40 @@ class Controller:
         self._slot_bits = {(m, int(c), int(i)): int(b) for m, c, i, b in state["bits"]}
 
     def bits_for(self, key: Key) -> int | None:
-        """Bits given to the tensor named ``key`` (``None``: kept as it is)."""
+        """Bits given to the tensor named ``key`` if its class is allocated (``None``: kept as it is)."""
         cfg = self.config
-        if self._probe is not None and key[:3] == self._probe.slot:
+        if self._probing(key):
             return self._probe.bits
         if not cfg.adaptive:
             return cfg.bits
         return self._slot_bits.get(key[:3], default_width(cfg.bits))
 
+    @property
+    def _pass(self) -> PassStats:
+        """The most recent forward pass that saved anything."""
+        return self._path.stats
+
+    @_pass.setter
+    def _pass(self, stats: PassStats) -> None:
+        self._path.stats = stats
+
     # -- adaptation helpers -------------------------------------------------------------------------------
 
     def _discover(self, run: Callable[[], object]) -> list[tuple]:
-        self._pass, self._fresh_pass = PassStats(), False
+        self._pass, self._path.fresh = PassStats(), False
         run()
-        return [r.key[:3] for r in self._pass.records if isinstance(r.bits, int) and r.dtype.is_floating_point]
+        return [r.key[:3] for r in self._pass.records if r.cls in ALLOCATED and isinstance(r.bits, int)]
 
     def _set_probe(self, probe: Probe | None) -> None:
         self._probe = probe
+
+    def _probing(self, key: Key) -> bool:
+        return self._probe is not None and key[:3] == self._probe.slot
+
+    def _seed(self, key: Key) -> int:
+        if self._probing(key):
+            return self._probe.seed
+        return _mix(self.config.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
 
     def _probe_seed(self, slot: tuple, k: int) -> int:
         return _mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
@@ -278,8 +275,11 @@ class Controller:
 
     def _new_pass(self) -> None:
         # Cheap bookkeeping only: torch.compile traces module hooks, so the parameter addresses are read
-        # again in the first pack of the pass (an eager hook), not here.
-        self._fresh_pass = True
+        # again in the first pack of the pass (an eager hook), not here; the op watcher starts only eagerly.
+        self._path.begin_forward()
+
+    def _pass_end(self) -> None:
+        self._path.end_forward()
 
     def _warn_offload(self, why: str) -> None:
         if not self._warned_offload:
@@ -291,70 +291,10 @@ class Controller:
             )
             self._warned_offload = True
 
-    def _refresh_model_ptrs(self) -> None:
+    def _model_ptrs(self) -> frozenset[int]:
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        self._model_ptrs = frozenset(p for p in map(storage_ptr, tensors) if p is not None)
-
-    def _begin_pass_if_fresh(self) -> PassStats:
-        if self._fresh_pass:
-            self._pass = PassStats()
-            self._dedupe = weakref.WeakValueDictionary()
-            self._refresh_model_ptrs()
-            self._fresh_pass = False
-            if self._offloader is not None:
-                self._offloader.begin_pass()
-        return self._pass
-
-    def _pack(self, t: torch.Tensor):
-        cfg = self.config
-        stats = self._begin_pass_if_fresh()
-        ptr = storage_ptr(t)
-        reason = keep_reason(t, ptr, cfg.min_numel, self._model_ptrs)
-        if reason == KEEP_PARAMETER:
-            return _as_is(t)
-        key = self._tracker.key(t)
-        ptr = ptr or 0
-        nbytes, storage_bytes = t.numel() * t.element_size(), self._storage_bytes(t)
-        if cfg.dedupe and stats.holds(ptr):
-            stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
-            return _as_is(t)
-        bits = self.bits_for(key) if reason is None else None
-        if bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32 and t.dtype != torch.bool):
-            why = reason or ("L0" if bits is None else f"{bits} (as is)")
-            stats.add(KeyRecord(key, t.dtype, why, nbytes, nbytes, storage_bytes), t, ptr, False)
-            return _as_is(t)
-        dedupe_key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        if cfg.dedupe:
-            hit = self._dedupe.get(dedupe_key)
-            if hit is not None and hit.source() is not None:
-                stats.deduplicated += 1
-                return hit
-        probe = self._probe
-        if probe is not None and key[:3] == probe.slot:
-            seed = probe.seed
-        else:
-            seed = _mix(cfg.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
-        qt = quantize(t, bits, cfg.group_size, stochastic=cfg.stochastic, seed=seed, backend=cfg.backend)
-        record = KeyRecord(key, t.dtype, qt.bits, nbytes, qt.nbytes, storage_bytes)
-        offloaded = False
-        if self._offloader is not None:
-            if self._offloader.accepts(qt.data):
-                qt, offloaded = self._offloader.offload(qt), True
-            else:
-                self._warn_offload(f"a tensor on {t.device.type}")
-        handle = Packed(qt, key, t, cfg.backend)
-        if cfg.dedupe:
-            self._dedupe[dedupe_key] = handle
-        stats.add(record, t, ptr, True, offloaded)
-        return handle
+        return frozenset(p for p in map(storage_ptr, tensors) if p is not None)
 
     @staticmethod
     def _unpack(packed):
         return packed.unpack() if isinstance(packed, Packed) else packed
-
-    @staticmethod
-    def _storage_bytes(t: torch.Tensor) -> int:
-        try:
-            return t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return t.numel() * t.element_size()

@@ -36,12 +36,15 @@ class ModuleTracker:
     """Follows module calls of one model with forward pre- and post-hooks and hands out keys.
 
     ``on_new_pass`` runs when the model itself is called while none of its modules runs: the start of a
-    forward pass.
+    forward pass; ``on_pass_end`` when that call returns (or raises).
     """
 
-    def __init__(self, model: nn.Module, on_new_pass: Callable[[], None]) -> None:
+    def __init__(
+        self, model: nn.Module, on_new_pass: Callable[[], None], on_pass_end: Callable[[], None] = lambda: None
+    ) -> None:
         self.model = model
         self.on_new_pass = on_new_pass
+        self.on_pass_end = on_pass_end
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._stack: list[list] = []  # [name, call number, saves so far]
         self._calls: dict[str, int] = {}
@@ -69,6 +72,13 @@ class ModuleTracker:
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
+            if not self._stack and module is self.model:
+                self.on_pass_end()
+
+    @property
+    def inside(self) -> bool:
+        """Whether a module of the model is running (a forward pass is under way)."""
+        return bool(self._stack)
 
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""

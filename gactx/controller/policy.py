@@ -1,15 +1,12 @@
 """What to do with one saved tensor: keep it as it is, pack a bool mask, or compress it.
 
-The rules, in order (see the README's "What is compressed"):
+The rules that need no op, in order (see the README's "What is compressed"); the op rules follow them
+(``rules.py``):
 
 1. Parameters, buffers, views of them, and autocast copies of weights are kept: they stay alive anyway,
-   so a compressed copy would add memory, not save it. Outputs of ``log_softmax`` (what cross-entropy
-   saves) are kept too: their backward exponentiates them, so an additive quantization error becomes a
-   multiplicative error on every probability (2-bit codes of log-probabilities spanning ~12 nats are off
-   by a factor up to e^2); a character-level language model trained at 2 bits lost 20% in loss to it.
+   so a compressed copy would add memory, not save it.
 2. Not floating point (integer indices, complex), float64, sparse or other layouts, and tensors with
    fewer than ``min_numel`` elements are kept as they are; bool masks are packed to 1 bit, losslessly.
-3. Everything else is compressed with the bits of its key.
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ from gactx.kernels.format import FLOAT_DTYPES
 __all__ = ["KEEP_PARAMETER", "keep_reason", "storage_owner", "storage_ptr", "is_weight_copy"]
 
 KEEP_PARAMETER = "parameter"
-# Saved outputs whose backward is exponential in them (see rule 1), by their grad_fn's type name.
-EXACT_OUTPUTS = {"LogSoftmaxBackward0": "log_softmax output"}
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:
@@ -60,8 +55,6 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     # storage around backward.
     if ptr in model_ptrs or isinstance(storage_owner(t), torch.nn.Parameter) or is_weight_copy(t):
         return KEEP_PARAMETER
-    if t.grad_fn is not None and type(t.grad_fn).__name__ in EXACT_OUTPUTS:
-        return EXACT_OUTPUTS[type(t.grad_fn).__name__]
     if t.dtype != torch.bool and t.dtype not in FLOAT_DTYPES:
         return f"dtype {str(t.dtype).removeprefix('torch.')}"
     if t.numel() < min_numel:

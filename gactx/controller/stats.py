@@ -62,6 +62,8 @@ class KeyRecord:
     original_bytes: int  # the tensor's own bytes
     packed_bytes: int
     storage_bytes: int  # its storage's bytes: what keeping it as is costs
+    op: str = ""  # the aten op that saved it, and the argument or result when not self/result
+    cls: str = ""  # its rule's class (see rules.py)
 
 
 @dataclass
@@ -94,7 +96,8 @@ class PassStats:
                 self.offloaded_bytes += record.packed_bytes
         else:
             self.kept += 1
-            self.kept_storages.setdefault(ptr, (record.storage_bytes, str(record.bits)))
+            why = record.cls if record.bits == "kept" else str(record.bits)
+            self.kept_storages.setdefault(ptr, (record.storage_bytes, why))
             self.held[ptr] = weakref.ref(storage_owner(t))
 
     def holds(self, ptr: int) -> bool:
@@ -124,22 +127,24 @@ class PassStats:
 
     def table(self, sensitivity: dict | None = None) -> str:
         """One row a saved tensor; with ``sensitivity`` (by slot) a column of it."""
-        rows = [("key", "shape", "dtype", "bits", "before", "after") + (("sensitivity",) if sensitivity else ())]
+        head = ("key", "shape", "dtype", "op", "class", "bits", "before", "after")
+        rows = [head + (("sensitivity",) if sensitivity else ())]
         for r in self.records:
             dtype = str(r.dtype).removeprefix("torch.")
             shape = "x".join(map(str, r.key.shape)) or "scalar"
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
-            row = (str(r.key), shape, dtype, str(r.bits), before, after)
+            row = (str(r.key), shape, dtype, r.op, r.cls, str(r.bits), before, after)
             if sensitivity:
                 c = sensitivity.get(r.key[:3])
                 row += ("" if c is None else f"{c:.3g}",)
             rows.append(row)
         s = self.summary()
-        total = ("total", f"{s.tensors} tensors", "", "", format_bytes(s.original_bytes), format_bytes(s.packed_bytes))
+        total = ("total", f"{s.tensors} tensors", "", "", "", "")
+        total += (format_bytes(s.original_bytes), format_bytes(s.packed_bytes))
         rows.append(total + (("",) if sensitivity else ()))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [
-            "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            "  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
             for row in rows
         ]
         lines.insert(1, "-" * len(lines[0]))

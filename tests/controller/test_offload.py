@@ -69,7 +69,7 @@ def _mlp(depth=6):
 def _offloading(model, prefetch=2, **options):
     controller = gactx.Controller(model, level="L3", **options)
     streams = CpuStreams()
-    controller._offloader = Offloader(prefetch, streams)
+    controller._offloader = controller._path.offloader = Offloader(prefetch, streams)
     return controller, streams
 
 
@@ -96,10 +96,14 @@ def test_offloaded_tensors_decode_exactly_as_on_the_device():
     offloaded = _grads(model, controller, x)
     assert torch.equal(offloaded, on_device)  # same bits, same noise: L3 is L2 plus where bytes wait
     stats = controller.memory_stats()
-    assert stats.compressed == 7 and stats.offloaded_bytes == stats.packed_bytes - stats.kept_bytes > 0
-    assert stats.device_bytes == stats.kept_bytes
-    assert streams.to_host == 2 * stats.compressed  # payload and metadata
-    assert streams.to_device == 2 * stats.compressed  # each brought back once, none wasted
+    # 7 linear inputs quantized and offloaded; 6 ReLU masks (1 bit an element) stay on the device
+    masks = [r for r in controller._pass.records if r.cls == "threshold"]
+    assert stats.compressed == 13 and len(masks) == 6
+    mask_bytes = sum(r.packed_bytes for r in masks)
+    assert stats.offloaded_bytes == stats.packed_bytes - stats.kept_bytes - mask_bytes > 0
+    assert stats.device_bytes == stats.kept_bytes + mask_bytes
+    assert streams.to_host == 2 * 7  # payload and metadata
+    assert streams.to_device == 2 * 7  # each brought back once, none wasted
     assert "in pinned CPU memory" in controller.report()
 
 
@@ -109,9 +113,9 @@ def test_backward_prefetches_a_bounded_number_ahead(prefetch):
     controller, streams = _offloading(model, prefetch=prefetch)
     with controller:
         loss = model(x).square().mean()
-    handles = live(Packed)
-    assert handles and all(isinstance(h.qt, HostCopy) and h.qt.on_device is None for h in handles)
-    assert all(h.qt.qt.data.device.type == "cpu" for h in handles)
+    handles = [h for h in live(Packed) if isinstance(h.stored, HostCopy)]
+    assert len(handles) == 7 and all(h.stored.on_device is None for h in handles)
+    assert all(h.stored.qt.data.device.type == "cpu" for h in handles)
     del handles
     loss.backward()
     assert streams.in_flight == 0

@@ -22,7 +22,7 @@ def test_two_thousand_steps_with_adaptation_every_hundred():
     def held():
         # (the pass's table of live storages is rebuilt every pass; it is bounded by the pass's records)
         assert len(controller._pass.live) <= len(controller._pass.records)
-        return (len(controller._key_ids), len(controller._dedupe), len(controller._pass.records),
+        return (len(controller._key_ids), len(controller._path.dedupe), len(controller._pass.records),
                 len(controller._slot_bits), len(controller.sensitivity))  # fmt: skip
 
     with controller:

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import gactx
 from gactx.controller import Packed
-from gactx.kernels import QuantizedTensor, expected_nbytes
+from gactx.kernels import QuantizedTensor
+from gactx.kernels.codes import CodedTensor
 from tests.controller.zoo import ZOO, build
 from tests.helpers import live
 
@@ -45,39 +46,65 @@ def test_8_bit_gradients_are_close(name):
     assert F.cosine_similarity(plain, compressed, dim=0) >= 0.999
 
 
-def independent_count(model, run, bits, group_size, min_numel, seed=0):
-    """What plain PyTorch saves (unique storages, parameters and buffers left out), and what the documented
-    policy should hold, counted with a hook of the test's own."""
+def saved_storages(model, run, seed=0):
+    """What plain PyTorch saves: the bytes of the unique storages of saved tensors, parameters and buffers
+    left out, counted with a hook of the test's own."""
     model_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages, compressed, kept = {}, {}, {}
+    storages = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
-        if ptr in model_ptrs:
-            return t
-        storages[ptr] = t.untyped_storage().nbytes()
-        if t.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.bool) and t.numel() >= min_numel:
-            key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-            compressed[key] = expected_nbytes(t.numel(), t.dtype, bits, group_size)
-        else:
-            kept[ptr] = t.untyped_storage().nbytes()
+        if ptr not in model_ptrs:
+            storages[ptr] = t.untyped_storage().nbytes()
         return t
 
     torch.manual_seed(seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return sum(storages.values()), sum(compressed.values()) + sum(kept.values())
+    return sum(storages.values())
+
+
+def _object_bytes(stored) -> int:
+    if isinstance(stored, QuantizedTensor):
+        meta = 0 if stored.meta is None else stored.meta.numel() * stored.meta.element_size()
+        return stored.data.numel() * stored.data.element_size() + meta
+    if isinstance(stored, CodedTensor):
+        return _object_bytes(stored.codes) + stored.table.numel() * stored.table.element_size()
+    if isinstance(stored, torch.Tensor):
+        return stored.numel() * stored.element_size()
+    return 0  # Unused: nothing is held
+
+
+def held_bytes(model, controller, run, seed=0):
+    """What the handles autograd got from the controller actually hold: each stored object once, and each
+    storage of a tensor kept as is once (parameters left out), counted from the objects themselves."""
+    model_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    returned = []
+    pack = controller._path.pack
+    controller._path.pack = lambda t: returned.append(pack(t)) or returned[-1]
+    torch.manual_seed(seed)
+    with controller:
+        run()
+    objects, storages = {}, {}
+    for r in returned:
+        stored = r.stored if isinstance(r, Packed) else r
+        if isinstance(stored, torch.Tensor):
+            ptr = stored.untyped_storage().data_ptr()
+            if ptr not in model_ptrs:
+                storages[ptr] = stored.untyped_storage().nbytes()
+        else:
+            objects[id(stored)] = _object_bytes(stored)
+    return sum(objects.values()) + sum(storages.values())
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_memory_stats_match_an_independent_count(name):
     model, run = build(name)
-    original, packed = independent_count(model, run, 2, 256, 1024)
     controller = gactx.Controller(model, level="L1.2")
-    grads(model, run, controller)
+    held = held_bytes(model, controller, run)
     stats = controller.memory_stats()
-    assert stats.original_bytes == original
-    assert stats.packed_bytes == packed
+    assert stats.original_bytes == saved_storages(model, run)
+    assert stats.packed_bytes == held
     assert stats.packed_bytes < stats.original_bytes
 
 

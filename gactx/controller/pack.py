@@ -1,0 +1,239 @@
+"""The pack path, one way: decide (policy, op rule, key, bits) -> compress -> handle, and one record.
+
+For each tensor autograd saves, :meth:`PackPath.pack`:
+
+1. keeps parameters and their views (no record: not activation memory), and keeps what the policy keeps
+   (integers, float64, small, other layouts; see ``policy.py``);
+2. finds the save's :class:`~gactx.controller.rules.Site` (op, role, scalar arguments): from the op watcher
+   in a pass it watches (the handle may wait one op for it), from what was learned for the slot before,
+   or from the ``grad_fn`` of a saved result; else the op is unknown;
+3. takes the :class:`~gactx.controller.rules.Rule` of the site and the width of the slot;
+4. encodes (``store.encode``) unless the same tensor was already stored the same way in this pass;
+5. appends one :class:`~gactx.controller.stats.KeyRecord` (key, op, class, bits or reason, bytes) that
+   the memory statistics, the report and the adaptation all read.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from gactx.config import Config
+from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.offload import Offloader
+from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
+from gactx.controller.rules import (
+    ALLOCATED,
+    ATTENTION_BITS,
+    DROPOUT,
+    LINEAR,
+    UNKNOWN,
+    Rule,
+    Site,
+    output_rule,
+    rule_for,
+)
+from gactx.controller.stats import KeyRecord, PassStats
+from gactx.controller.store import Packed, as_is, encode
+from gactx.controller.watch import OpWatcher
+from gactx.kernels import QuantizedTensor
+
+__all__ = ["PackPath", "BOOL_MASK"]
+
+logger = logging.getLogger(__name__)
+
+BOOL_MASK = Rule("bool mask", "quantize")  # bool tensors: 1 bit an element, lossless, whatever the width
+
+
+class PackPath:
+    """Packs the saved tensors of the passes of one model (see the module docstring).
+
+    ``bits_for(key)`` gives the width of an allocated class, ``seed(key)`` the noise seed, and
+    ``probing(key)`` says whether the sensitivity estimator perturbs this slot now (then the tensor is
+    quantized, whatever its class)."""
+
+    def __init__(
+        self,
+        config: Config,
+        tracker: ModuleTracker,
+        model_ptrs: Callable[[], frozenset[int]],
+        bits_for: Callable[[Key], int],
+        probing: Callable[[Key], bool],
+        seed: Callable[[Key], int],
+        offloader: Offloader | None,
+        warn_offload: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.tracker = tracker
+        self.model_ptrs = model_ptrs
+        self.bits_for = bits_for
+        self.probing = probing
+        self.seed = seed
+        self.offloader = offloader
+        self.warn_offload = warn_offload
+        self.stats = PassStats()
+        self.fresh = True  # a new pass began; its first save replaces self.stats
+        self.dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.sites: dict[tuple, tuple[Site, bool, tuple]] = {}  # slot -> (site, dropout, signature)
+        self.relearn = config.op_rules != "off"  # watch the next pass
+        self.watcher = OpWatcher(self._resolve)
+        self.watching = False
+        self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
+        self._ptrs: frozenset[int] = frozenset()
+
+    # -- passes ---------------------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The model's forward begins: a new pass, watched if something new was met in the last one."""
+        self.fresh = True
+        cfg = self.config
+        watch = cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn)
+        if watch and cfg.bits is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.relearn = False
+            self.watcher.__enter__()
+            self.watching = True
+
+    def end_forward(self) -> None:
+        if self.watching:
+            self.watching = False
+            self.watcher.flush()
+            self.watcher.__exit__(None, None, None)
+
+    def _begin_pass_if_fresh(self) -> PassStats:
+        if self.fresh:
+            self.stats = PassStats()
+            self.dedupe = weakref.WeakValueDictionary()
+            self._claimed = set()
+            self._ptrs = self.model_ptrs()
+            self.fresh = False
+            if self.offloader is not None:
+                self.offloader.begin_pass()
+        return self.stats
+
+    # -- the path -------------------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        if self.watching:
+            with self.watcher.quiet():  # what the pack hook itself runs (detach, compression) is not the model's
+                return self._pack(t)
+        return self._pack(t)
+
+    def _pack(self, t: torch.Tensor):
+        cfg = self.config
+        stats = self._begin_pass_if_fresh()
+        ptr = storage_ptr(t)
+        reason = keep_reason(t, ptr, cfg.min_numel, self._ptrs)
+        if reason == KEEP_PARAMETER:
+            return as_is(t)
+        key = self.tracker.key(t)
+        ptr = ptr or 0
+        if cfg.dedupe and stats.holds(ptr):
+            stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
+            return as_is(t)
+        if reason is not None or cfg.bits is None:
+            self._record(t, key, ptr, None, None, reason or "L0", None)
+            return as_is(t)
+        if t.dtype == torch.bool:
+            return self._finish(t, key, ptr, None, BOOL_MASK)
+        if self.watching:
+            site = self.watcher.result_site(t)
+            if site is None:  # an input of the op about to be dispatched: wait for it
+                handle = Packed(t, key, t, cfg.backend, pending=True)
+                self.watcher.pending.append(handle)
+                return handle
+            return self._finish(t, key, ptr, site, rule_for(site), learn=(site, False))
+        return self._finish(t, key, ptr, *self._recall(t, key))
+
+    def _recall(self, t: torch.Tensor, key: Key) -> tuple[Site | None, Rule]:
+        """The site and rule of a save in an unwatched pass: learned for its slot, or read from a result's
+        ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
+        learned = self.sites.get(key[:3])
+        if learned is not None and learned[2] == _signature(t):
+            site, dropout, _ = learned
+            return site, _rule(site, dropout)
+        found = output_rule(t, self._claimed)
+        if found is not None:
+            return found
+        if self.tracker.inside and self.config.op_rules == "learn":
+            self.relearn = True
+        return None, UNKNOWN
+
+    def _resolve(self, handle: Packed, site: Site, dropout: bool) -> None:
+        """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
+        t = handle.stored
+        ptr = storage_ptr(t) or 0
+        self._finish(t, handle.key, ptr, site, _rule(site, dropout), handle=handle, learn=(site, dropout))
+
+    def _finish(self, t, key: Key, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
+        cfg = self.config
+        if learn is not None:
+            self.sites[key[:3]] = (learn[0], learn[1], _signature(t))
+        bits = None
+        if rule is BOOL_MASK:
+            bits = 1
+        elif rule.cls in ALLOCATED:
+            bits = self.bits_for(key)
+            if self.probing(key):
+                rule = LINEAR  # the sensitivity probe perturbs the slot with noise, whatever its class
+            elif rule.cls == "attention":
+                bits = max(bits, ATTENTION_BITS)
+        # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
+        form = (rule.kind, rule.pred, rule.values, rule.fn, rule.fn_params, bits)
+        shape = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version, form)
+        hit = self.dedupe.get(shape) if cfg.dedupe else None
+        if hit is not None and hit.source() is not None:
+            self.stats.deduplicated += 1
+            if handle is None:
+                return hit
+            handle.stored, handle.pending = hit.stored, False
+            return handle
+        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend)
+        offloaded, nbytes = False, None if isinstance(stored, torch.Tensor) else stored.nbytes
+        if self.offloader is not None and isinstance(stored, QuantizedTensor):
+            if self.offloader.accepts(stored.data):
+                stored, offloaded = self.offloader.offload(stored), True
+            else:
+                self.warn_offload(f"a tensor on {t.device.type}")
+        if isinstance(stored, torch.Tensor):
+            label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
+        else:
+            label = bits if bits is not None else stored.bits
+        self._record(t, key, ptr, site, rule, label, nbytes, offloaded)
+        if handle is None:
+            if isinstance(stored, torch.Tensor):
+                return stored
+            handle = Packed(stored, key, t, cfg.backend)
+        else:
+            handle.stored, handle.pending = stored, False
+        if cfg.dedupe:
+            self.dedupe[shape] = handle
+        return handle
+
+    def _record(self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False):
+        """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
+        nbytes = t.numel() * t.element_size()
+        try:
+            storage_bytes = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            storage_bytes = nbytes
+        kept = packed is None
+        packed = nbytes if kept else packed
+        op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
+        self.stats.add(
+            KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded
+        )
+
+
+def _rule(site: Site, dropout: bool) -> Rule:
+    if dropout:
+        return DROPOUT
+    return UNKNOWN if site.op == "?" else rule_for(site)
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """What a slot's save must still look like for a learned op to apply: dtype and rank. (Not the producing
+    node: under a dispatch mode, composite ops such as matmul may reach the same tensor through other views.)"""
+    return (t.dtype, t.dim())

@@ -1,0 +1,307 @@
+"""The op rules: how the backward of the op that saved a tensor uses it, and so what must be stored.
+
+Stochastic rounding makes a stored tensor unbiased; the gradient is unbiased only where backward is linear
+in it (inputs of linear, matmul, conv, normalisation). :func:`rule_for` maps a :class:`Site` (the aten op,
+which of its arguments or results the tensor is, and the op's scalar arguments) to a :class:`Rule`:
+
+==============  ============================================================  ===========================
+class           ops (the saved argument)                                      stored
+==============  ============================================================  ===========================
+threshold       relu, relu_ (result); leaky_relu, threshold, hardtanh (relu6),  1-bit mask (abs: 2-bit sign)
+                clamp/clamp_min/clamp_max with number bounds, hardsigmoid,     decoded to values on the
+                hardshrink, softshrink, abs (self); leaky_relu_, hardtanh_     right side of the op's own
+                (result)                                                       test: lossless
+unused values   max/avg/adaptive pooling inputs: backward reads their shape    nothing: zeros on unpack,
+                                                                               lossless
+dropout         a float dropout mask (values 0 and 1/(1-p)), by provenance     1-bit mask and the scale,
+                                                                               lossless
+smooth          gelu, silu, mish, elu/selu, celu, softplus, hardswish (self);  FewBit code, 1-8 bits
+                sigmoid, tanh (result)                                        (``gactx.kernels.fewbit``)
+attention       softmax results, attention query/key                          quantized, >= ATTENTION_BITS
+equality        amax/amin, max/min reductions, maximum/minimum, fmax/fmin,     kept as is
+                scatter_reduce/index_reduce with amax/amin/prod, inf-norms,
+                clamp with tensor bounds
+log domain      sqrt, rsqrt, reciprocal (result); log, log1p, log2, log10,     kept as is
+                pow with an exponent other than 0, 1, 2 (self); div
+                denominators; logsumexp, log_softmax, ctc_loss, prod,
+                cumprod, norms and std (results), log_sigmoid, atan2,
+                binary cross-entropy, attention's logsumexp and mask
+linear          everything else                                               quantized, bits from the
+                                                                              level or the allocator
+==============  ============================================================  ===========================
+
+A tensor whose op is not known (saved outside the model's forward, inside a compiled region, by a custom
+``autograd.Function``) is ``linear`` unless it is an output whose ``grad_fn`` names its op (free to read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ALLOCATED",
+    "ATTENTION_BITS",
+    "Rule",
+    "Site",
+    "rule_for",
+    "output_rule",
+    "LINEAR",
+    "UNKNOWN",
+]
+
+# Softmax outputs and attention scores at 2 bits: a probability near 0 or 1 lands several steps away, and
+# backward's y * (g - sum(g * y)) is quadratic in y, so noise becomes bias. 4 bits measured close on the
+# op zoo (tests/controller/test_ops.py); 2 bits did not.
+ATTENTION_BITS = 4
+
+
+@dataclass(frozen=True)
+class Site:
+    """Which save this is: aten op (overload packet and overload), the argument or result name the tensor
+    was saved as (``"?"``: not found among the op's arguments), and the op's scalar arguments."""
+
+    op: str
+    overload: str = "default"
+    role: str = "?"
+    params: tuple = ()
+
+    def param(self, name: str, default=None):
+        for k, v in self.params:
+            if k == name:
+                return v
+        return default
+
+    def __str__(self) -> str:
+        if self.role == "?":
+            return "?" if self.op == "?" else f"? (before {self.op})"
+        return self.op if self.role in ("self", "result") else f"{self.op}:{self.role}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``cls``: the class (see the module table). ``kind``: how it is stored: ``"quantize"``, ``"mask"``,
+    ``"sign"``, ``"unused"``, ``"dropout"``, ``"fewbit"``, ``"keep"``. ``pred`` and ``values``: a mask's
+    test and the values its false/true decode to; ``fn``: the FewBit function."""
+
+    cls: str
+    kind: str
+    pred: tuple = ()
+    values: tuple = ()
+    fn: str = ""
+    fn_params: tuple = ()
+
+    @property
+    def lossless(self) -> bool:
+        return self.kind in ("mask", "sign", "unused", "dropout", "keep")
+
+
+LINEAR = Rule("linear", "quantize")
+UNKNOWN = Rule("linear (op unknown)", "quantize")
+ATTENTION = Rule("attention", "quantize")
+EQUALITY = Rule("equality", "keep")
+LOG = Rule("log domain", "keep")
+UNUSED = Rule("unused values", "unused")
+DROPOUT = Rule("dropout", "dropout")
+ALLOCATED = ("linear", "linear (op unknown)", "attention", "smooth")  # classes whose width the allocator picks
+
+INF = math.inf
+
+
+def _mask(pred: tuple, false_value: float, true_value: float) -> Rule:
+    return Rule("threshold", "mask", pred, (false_value, true_value))
+
+
+def _smooth(fn: str, params: tuple = ()) -> Rule:
+    return Rule("smooth", "fewbit", fn=fn, fn_params=params)
+
+
+def _hardtanh(site: Site) -> Rule:
+    lo, hi = float(site.param("min_val", -1.0)), float(site.param("max_val", 1.0))
+    # backward: zero where x <= lo or x >= hi; a true mask decodes to a point strictly inside (checked in the
+    # tensor's dtype when the mask is built, see masks.py); false decodes to -inf.
+    return _mask(("between", lo, hi), -INF, 0.5 * (lo + hi))
+
+
+def _clamp(site: Site) -> Rule:
+    lo, hi = site.param("min"), site.param("max")
+    if lo is None and hi is None:
+        return LINEAR
+    # backward: grad where lo <= x <= hi (each bound only if given). No NaN as a decoded value: a kernel's
+    # scalar and vectorized paths may disagree on comparisons with NaN.
+    inside = float(lo) if lo is not None else float(hi)
+    outside = -INF if lo is not None else INF
+    return _mask(("closed", None if lo is None else float(lo), None if hi is None else float(hi)), outside, inside)
+
+
+def _shrink(site: Site) -> Rule:
+    lam = float(site.param("lambd", 0.5))
+    if lam < 0:
+        return LINEAR
+    # backward: zero where -lam <= x <= lam, grad elsewhere.
+    return _mask(("outside", -lam, lam), 0.0, INF)
+
+
+def _pow(site: Site) -> Rule:
+    exponent = site.param("exponent")
+    if isinstance(exponent, int | float) and not isinstance(exponent, bool) and exponent in (0, 1, 2):
+        return LINEAR  # backward 0, 1 or 2 * x: linear in x
+    return LOG
+
+
+def _reduce(site: Site) -> Rule:
+    reduce = site.param("reduce")
+    if reduce in ("amax", "amin"):
+        return EQUALITY
+    return LOG if reduce == "prod" else LINEAR
+
+
+def _norm(site: Site) -> Rule:
+    ord_ = site.param("ord", 2)
+    if isinstance(ord_, int | float) and math.isinf(ord_):
+        return EQUALITY
+    return LOG if site.role == "result" else LINEAR  # backward divides by the norm
+
+
+def _attention(site: Site) -> Rule:
+    if site.role in ("query", "key"):
+        return ATTENTION
+    if site.role in ("logsumexp", "log_sumexp", "attn_mask", "attn_bias"):
+        return LOG
+    return LINEAR
+
+
+# (op, role) -> rule or function of the site; role None: any role of the op.
+_TABLE: dict[tuple[str, str | None], object] = {
+    # threshold and sign: masks
+    ("relu", "result"): _mask(("gt", 0.0), 0.0, 1.0),
+    ("relu_", "result"): _mask(("gt", 0.0), 0.0, 1.0),
+    ("leaky_relu", "self"): _mask(("gt", 0.0), -1.0, 1.0),
+    ("leaky_relu_", "result"): _mask(("gt", 0.0), -1.0, 1.0),
+    ("threshold", "self"): lambda s: _mask(("gt", float(s.param("threshold", 0.0))), -INF, INF),
+    ("hardtanh", "self"): _hardtanh,
+    ("hardtanh_", "result"): _hardtanh,
+    ("clamp", "self"): _clamp,
+    ("clamp_min", "self"): lambda s: _clamp(Site(s.op, s.overload, s.role, (("min", s.param("min")),))),
+    ("clamp_max", "self"): lambda s: _clamp(Site(s.op, s.overload, s.role, (("max", s.param("max")),))),
+    ("hardsigmoid", "self"): _mask(("open", -3.0, 3.0), -INF, 0.0),
+    ("hardshrink", "self"): _shrink,
+    ("softshrink", "self"): _shrink,
+    ("abs", "self"): Rule("threshold", "sign"),
+    # values unused by backward
+    ("max_pool2d_with_indices", "self"): UNUSED,
+    ("max_pool3d_with_indices", "self"): UNUSED,
+    ("adaptive_max_pool2d", "self"): UNUSED,
+    ("adaptive_max_pool3d", "self"): UNUSED,
+    ("avg_pool2d", "self"): UNUSED,
+    ("avg_pool3d", "self"): UNUSED,
+    ("_adaptive_avg_pool2d", "self"): UNUSED,
+    ("_adaptive_avg_pool3d", "self"): UNUSED,
+    # smooth activations: FewBit codes
+    ("gelu", "self"): lambda s: _smooth("gelu", (("approximate", s.param("approximate", "none")),)),
+    ("silu", "self"): _smooth("silu"),
+    ("mish", "self"): _smooth("mish"),
+    ("elu", "self"): lambda s: _smooth(
+        "elu", tuple((k, float(s.param(k, 1.0))) for k in ("alpha", "scale", "input_scale"))
+    ),
+    ("celu", "self"): lambda s: _smooth("celu", (("alpha", float(s.param("alpha", 1.0))),)),
+    ("softplus", "self"): lambda s: _smooth(
+        "softplus", (("beta", float(s.param("beta", 1.0))), ("threshold", float(s.param("threshold", 20.0))))
+    ),
+    ("hardswish", "self"): _smooth("hardswish"),
+    ("sigmoid", "result"): _smooth("sigmoid"),
+    ("tanh", "result"): _smooth("tanh"),
+    # attention
+    ("_softmax", "result"): ATTENTION,
+    ("_safe_softmax", "result"): ATTENTION,
+    ("_scaled_dot_product_flash_attention_for_cpu", None): _attention,
+    ("_scaled_dot_product_flash_attention", None): _attention,
+    ("_scaled_dot_product_efficient_attention", None): _attention,
+    ("_scaled_dot_product_cudnn_attention", None): _attention,
+    # equality
+    ("amax", None): EQUALITY,
+    ("amin", None): EQUALITY,
+    ("max", None): EQUALITY,
+    ("min", None): EQUALITY,
+    ("maximum", None): EQUALITY,
+    ("minimum", None): EQUALITY,
+    ("fmax", None): EQUALITY,
+    ("fmin", None): EQUALITY,
+    ("scatter_reduce", None): _reduce,
+    ("index_reduce", None): _reduce,
+    ("linalg_vector_norm", None): _norm,
+    ("norm", None): _norm,
+    # reciprocal and log domain
+    ("sqrt", "result"): LOG,
+    ("rsqrt", "result"): LOG,
+    ("reciprocal", "result"): LOG,
+    ("log", "self"): LOG,
+    ("log1p", "self"): LOG,
+    ("log2", "self"): LOG,
+    ("log10", "self"): LOG,
+    ("div", "other"): LOG,
+    ("div_", "other"): LOG,
+    ("pow", None): _pow,
+    ("logsumexp", None): LOG,
+    ("_log_softmax", "result"): LOG,
+    ("_ctc_loss", None): LOG,
+    ("ctc_loss", None): LOG,
+    ("prod", None): LOG,
+    ("cumprod", None): LOG,
+    ("std", "result"): LOG,
+    ("log_sigmoid_forward", None): LOG,
+    ("atan2", None): LOG,
+    ("binary_cross_entropy", "self"): LOG,
+    ("binary_cross_entropy_with_logits", "self"): LOG,
+    ("_cdist_forward", "result"): LOG,
+}
+
+# Saved outputs name their op through their grad_fn, even where the op was not watched.
+_OUTPUT_NODES = {
+    "ReluBackward0": Site("relu", role="result"),
+    "ReluBackward1": Site("relu_", role="result"),
+    "LeakyReluBackward1": Site("leaky_relu_", role="result"),
+    "SigmoidBackward0": Site("sigmoid", role="result"),
+    "TanhBackward0": Site("tanh", role="result"),
+    "SoftmaxBackward0": Site("_softmax", role="result"),
+    "SafeSoftmaxBackward0": Site("_safe_softmax", role="result"),
+    "LogSoftmaxBackward0": Site("_log_softmax", role="result"),
+    "SqrtBackward0": Site("sqrt", role="result"),
+    "RsqrtBackward0": Site("rsqrt", role="result"),
+    "ReciprocalBackward0": Site("reciprocal", role="result"),
+    "LogsumexpBackward0": Site("logsumexp", role="result"),
+    "AmaxBackward0": Site("amax", role="result"),
+    "AminBackward0": Site("amin", role="result"),
+    "MaxBackward1": Site("max", role="result"),
+    "MinBackward1": Site("min", role="result"),
+}
+
+
+def rule_for(site: Site) -> Rule:
+    """The rule of a save at ``site`` (``LINEAR`` for ops the table does not name)."""
+    entry = _TABLE.get((site.op, site.role))
+    if entry is None:
+        entry = _TABLE.get((site.op, None))
+    if entry is None:
+        return LINEAR
+    if site.op == "clamp" and site.overload != "default":
+        return EQUALITY  # clamp.Tensor: tensor bounds, compared in backward
+    return entry(site) if callable(entry) else entry
+
+
+def output_rule(t: torch.Tensor, claimed: set[int]) -> tuple[Site, Rule] | None:
+    """The site and rule of a result saved by its own op, read from its ``grad_fn`` (no watcher needed), or
+    ``None``. Autograd saves a node's result right after making the node, before anything else can save
+    that tensor, so the first save of a tensor whose node saves its result is that save; ``claimed`` (node
+    ids, one forward pass) marks the nodes whose result save has been seen. A reused id can only make a
+    result save look like an input save, which is then quantized as linear: never the other way round."""
+    fn = t.grad_fn
+    if fn is None:
+        return None
+    site = _OUTPUT_NODES.get(type(fn).__name__)
+    if site is None or id(fn) in claimed:
+        return None
+    claimed.add(id(fn))
+    return site, rule_for(site)

@@ -1,0 +1,171 @@
+"""What a saved tensor becomes under its rule, and the handle autograd holds instead of it.
+
+``encode`` turns a tensor into what its rule stores (see ``rules.py``): quantized codes, a mask or sign
+code decoded to values on the right side of the op's own test, a FewBit code, nothing at all (values that
+backward never reads), or the tensor itself. :class:`Packed` holds the result and decodes it on unpack.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from gactx.controller.offload import HostCopy
+from gactx.controller.policy import storage_owner
+from gactx.controller.rules import Rule
+from gactx.kernels import QuantizedTensor, dequantize, quantize
+from gactx.kernels.codes import CodedTensor, decode_codes, encode_codes
+from gactx.kernels.fewbit import fewbit_table
+
+__all__ = ["Packed", "Unused", "as_is", "encode", "mask_values"]
+
+
+@dataclass(frozen=True, eq=False)
+class Unused:
+    """A tensor whose values backward never reads (pooling inputs): its layout only. Decodes to zeros."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int = 0
+    bits: int = 0
+
+    def decode(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).zero_()
+
+
+def as_is(t: torch.Tensor) -> torch.Tensor:
+    """A tensor kept as it is, without its autograd history. Returning a node's own output from the pack hook
+    would make the node hold its output and the output hold the node: a cycle through C++ that Python's
+    garbage collector cannot see, so a graph never run backward (an evaluation with grad enabled, a step
+    abandoned after an exception) would never be freed. Autograd re-attaches the history on unpack."""
+    return t.detach() if t.grad_fn is not None else t
+
+
+class Packed:
+    """What autograd holds instead of a saved activation: what its rule stored (a ``QuantizedTensor``, its
+    ``HostCopy`` in pinned CPU memory, a ``CodedTensor``, an ``Unused``, or a tensor kept as it is) and its
+    key. A handle made while the model's op watcher runs holds the tensor itself until its op is known
+    (one op later); ``pending`` says so."""
+
+    __slots__ = ("stored", "key", "source", "backend", "pending", "__weakref__")
+
+    def __init__(self, stored, key, source: torch.Tensor, backend: str, pending: bool = False) -> None:
+        self.stored = stored
+        self.key = key
+        self.source = weakref.ref(storage_owner(source))  # dedupe is valid only while the storage lives
+        self.backend = backend
+        self.pending = pending
+
+    def unpack(self) -> torch.Tensor:
+        s = self.stored
+        if isinstance(s, torch.Tensor):
+            return s
+        if isinstance(s, HostCopy):
+            s = s.offloader.fetch(s)
+        if isinstance(s, QuantizedTensor):
+            return dequantize(s, backend=self.backend)
+        if isinstance(s, CodedTensor):
+            return decode_codes(s)
+        return s.decode()
+
+
+def mask_values(rule: Rule, dtype: torch.dtype) -> tuple[float, float] | None:
+    """The values a mask decodes to, in ``dtype``; ``None`` where the mask cannot be made exactly: then the
+    tensor is kept. That is where ``dtype`` cannot hold a bound (0.7 in bfloat16: some kernels compare in
+    the tensor's dtype, some in float32, so the test itself would depend on the kernel), or a true value
+    strictly inside an open interval (hardtanh bounds closer than one step of ``dtype``)."""
+    for bound in rule.pred[1:]:
+        if bound is not None and round_to(bound, dtype) != bound:
+            return None
+    false_value, true_value = rule.values
+    if rule.pred[0] == "between":
+        _, lo, hi = rule.pred
+        inside = round_to(true_value, dtype)
+        if not lo < inside < hi:
+            return None
+        true_value = inside
+    return false_value, true_value
+
+
+def round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (to nearest, ties to even), in plain Python: no tensor is read."""
+    if math.isnan(value) or math.isinf(value) or dtype == torch.float64:
+        return value
+    as32 = struct.unpack("<f", struct.pack("<f", value))[0] if abs(value) < 3.4e38 else math.copysign(math.inf, value)
+    if dtype == torch.float16:
+        try:
+            return struct.unpack("<e", struct.pack("<e", as32))[0]
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    if dtype == torch.bfloat16:
+        bits = struct.unpack("<I", struct.pack("<f", as32))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    return as32
+
+
+def _predicate(t: torch.Tensor, pred: tuple) -> torch.Tensor:
+    """The op's own test of ``t`` against its bounds (exactly representable in ``t``'s dtype, see
+    :func:`mask_values`)."""
+    kind = pred[0]
+    if kind == "gt":
+        return t > pred[1]
+    if kind == "between":
+        return (t > pred[1]) & (t < pred[2])
+    if kind == "open":
+        return (t > pred[1]) & (t < pred[2])
+    if kind == "outside":
+        return ~((t >= pred[1]) & (t <= pred[2]))
+    lo, hi = pred[1], pred[2]  # "closed": each bound only where given
+    if lo is not None and hi is not None:
+        return (t >= lo) & (t <= hi)
+    return t >= lo if lo is not None else t <= hi
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once. Filled element by element on the device: a copy from
+    pageable host memory would make a CUDA stream synchronize with the host."""
+    key = (repr(values), dtype, device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = torch.empty(len(values), dtype=dtype, device=device)
+        for i, v in enumerate(values):
+            table[i] = v
+        table = _TABLES.setdefault(key, table)
+    return table
+
+
+def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size: int, stochastic: bool, backend: str):
+    """What ``rule`` stores for ``t`` at ``bits`` (the width chosen for quantized and FewBit classes)."""
+    kind = rule.kind
+    if kind == "mask":
+        values = mask_values(rule, t.dtype)
+        if values is None:
+            return as_is(t)
+        return encode_codes(_predicate(t, rule.pred), 1, _table(values, t.dtype, t.device), backend)
+    if kind == "sign":
+        code = (t > 0).to(torch.uint8) + 2 * (t < 0).to(torch.uint8) + 3 * t.isnan().to(torch.uint8)
+        return encode_codes(code, 2, _table((0.0, 1.0, -1.0, math.nan), t.dtype, t.device), backend)
+    if kind == "unused":
+        return Unused(t.shape, t.stride(), t.dtype, t.device)
+    if kind == "dropout":
+        # Values 0 and 1/(1-p): the mask and the scale, the largest value (a device scalar: no host read).
+        scale = t.amax().reshape(1) if t.numel() else t.new_zeros(1)
+        return encode_codes(t != 0, 1, torch.cat([scale.new_zeros(1), scale]), backend)
+    if kind == "fewbit" and bits is not None and bits <= 8:
+        table = fewbit_table(rule.fn, rule.fn_params, bits)
+        edges = _table(table.edges, t.dtype, t.device)
+        codes = torch.bucketize(t, edges, out_int32=True)
+        return encode_codes(codes, bits, _table(table.points, t.dtype, t.device), backend)
+    if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
+        return as_is(t)
+    return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)

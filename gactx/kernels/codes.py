@@ -1,0 +1,95 @@
+"""Codes with a table: a tensor stored as one small integer an element, decoded by looking the integer up.
+
+Lossless masks (1 bit: ``where(mask, true_value, false_value)``), signs (2 bits) and FewBit's bin indices
+(1 to 8 bits) are all this one format. No per-group metadata: the table (``2**bits`` values of the
+tensor's dtype, on its device) is the whole decoder.
+
+Codes are read in memory order (:func:`~gactx.kernels.format.memory_order`, so a channels_last tensor comes
+back channels_last) and packed ``8 / bits`` to a byte, element ``k`` of a run of ``8 / bits`` in bits
+``k * bits`` and up::
+
+    bits = 2, byte j:   bit  7 6 | 5 4 | 3 2 | 1 0
+                           [ e3  | e2  | e1  | e0 ]    e_k = code of element 4j + k
+
+1-bit codes are bool masks and go through :mod:`gactx.kernels.bitmask` (Triton on CUDA); wider codes are
+packed with a few torch element-wise ops (no host synchronization: nothing is read back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gactx.kernels.format import memory_order, restore_order
+from gactx.kernels.functional import dequantize, quantize
+
+__all__ = ["CodedTensor", "encode_codes", "decode_codes", "coded_nbytes"]
+
+CODE_WIDTHS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, eq=False)
+class CodedTensor:
+    """``codes`` (packed uint8, or a 1-bit ``QuantizedTensor`` of a bool mask) and ``table`` (``2**bits``
+    values in the original dtype) of a tensor of ``shape``."""
+
+    codes: object
+    table: torch.Tensor
+    bits: int
+    shape: torch.Size
+    dtype: torch.dtype
+    dense_shape: torch.Size
+    perm: tuple[int, ...] | None
+    backend: str = "auto"
+
+    @property
+    def numel(self) -> int:
+        return self.dense_shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device: the packed codes and the table."""
+        packed = self.codes.nbytes if self.bits == 1 else self.codes.numel()
+        return packed + self.table.numel() * self.table.element_size()
+
+
+def coded_nbytes(numel: int, bits: int, dtype: torch.dtype) -> int:
+    """What :func:`encode_codes` holds for ``numel`` elements at ``bits`` (table included)."""
+    return -(-numel * bits // 8) + (1 << bits) * dtype.itemsize
+
+
+def encode_codes(codes: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto") -> CodedTensor:
+    """Store ``codes`` (integers in ``[0, 2**bits)``, or a bool mask at 1 bit; any strides) with ``table``.
+
+    ``table`` gives each code's value and the decoded dtype: ``decode_codes`` returns ``table[codes]``.
+    """
+    if bits not in CODE_WIDTHS:
+        raise ValueError(f"bits={bits!r}: codes are {CODE_WIDTHS} bits")
+    if table.numel() != 1 << bits:
+        raise ValueError(f"a {bits}-bit code needs a table of {1 << bits} values, got {table.numel()}")
+    flat, dense_shape, perm = memory_order(codes)
+    if bits == 1:
+        packed = quantize(flat.to(torch.bool), 1, stochastic=False, seed=0, backend=backend)  # draws no RNG
+    else:
+        per_byte = 8 // bits
+        c = flat.to(torch.uint8)
+        pad = -c.numel() % per_byte
+        if pad:
+            c = torch.cat([c, c.new_zeros(pad)])
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
+        packed = (c.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
+    return CodedTensor(packed, table, bits, codes.shape, table.dtype, dense_shape, perm, backend)
+
+
+def decode_codes(ct: CodedTensor) -> torch.Tensor:
+    """``table[codes]`` in the original shape, dtype, device and strides."""
+    n = ct.numel
+    if ct.bits == 1:
+        mask = dequantize(ct.codes, backend=ct.backend)
+        flat = torch.where(mask, ct.table[1], ct.table[0])
+    else:
+        shifts = torch.arange(0, 8, ct.bits, dtype=torch.uint8, device=ct.codes.device)
+        codes = (ct.codes[:, None] >> shifts) & ((1 << ct.bits) - 1)
+        flat = ct.table[codes.view(-1)[:n].long()]
+    return restore_order(flat, ct)
