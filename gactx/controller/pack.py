@@ -154,12 +154,10 @@ class PackPath:
         if learned is not None and learned[2] == _signature(t):
             site, dropout, _ = learned
             return site, _rule(site, dropout)
-        found = output_rule(t, self._claimed)
-        if found is not None:
-            return found
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
-        return None, UNKNOWN
+        found = output_rule(t, self._claimed)
+        return found if found is not None else (None, UNKNOWN)
 
     def _resolve(self, handle: Packed, site: Site, dropout: bool) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
@@ -233,7 +231,14 @@ def _rule(site: Site, dropout: bool) -> Rule:
     return UNKNOWN if site.op == "?" else rule_for(site)
 
 
+# Under a dispatch mode, composite ops (matmul) reach the same tensor through another kind of view.
+_VIEWS = {"ViewBackward0": "view", "ReshapeAliasBackward0": "view", "UnsafeViewBackward0": "view"}
+
+
 def _signature(t: torch.Tensor) -> tuple:
-    """What a slot's save must still look like for a learned op to apply: dtype and rank. (Not the producing
-    node: under a dispatch mode, composite ops such as matmul may reach the same tensor through other views.)"""
-    return (t.dtype, t.dim())
+    """What a slot's save must still look like for a learned op to apply: dtype, rank and the node that made
+    the tensor (for a saved result, its own op's node), so that another branch through the same module
+    (tanh where a dropout mask was) is not taken for what was learned."""
+    fn = t.grad_fn
+    name = None if fn is None else type(fn).__name__
+    return (t.dtype, t.dim(), _VIEWS.get(name, name))

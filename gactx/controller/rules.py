@@ -281,9 +281,10 @@ _OUTPUT_NODES = {
 
 def rule_for(site: Site) -> Rule:
     """The rule of a save at ``site`` (``LINEAR`` for ops the table does not name)."""
-    entry = _TABLE.get((site.op, site.role))
-    if entry is None:
-        entry = _TABLE.get((site.op, None))
+    entry = _TABLE.get((site.op, site.role)) or _TABLE.get((site.op, None))
+    if entry is None and site.op.endswith("_") and not site.op.endswith("__"):
+        # an in-place variant not named in the table (scatter_reduce_): the rule of its op, for any role
+        entry = _TABLE.get((site.op[:-1], None))
     if entry is None:
         return LINEAR
     if site.op == "clamp" and site.overload != "default":

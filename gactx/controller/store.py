@@ -11,6 +11,7 @@ import math
 import struct
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,7 @@ from gactx.controller.rules import Rule
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_codes
 from gactx.kernels.fewbit import fewbit_table
+from gactx.kernels.format import memory_order, restore_order
 
 __all__ = ["Packed", "Unused", "as_is", "encode", "mask_values"]
 
@@ -37,6 +39,11 @@ class Unused:
 
     def decode(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).zero_()
+
+
+class _Layout(NamedTuple):
+    dense_shape: torch.Size
+    perm: tuple[int, ...] | None
 
 
 def as_is(t: torch.Tensor) -> torch.Tensor:
@@ -79,13 +86,15 @@ def mask_values(rule: Rule, dtype: torch.dtype) -> tuple[float, float] | None:
     """The values a mask decodes to, in ``dtype``; ``None`` where the mask cannot be made exactly: then the
     tensor is kept. That is where ``dtype`` cannot hold a bound (0.7 in bfloat16: some kernels compare in
     the tensor's dtype, some in float32, so the test itself would depend on the kernel), or a true value
-    strictly inside an open interval (hardtanh bounds closer than one step of ``dtype``)."""
-    for bound in rule.pred[1:]:
-        if bound is not None and round_to(bound, dtype) != bound:
-            return None
+    strictly inside an open interval (hardtanh bounds closer than one step of ``dtype``). float32 tensors
+    meet their bounds rounded to float32 in both the kernel and the mask."""
+    if dtype in (torch.float16, torch.bfloat16):
+        for bound in rule.pred[1:]:
+            if bound is not None and round_to(bound, dtype) != bound:
+                return None
     false_value, true_value = rule.values
-    if rule.pred[0] == "between":
-        _, lo, hi = rule.pred
+    if rule.pred[0] == "between":  # float32 kernels compare with float32 bounds
+        lo, hi = (round_to(b, torch.float32) for b in rule.pred[1:])
         inside = round_to(true_value, dtype)
         if not lo < inside < hi:
             return None
@@ -164,7 +173,8 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
     if kind == "fewbit" and bits is not None and bits <= 8:
         table = fewbit_table(rule.fn, rule.fn_params, bits)
         edges = _table(table.edges, t.dtype, t.device)
-        codes = torch.bucketize(t, edges, out_int32=True)
+        flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
+        codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
         return encode_codes(codes, bits, _table(table.points, t.dtype, t.device), backend)
     if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
         return as_is(t)

@@ -1,0 +1,137 @@
+"""The op watcher: which op and which argument or result each save is, learned in eager mode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gactx
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = F.relu(self.lin(x))  # addmm saves mat1; relu saves its result
+        h = F.dropout(h, 0.5)  # mul saves the float mask ("other")
+        return torch.sigmoid(h).amax(1)  # sigmoid saves its result; amax its input and result
+
+
+def _sites(controller):
+    return [(r.op, r.cls) for r in controller._pass.records if r.op]
+
+
+def _step(model, controller, x):
+    with controller:
+        model(x).sum().backward()
+
+
+def test_sites_of_a_watched_pass():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    _step(model, controller, x)
+    assert _sites(controller) == [
+        ("addmm:mat1", "linear"),
+        ("relu", "threshold"),
+        ("mul:other", "dropout"),
+        ("sigmoid", "smooth"),
+        ("amax", "equality"),
+        ("amax", "equality"),
+    ]
+    assert controller._path.watcher.ops > 0
+
+
+def test_what_was_learned_serves_the_next_passes_without_watching():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    _step(model, controller, x)
+    learned = _sites(controller)
+    ops = controller._path.watcher.ops
+    for batch in (64, 17):  # a new batch size: new keys, the same slots
+        _step(model, controller, torch.randn(batch, 32))
+        assert _sites(controller) == learned
+    assert controller._path.watcher.ops == ops, "a pass with nothing new is not watched"
+
+
+def test_a_new_save_is_watched_in_the_next_pass():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    _step(model, controller, x)
+    # Another graph through the same module: the tanh result takes the slot of the dropout mask. It must not
+    # be read as one (its node is TanhBackward0, the mask had none): its grad_fn names it, and the slot is
+    # watched again in the next pass.
+    model.forward = lambda x: torch.tanh(F.relu(model.lin(x))).sum(1)
+    _step(model, controller, x)
+    assert [c for _, c in _sites(controller)] == ["linear", "threshold", "smooth"]
+    assert controller._path.relearn
+    _step(model, controller, x)
+    assert _sites(controller) == [("addmm:mat1", "linear"), ("relu", "threshold"), ("tanh", "smooth")]
+
+
+@pytest.mark.parametrize("op_rules", ["always", "off"])
+def test_always_watches_and_off_never_does(op_rules):
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0, op_rules=op_rules)
+    counts = []
+    for _ in range(3):
+        _step(model, controller, x)
+        counts.append(controller._path.watcher.ops)
+    if op_rules == "always":
+        assert counts[0] < counts[1] < counts[2]
+        assert ("mul:other", "dropout") in _sites(controller)
+    else:
+        assert counts == [0, 0, 0]
+        # results still name their op through grad_fn; inputs are quantized as linear
+        assert ("relu", "threshold") in _sites(controller) and ("sigmoid", "smooth") in _sites(controller)
+        assert {c for _, c in _sites(controller)} <= {"threshold", "smooth", "equality", "linear (op unknown)"}
+
+
+def test_unknown_op_rules_value_is_refused():
+    with pytest.raises(ValueError, match="op_rules='sometimes'"):
+        gactx.Controller(Block(), op_rules="sometimes")
+
+
+def test_saves_of_a_custom_function_are_linear_not_misread():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    class M(nn.Module):
+        def forward(self, x):
+            return F.gelu(Square.apply(x))
+
+    x = torch.randn(64, 64, requires_grad=True)
+    controller = gactx.Controller(M(), level="L1.1", min_numel=0)
+    with controller:
+        out = M()(x)  # not the controller's model: nothing is watched, so the saves are unknown
+    assert {r.cls for r in controller._pass.records} <= {"linear (op unknown)", ""}
+    out.sum().backward()
+
+
+def test_watching_is_off_under_no_grad_and_at_l0():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1")
+    with controller, torch.no_grad():
+        model(x)
+    assert controller._path.watcher.ops == 0
+    l0 = gactx.Controller(model, level="L0")
+    _step(model, l0, x)
+    assert l0._path.watcher.ops == 0
+
+
+def test_report_shows_op_and_class():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    _step(model, controller, x)
+    report = controller.report()
+    assert "op" in report.splitlines()[1] and "class" in report.splitlines()[1]
+    assert "mul:other" in report and "dropout" in report and "equality" in report
