@@ -169,6 +169,8 @@ class PackPath:
         cfg = self.config
         if learn is not None:
             self.sites[key[:3]] = (learn[0], learn[1], _signature(t))
+        if site is not None and site.result and t.grad_fn is not None:
+            self._claimed.add(id(t.grad_fn))  # later saves of this tensor are other ops' inputs
         bits = None
         if rule is BOOL_MASK:
             bits = 1

@@ -61,12 +61,14 @@ ATTENTION_BITS = 4
 @dataclass(frozen=True)
 class Site:
     """Which save this is: aten op (overload packet and overload), the argument or result name the tensor
-    was saved as (``"?"``: not found among the op's arguments), and the op's scalar arguments."""
+    was saved as (``"?"``: not found among the op's arguments), the op's scalar arguments, and whether it is
+    a result save (the op's output, saved by the op's own node)."""
 
     op: str
     overload: str = "default"
     role: str = "?"
     params: tuple = ()
+    result: bool = False
 
     def param(self, name: str, default=None):
         for k, v in self.params:
@@ -260,22 +262,22 @@ _TABLE: dict[tuple[str, str | None], object] = {
 
 # Saved outputs name their op through their grad_fn, even where the op was not watched.
 _OUTPUT_NODES = {
-    "ReluBackward0": Site("relu", role="result"),
-    "ReluBackward1": Site("relu_", role="result"),
-    "LeakyReluBackward1": Site("leaky_relu_", role="result"),
-    "SigmoidBackward0": Site("sigmoid", role="result"),
-    "TanhBackward0": Site("tanh", role="result"),
-    "SoftmaxBackward0": Site("_softmax", role="result"),
-    "SafeSoftmaxBackward0": Site("_safe_softmax", role="result"),
-    "LogSoftmaxBackward0": Site("_log_softmax", role="result"),
-    "SqrtBackward0": Site("sqrt", role="result"),
-    "RsqrtBackward0": Site("rsqrt", role="result"),
-    "ReciprocalBackward0": Site("reciprocal", role="result"),
-    "LogsumexpBackward0": Site("logsumexp", role="result"),
-    "AmaxBackward0": Site("amax", role="result"),
-    "AminBackward0": Site("amin", role="result"),
-    "MaxBackward1": Site("max", role="result"),
-    "MinBackward1": Site("min", role="result"),
+    "ReluBackward0": Site("relu", role="result", result=True),
+    "ReluBackward1": Site("relu_", role="result", result=True),
+    "LeakyReluBackward1": Site("leaky_relu_", role="result", result=True),
+    "SigmoidBackward0": Site("sigmoid", role="result", result=True),
+    "TanhBackward0": Site("tanh", role="result", result=True),
+    "SoftmaxBackward0": Site("_softmax", role="result", result=True),
+    "SafeSoftmaxBackward0": Site("_safe_softmax", role="result", result=True),
+    "LogSoftmaxBackward0": Site("_log_softmax", role="result", result=True),
+    "SqrtBackward0": Site("sqrt", role="result", result=True),
+    "RsqrtBackward0": Site("rsqrt", role="result", result=True),
+    "ReciprocalBackward0": Site("reciprocal", role="result", result=True),
+    "LogsumexpBackward0": Site("logsumexp", role="result", result=True),
+    "AmaxBackward0": Site("amax", role="result", result=True),
+    "AminBackward0": Site("amin", role="result", result=True),
+    "MaxBackward1": Site("max", role="result", result=True),
+    "MinBackward1": Site("min", role="result", result=True),
 }
 
 

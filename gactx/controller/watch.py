@@ -142,7 +142,7 @@ class OpWatcher(TorchDispatchMode):
         if name not in saved or name in self._claimed:
             return None
         self._claimed.add(name)
-        return Site(func.overloadpacket.__name__, func._overloadname, name, _params(func, args, kwargs))
+        return Site(func.overloadpacket.__name__, func._overloadname, name, _params(func, args, kwargs), True)
 
     def flush(self) -> None:
         """End of the forward pass: handles still waiting have no op (they are resolved as unknown)."""

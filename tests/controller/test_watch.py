@@ -135,3 +135,24 @@ def test_report_shows_op_and_class():
     report = controller.report()
     assert "op" in report.splitlines()[1] and "class" in report.splitlines()[1]
     assert "mul:other" in report and "dropout" in report and "equality" in report
+
+
+def test_a_result_saved_again_by_an_unknown_op_is_not_read_as_the_result():
+    """ReLU's result is saved by ReLU (a mask) and by each call of the next layer (values). A second call,
+    new in an unwatched pass, must get values: the ReLU node's result save was already seen."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.lin2, self.calls = nn.Linear(32, 32), nn.Linear(32, 32), 1
+
+        def forward(self, x):
+            h = F.relu(self.lin(x))
+            return sum(self.lin2(h) for _ in range(self.calls))
+
+    model, x = Net(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1.1", min_numel=0, dedupe=False)
+    _step(model, controller, x)
+    model.calls = 2
+    _step(model, controller, x)
+    assert [r.cls for r in controller._pass.records] == ["linear", "threshold", "linear", "linear (op unknown)"]
