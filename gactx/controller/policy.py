@@ -37,9 +37,19 @@ def storage_owner(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
+# Nodes of views, through which a weight copy reaches the op that saves it (linear saves ``w.t()``).
+_VIEW_NODES = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+               "ReshapeAliasBackward0", "ExpandBackward0", "SliceBackward0", "AliasBackward0"}  # fmt: skip
+
+
 def is_weight_copy(t: torch.Tensor) -> bool:
-    """An autocast (or ``.to``) copy of a leaf that requires grad: its grad_fn feeds an AccumulateGrad."""
+    """An autocast (or ``.to``) copy of a leaf that requires grad, or a view of one: the copy's grad_fn
+    feeds an AccumulateGrad."""
     fn = t.grad_fn
+    for _ in range(4):  # a few views deep
+        if fn is None or type(fn).__name__ not in _VIEW_NODES:
+            break
+        fn = fn.next_functions[0][0] if fn.next_functions else None
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)

@@ -111,17 +111,17 @@ def _segments(d: np.ndarray, w: np.ndarray, k: int) -> list[int]:
 @functools.lru_cache(maxsize=64)
 def fewbit_table(name: str, params: tuple = (), bits: int = 2) -> FewBitTable:
     """The optimal ``2**bits``-bin table of ``FUNCTIONS[name]`` with scalar arguments ``params`` (a tuple of
-    ``(name, value)`` pairs). 8 bits use 256 bins of equal weight instead of the (slow, pointless at that
-    width) programme."""
+    ``(name, value)`` pairs), for 1 to 8 bits (gactx stores 1, 2, 4 and 8; 3 serves the benchmark). Above 4
+    bits, bins of equal weight instead of the (slow, pointless at that width) programme."""
     if name not in FUNCTIONS:
         raise ValueError(f"no FewBit table for {name!r}; known functions are {sorted(FUNCTIONS)}")
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"bits={bits!r}: FewBit codes are 1, 2, 4 or 8 bits")
+    if isinstance(bits, bool) or bits not in range(1, 9):
+        raise ValueError(f"bits={bits!r}: FewBit tables have 1 to 8 bits")
     x = np.linspace(-LIMIT, LIMIT, GRID)
     w = weight(x)
     d = _derivative(name, params, x)
     k = 1 << bits
-    if bits == 8:
+    if bits > 4:
         cuts = list(np.searchsorted(np.cumsum(w), np.arange(1, k) / k))
     else:
         cuts = _segments(d, w, k)

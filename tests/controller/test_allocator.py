@@ -84,3 +84,18 @@ def test_variance_model():
     assert variance_factor(2) == 1 / 9 and variance_factor(8) == 1 / 255**2
     assert variance_factor(16) == variance_factor(8) / 16 and variance_factor(32) == 0
     assert variance_factor(16, torch.bfloat16) == 0  # stored as is
+
+
+def test_class_widths_and_coded_bytes_are_respected():
+    """An attention tensor never goes below its class's narrowest width; a FewBit-coded tensor's bytes are
+    its codes and table (no per-group metadata), so at equal bits it is cheaper than a quantized one."""
+    from gactx.kernels.codes import coded_nbytes
+
+    attention = Item("att", 1 << 16, torch.float32, 1e-9, widths=(4, 8, 16, 32))
+    smooth = Item("act", 1 << 16, torch.float32, 1.0, coded=True)
+    budget = expected_nbytes(1 << 16, torch.float32, 4) + coded_nbytes(1 << 16, 2, torch.float32)
+    result = allocate([attention, smooth], budget)
+    assert result.bits["att"] == 4, "below 4 bits is not an attention width, however insensitive"
+    assert result.bits["act"] == 2
+    assert result.nbytes == budget
+    assert coded_nbytes(1 << 16, 2, torch.float32) < expected_nbytes(1 << 16, torch.float32, 2)

@@ -26,3 +26,50 @@ def test_char_transformer_at_l2_2_is_within_3_percent_of_full_precision_loss():
     assert adaptive.final_loss <= 1.03 * full.final_loss, (adaptive.final_loss, full.final_loss)
     assert adaptive.controller.last_adaptation is not None
     assert adaptive.memory.ratio > 6
+
+
+def _train(name, method_name, steps, seed=0, held_out=None):
+    """The models benchmark's training loop (its workload, Adam, batches) on the CPU: mean loss of the last
+    three steps and held-out accuracy (``held_out`` samples; default the workload's batch)."""
+    import torch
+
+    from benchmarks import workloads
+    from benchmarks.methods import Method
+    from benchmarks.run import train_step
+
+    w = workloads.build(name, "small", "cpu", seed=seed)
+    method = Method(method_name, w, "fp32")
+    optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        losses = [train_step(method, optimizer, *w.make_batch(w.default_batch, gen)) for _ in range(steps)]
+    finally:
+        method.close()
+    held = w.make_batch(held_out or w.default_batch, torch.Generator().manual_seed(12345))
+    return sum(losses[-3:]) / 3, workloads.accuracy(w, *held)
+
+
+@pytest.fixture(scope="module")
+def gat_full():
+    return _train("gat", "fp", 20)
+
+
+@pytest.mark.parametrize("level", ["L1.2", "L2.2"])
+def test_gat_at_2_bits_ends_within_5_percent_of_full_precision_loss(gat_full, level):
+    """GAT's attention coefficients come out of a scatter softmax (a max, an exp, a division by a sum):
+    with the equality and log-domain rules it trains at 2 bits (it diverged to loss 8.8 before them)."""
+    (full_loss, _), (loss, _) = gat_full, _train("gat", level, 20)
+    assert full_loss < 3.6, f"the baseline itself did not train ({full_loss:.3f})"
+    assert loss <= 1.05 * full_loss, (loss, full_loss)
+
+
+def test_resnet50_at_2_bits_is_within_2_points_of_full_precision_accuracy():
+    """40 steps, accuracy on 1024 held-out images. (At the models benchmark's 20 steps 2 bits still trails:
+    its gradients have cosine 0.70 with full precision's, and the mean of 16 noise draws 0.968, what the
+    variance alone predicts; no bias is left for more steps to keep.)"""
+    (_, full), (_, two_bits) = (
+        _train("resnet50", "fp", 40, held_out=1024),
+        _train("resnet50", "L1.2", 40, held_out=1024),
+    )
+    assert full >= 0.95, f"the baseline itself did not train ({full:.3f})"
+    assert two_bits >= full - 0.02, (two_bits, full)

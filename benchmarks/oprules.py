@@ -1,0 +1,195 @@
+"""What the op rules buy and cost: FewBit codes against quantized inputs, and the op watcher's time.
+
+    python -m benchmarks.oprules             # both parts, results under benchmarks/results/<device>/
+    python -m benchmarks.oprules --quick     # fewer draws and steps, to check that it runs
+
+1. Gradient error of smooth activations (GELU, SiLU, tanh) at 2, 3 and 4 bits: the input of the op is
+   stored either as FewBit codes (deterministic, the derivative's optimal levels) or quantized per group of
+   256 with stochastic rounding, as the linear class is (3 bits is computed, not stored: gactx packs 1, 2, 4
+   and 8). The error is ``||g' - g|| / ||g||`` for ``g = grad_out * f'(x)``, ``x ~ N(0, sigma^2)``, unit
+   upstream gradients, the mean over draws of the noise.
+2. The watcher: one forward+backward step of the models benchmark's small models with the watcher in every
+   forward (``op_rules="always"``), with what was learned and no watching (``"learn"`` after its first
+   pass), and never (``"off"``), alternated in one process; the median of each, the aten ops a forward
+   dispatches, and the cost per op.
+
+Writes oprules.json and oprules.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import workloads
+from benchmarks.device import device_name, device_slug
+from gactx import Controller
+from gactx.kernels.fewbit import FUNCTIONS, SAVES_RESULT, fewbit_table
+
+FUNCTIONS_MEASURED = ("gelu", "silu", "tanh")
+WIDTHS = (2, 3, 4)
+SIGMAS = (1.0, 3.0)
+MODELS = ("bert-base", "resnet50", "gat")
+MODES = ("off", "learn", "always")
+
+
+def _quantized(x: torch.Tensor, bits: int, gen: torch.Generator, group: int = 256) -> torch.Tensor:
+    """Per-group min/max stochastic rounding at any width (the linear class's arithmetic, in float64)."""
+    g = x.reshape(-1, group)
+    lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+    step = (hi - lo).clamp_min(1e-30) / ((1 << bits) - 1)
+    q = torch.floor((g - lo) / step + torch.rand(g.shape, generator=gen, dtype=g.dtype))
+    return (q.clamp(0, (1 << bits) - 1) * step + lo).reshape(x.shape)
+
+
+def _derivative(name: str, x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_()
+    FUNCTIONS[name](x).sum().backward()
+    return x.grad
+
+
+def _fewbit(name: str, x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The derivative the op's backward computes from a FewBit code of what it saves."""
+    table = fewbit_table(name, (), bits)
+    saved = FUNCTIONS[name](x) if name in SAVES_RESULT else x
+    code = torch.bucketize(saved, torch.tensor(table.edges, dtype=x.dtype))
+    return torch.tensor(table.levels, dtype=x.dtype)[code]
+
+
+def gradient_errors(draws: int) -> list[dict]:
+    rows = []
+    for name in FUNCTIONS_MEASURED:
+        for sigma in SIGMAS:
+            gen = torch.Generator().manual_seed(0)
+            x = sigma * torch.randn(1 << 16, generator=gen, dtype=torch.float64)
+            grad_out = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+            exact = grad_out * _derivative(name, x)
+            for bits in WIDTHS:
+                fewbit = grad_out * _fewbit(name, x, bits)
+                errors = []
+                for _ in range(draws):
+                    saved = FUNCTIONS[name](x) if name in SAVES_RESULT else x
+                    stored = _quantized(saved, bits, gen)
+                    if name in SAVES_RESULT:  # the backward of tanh reads its result: 1 - y^2
+                        d = 1 - stored**2
+                    else:
+                        d = _derivative(name, stored)
+                    errors.append(float((grad_out * d - exact).norm() / exact.norm()))
+                rows.append({
+                    "function": name, "sigma": sigma, "bits": bits,
+                    "fewbit_error": float((fewbit - exact).norm() / exact.norm()),
+                    "quantized_error": float(np.mean(errors)),
+                })  # fmt: skip
+    return rows
+
+
+def _step(w, controller, inputs, target) -> None:
+    if controller is None:
+        loss = w.loss(w.model, inputs, target)
+    else:
+        with controller:
+            loss = w.loss(w.model, inputs, target)
+    loss.backward()
+    w.model.zero_grad(set_to_none=True)
+
+
+def watcher_cost(steps: int) -> list[dict]:
+    rows = []
+    for name in MODELS:
+        w = workloads.build(name, "small", "cpu")
+        inputs, target = w.make_batch(w.default_batch, torch.Generator().manual_seed(0))
+        controllers = {mode: Controller(w.model, level="L1", op_rules=mode) for mode in MODES}
+        for c in controllers.values():  # learn, warm up
+            for _ in range(2):
+                _step(w, c, inputs, target)
+        ops_before = controllers["always"]._path.watcher.ops
+        _step(w, controllers["always"], inputs, target)
+        ops = controllers["always"]._path.watcher.ops - ops_before
+        times = {mode: [] for mode in MODES}
+        for _ in range(steps):
+            for mode in MODES:  # alternated, so drift hits every mode alike
+                start = time.perf_counter()
+                _step(w, controllers[mode], inputs, target)
+                times[mode].append(time.perf_counter() - start)
+        median = {mode: statistics.median(t) for mode, t in times.items()}
+        rows.append({
+            "model": name, "aten_ops_per_forward": ops,
+            **{f"step_ms_{mode}": round(1e3 * median[mode], 2) for mode in MODES},
+            "watch_us_per_op": round(1e6 * (median["always"] - median["learn"]) / ops, 1),
+            "watched_overhead": round(median["always"] / median["learn"] - 1, 3),
+            "learned_vs_off": round(median["learn"] / median["off"] - 1, 3),
+        })  # fmt: skip
+    return rows
+
+
+def render(errors: list[dict], cost: list[dict], env: dict) -> str:
+    lines = [
+        f"# gactx op rules on {env['device_name']}",
+        "",
+        f"- torch {env['torch']}; run {env['date']}",
+        "",
+        "## FewBit codes against quantized inputs (relative gradient error)",
+        "",
+        f"`||g' - g|| / ||g||` for `g = grad_out * f'(x)`, `x ~ N(0, sigma^2)`, {env['draws']} noise draws for "
+        "the quantized input (per group of 256, stochastic rounding; 3 bits computed, not stored).",
+        "",
+        "| function | sigma | bits | FewBit | quantized input | FewBit better by |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for r in errors:
+        better = r["quantized_error"] / max(r["fewbit_error"], 1e-12)
+        lines.append(
+            f"| {r['function']} | {r['sigma']:g} | {r['bits']} | {r['fewbit_error']:.4f} | "
+            f"{r['quantized_error']:.4f} | {better:.1f}x |"
+        )
+    lines += [
+        "",
+        "## What knowing the op costs",
+        "",
+        f"One forward+backward step at L1 of the small models (median of {env['steps']}, modes alternated): "
+        "`always` watches every forward, `learn` uses what its first pass learned and does not watch, `off` "
+        "never watches. Per op: (always - learn) / aten ops of a forward.",
+        "",
+        "| model | aten ops a forward | step ms, off | step ms, learn | step ms, always | watch us per op "
+        "| always vs learn | learn vs off |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in cost:
+        lines.append(
+            f"| {r['model']} | {r['aten_ops_per_forward']} | {r['step_ms_off']} | {r['step_ms_learn']} | "
+            f"{r['step_ms_always']} | {r['watch_us_per_op']} | {r['watched_overhead']:+.1%} | "
+            f"{r['learned_vs_off']:+.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    draws, steps = (4, 3) if args.quick else (32, 15)
+    env = {
+        "device_name": device_name("cpu"), "torch": torch.__version__, "draws": draws, "steps": steps,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }  # fmt: skip
+    errors = gradient_errors(draws)
+    cost = watcher_cost(steps)
+    text = render(errors, cost, env)
+    print(text)
+    out = args.out or Path(__file__).parent / "results" / device_slug("cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "oprules.json").write_text(json.dumps({"env": env, "errors": errors, "cost": cost}, indent=1) + "\n")
+    (out / "oprules.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
