@@ -117,7 +117,7 @@ class PackPath:
 
     def pack(self, t: torch.Tensor):
         if self.watching:
-            with self.watcher.quiet():  # what the pack hook itself runs (detach, compression) is not the model's
+            with self.watcher.quiet():  # what the pack hook itself runs (a detach) is not the model's
                 return self._pack(t)
         return self._pack(t)
 
@@ -136,15 +136,15 @@ class PackPath:
         if reason is not None or cfg.bits is None:
             self._record(t, key, ptr, None, None, reason or "L0", None)
             return as_is(t)
+        if self.watching:
+            # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
+            # of the compression's own ops through the watcher. A result save knows its op already; an input
+            # save learns it then.
+            handle = Packed(t, key, t, cfg.backend, pending=True)
+            self.watcher.pending.append((handle, self.watcher.result_site(t)))
+            return handle
         if t.dtype == torch.bool:
             return self._finish(t, key, ptr, None, BOOL_MASK)
-        if self.watching:
-            site = self.watcher.result_site(t)
-            if site is None:  # an input of the op about to be dispatched: wait for it
-                handle = Packed(t, key, t, cfg.backend, pending=True)
-                self.watcher.pending.append(handle)
-                return handle
-            return self._finish(t, key, ptr, site, rule_for(site), learn=(site, False))
         return self._finish(t, key, ptr, *self._recall(t, key))
 
     def _recall(self, t: torch.Tensor, key: Key) -> tuple[Site | None, Rule]:
@@ -163,7 +163,10 @@ class PackPath:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
         t = handle.stored
         ptr = storage_ptr(t) or 0
-        self._finish(t, handle.key, ptr, site, _rule(site, dropout), handle=handle, learn=(site, dropout))
+        if t.dtype == torch.bool:
+            self._finish(t, handle.key, ptr, None, BOOL_MASK, handle=handle)
+        else:
+            self._finish(t, handle.key, ptr, site, _rule(site, dropout), handle=handle, learn=(site, dropout))
 
     def _finish(self, t, key: Key, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
         cfg = self.config

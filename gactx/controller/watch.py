@@ -65,13 +65,13 @@ def _role(func, args: tuple, kwargs: dict, t: torch.Tensor) -> str:
 
 class OpWatcher(TorchDispatchMode):
     """Names the op and role of each save (see the module docstring). ``on_input(handle, site, dropout)``
-    is called for each pending handle once its op is known, inside the dispatch (where no mode is active,
-    so the compression it runs is not watched)."""
+    is called for each pending handle at the next op's dispatch (where no mode is active, so the compression
+    it runs is not watched), or at the end of the forward."""
 
     def __init__(self, on_input: Callable[[object, Site, bool], None]) -> None:
         super().__init__()
         self.on_input = on_input
-        self.pending: list = []  # handles waiting for their op, each with its tensor in .stored
+        self.pending: list = []  # (handle, its site if a result save) waiting, each with its tensor in .stored
         self.ops = 0  # aten ops seen
         self._quiet = False
         self._last = None  # (func, weak references to its tensor results, its scalar arguments)
@@ -112,7 +112,10 @@ class OpWatcher(TorchDispatchMode):
     def _resolve(self, func, args: tuple, kwargs: dict) -> None:
         pending, self.pending = self.pending, []
         params = None
-        for handle in pending:
+        for handle, site in pending:
+            if site is not None:  # a result save of the op before
+                self.on_input(handle, site, False)
+                continue
             t = handle.stored
             if params is None:
                 params = _params(func, args, kwargs)
@@ -147,7 +150,7 @@ class OpWatcher(TorchDispatchMode):
     def flush(self) -> None:
         """End of the forward pass: handles still waiting have no op (they are resolved as unknown)."""
         pending, self.pending = self.pending, []
-        for handle in pending:
-            self.on_input(handle, Site("?"), False)
+        for handle, site in pending:
+            self.on_input(handle, site or Site("?"), False)
         self._last, self._claimed, self._bernoulli = None, set(), None
         self._dropout = []
