@@ -8,7 +8,9 @@
    256 with stochastic rounding, as the linear class is (3 bits is computed, not stored: gactx packs 1, 2, 4
    and 8). The error is ``||g' - g|| / ||g||`` for ``g = grad_out * f'(x)``, ``x ~ N(0, sigma^2)``, unit
    upstream gradients, the mean over draws of the noise.
-2. The watcher: the host time it adds to one aten op, and forward passes of the models benchmark's small
+2. Softmax backward from attention probabilities quantized at 2, 4 and 8 bits: the error of one draw and
+   the bias left in the mean of many (the attention class's narrowest width).
+3. The watcher: the host time it adds to one aten op, and forward passes of the models benchmark's small
    models watched every time (``op_rules="always"``) against applying what the first pass learned
    (``"learn"``), alternated in one process, medians.
 
@@ -88,6 +90,33 @@ def gradient_errors(draws: int) -> list[dict]:
     return rows
 
 
+def attention_widths(draws: int) -> list[dict]:
+    """Softmax backward from attention probabilities stored quantized (the linear class's arithmetic) at 2, 4
+    and 8 bits: relative error of one draw, and the cosine of the mean of the draws with the exact gradient
+    (what is left of it is bias: the backward ``y * (g - sum(g * y))`` is quadratic in ``y``)."""
+    rows = []
+    for scale in (1.0, 4.0):  # logits' spread: flat and peaked attention
+        gen = torch.Generator().manual_seed(0)
+        y = torch.softmax(scale * torch.randn(256, 128, generator=gen, dtype=torch.float64), dim=-1)
+        g = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+
+        def backward(p, g=g):
+            return p * (g - (g * p).sum(-1, keepdim=True))
+
+        exact = backward(y)
+        for bits in (2, 4, 8):
+            grads = [backward(_quantized(y, bits, gen)) for _ in range(draws)]
+            mean = torch.stack(grads).mean(0)
+            error = float(np.mean([float((d - exact).norm() / exact.norm()) for d in grads]))
+            rows.append({
+                "logit_scale": scale, "bits": bits, "error_one_draw": error,
+                "cosine_of_mean": float(torch.nn.functional.cosine_similarity(mean.flatten(), exact.flatten(), 0)),
+                # independent noise of relative size e, averaged over n draws, leaves cosine 1/sqrt(1 + e^2/n)
+                "cosine_variance_alone": 1 / (1 + error**2 / draws) ** 0.5,
+            })  # fmt: skip
+    return rows
+
+
 def _forward(w, controller, inputs, target) -> None:
     with controller:
         w.loss(w.model, inputs, target)
@@ -144,7 +173,7 @@ def watcher_cost(steps: int) -> list[dict]:
     return rows
 
 
-def render(errors: list[dict], cost: list[dict], env: dict) -> str:
+def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dict) -> str:
     lines = [
         f"# gactx op rules on {env['device_name']}",
         "",
@@ -163,6 +192,22 @@ def render(errors: list[dict], cost: list[dict], env: dict) -> str:
         lines.append(
             f"| {r['function']} | {r['sigma']:g} | {r['bits']} | {r['fewbit_error']:.4f} | "
             f"{r['quantized_error']:.4f} | {better:.1f}x |"
+        )
+    lines += [
+        "",
+        "## Attention probabilities: the narrowest width",
+        "",
+        "Softmax backward `y * (g - sum(g * y))` from probabilities (256 rows of 128) stored quantized; "
+        f"{env['draws']} draws. The cosine of the draws' mean with the exact gradient shows the bias that "
+        "averaging cannot remove; next to it, what independent noise of the measured size alone would leave.",
+        "",
+        "| logit scale | bits | relative error, one draw | cosine of the mean of the draws | variance alone |",
+        "|--:|--:|--:|--:|--:|",
+    ]
+    for r in attention:
+        lines.append(
+            f"| {r['logit_scale']:g} | {r['bits']} | {r['error_one_draw']:.4f} | {r['cosine_of_mean']:.5f} | "
+            f"{r['cosine_variance_alone']:.5f} |"
         )
     lines += [
         "",
@@ -198,12 +243,14 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }  # fmt: skip
     errors = gradient_errors(draws)
+    attention = attention_widths(draws)
     cost = watcher_cost(steps)
-    text = render(errors, cost, env)
+    text = render(errors, attention, cost, env)
     print(text)
     out = args.out or Path(__file__).parent / "results" / device_slug("cpu")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "oprules.json").write_text(json.dumps({"env": env, "errors": errors, "cost": cost}, indent=1) + "\n")
+    rows = {"env": env, "errors": errors, "attention": attention, "cost": cost}
+    (out / "oprules.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "oprules.md").write_text(text)
 
 

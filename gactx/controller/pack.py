@@ -169,20 +169,14 @@ class PackPath:
             self._finish(t, handle.key, ptr, site, _rule(site, dropout), handle=handle, learn=(site, dropout))
 
     def _finish(self, t, key: Key, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
+        """Store ``t`` under ``rule`` (or share what the same tensor stored the same way got), record it, and
+        return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
         cfg = self.config
         if learn is not None:
             self.sites[key[:3]] = (learn[0], learn[1], _signature(t))
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-        bits = None
-        if rule is BOOL_MASK:
-            bits = 1
-        elif rule.cls in ALLOCATED:
-            bits = self.bits_for(key)
-            if self.probing(key):
-                rule = LINEAR  # the sensitivity probe perturbs the slot with noise, whatever its class
-            elif rule.cls == "attention":
-                bits = max(bits, ATTENTION_BITS)
+        rule, bits = self._width(key, rule)
         # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
         form = (rule.kind, rule.pred, rule.values, rule.fn, rule.fn_params, bits)
         shape = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version, form)
@@ -193,18 +187,7 @@ class PackPath:
                 return hit
             handle.stored, handle.pending = hit.stored, False
             return handle
-        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend)
-        offloaded, nbytes = False, None if isinstance(stored, torch.Tensor) else stored.nbytes
-        if self.offloader is not None and isinstance(stored, QuantizedTensor):
-            if self.offloader.accepts(stored.data):
-                stored, offloaded = self.offloader.offload(stored), True
-            else:
-                self.warn_offload(f"a tensor on {t.device.type}")
-        if isinstance(stored, torch.Tensor):
-            label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
-        else:
-            label = bits if bits is not None else stored.bits
-        self._record(t, key, ptr, site, rule, label, nbytes, offloaded)
+        stored = self._store(t, key, ptr, site, rule, bits)
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return stored
@@ -214,6 +197,35 @@ class PackPath:
         if cfg.dedupe:
             self.dedupe[shape] = handle
         return handle
+
+    def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None]:
+        """The width of an allocated class (at least ATTENTION_BITS for attention), 1 for bool masks, else
+        ``None``; the sensitivity probe turns its slot into a quantized one, whatever its class."""
+        if rule is BOOL_MASK:
+            return rule, 1
+        if rule.cls not in ALLOCATED:
+            return rule, None
+        bits = self.bits_for(key)
+        if self.probing(key):
+            return LINEAR, bits
+        return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits
+
+    def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None):
+        """Encode, offload where asked, and record: what the handle will hold."""
+        cfg = self.config
+        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend)
+        if isinstance(stored, torch.Tensor):
+            label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
+            self._record(t, key, ptr, site, rule, label, None)
+            return stored
+        nbytes, offloaded = stored.nbytes, False
+        if self.offloader is not None and isinstance(stored, QuantizedTensor):
+            if self.offloader.accepts(stored.data):
+                stored, offloaded = self.offloader.offload(stored), True
+            else:
+                self.warn_offload(f"a tensor on {t.device.type}")
+        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, nbytes, offloaded)
+        return stored
 
     def _record(self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False):
         """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
