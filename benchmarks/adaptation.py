@@ -21,6 +21,7 @@ import torch
 from benchmarks.charlm import train_charlm
 from benchmarks.device import device_name, device_slug
 from benchmarks.digits import train_digits
+from benchmarks.table import markdown_table
 from gactx.config import Config
 
 INTERVAL = Config.adapt_interval  # the default
@@ -54,15 +55,16 @@ def render(rows: list[dict], env: dict) -> str:
         f"- torch {env['torch']}; run {env['date']}; level L2.2, default interval {INTERVAL} steps",
         "- share = adaptation / (interval x step + adaptation); step time at L2.2 without the adaptation",
         "",
-        "| model | tensors measured | passes | adaptation s | step s (L2.2) | step s (full precision) "
-        "| share of training at interval | steps one adaptation costs |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['tensors_measured']} | {r['passes']} | {r['adaptation_s']} | {r['step_s']} "
-            f"| {r['full_precision_step_s']} | {r['share_at_interval']:.2%} | {r['steps_one_adaptation_costs']} |"
-        )
+    lines += markdown_table(
+        ("model", "tensors measured", "passes", "adaptation s", "step s (L2.2)", "step s (full precision)",
+         "share of training at interval", "steps one adaptation costs"),
+        [
+            (r["model"], r["tensors_measured"], r["passes"], r["adaptation_s"], r["step_s"],
+             r["full_precision_step_s"], f"{r['share_at_interval']:.2%}", r["steps_one_adaptation_costs"])
+            for r in rows
+        ],
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import workloads
 from benchmarks.device import device_name, device_slug
+from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.kernels.fewbit import FUNCTIONS, SAVES_RESULT, fewbit_table
 
@@ -184,15 +185,15 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
         f"`||g' - g|| / ||g||` for `g = grad_out * f'(x)`, `x ~ N(0, sigma^2)`, {env['draws']} noise draws for "
         "the quantized input (per group of 256, stochastic rounding; 3 bits computed, not stored).",
         "",
-        "| function | sigma | bits | FewBit | quantized input | FewBit better by |",
-        "|---|--:|--:|--:|--:|--:|",
     ]
-    for r in errors:
-        better = r["quantized_error"] / max(r["fewbit_error"], 1e-12)
-        lines.append(
-            f"| {r['function']} | {r['sigma']:g} | {r['bits']} | {r['fewbit_error']:.4f} | "
-            f"{r['quantized_error']:.4f} | {better:.1f}x |"
-        )
+    lines += markdown_table(
+        ("function", "sigma", "bits", "FewBit", "quantized input", "FewBit better by"),
+        [
+            (r["function"], f"{r['sigma']:g}", r["bits"], f"{r['fewbit_error']:.4f}", f"{r['quantized_error']:.4f}",
+             f"{r['quantized_error'] / max(r['fewbit_error'], 1e-12):.1f}x")
+            for r in errors
+        ],
+    )  # fmt: skip
     lines += [
         "",
         "## Attention probabilities: the narrowest width",
@@ -201,14 +202,16 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
         f"{env['draws']} draws. The cosine of the draws' mean with the exact gradient shows the bias that "
         "averaging cannot remove; next to it, what independent noise of the measured size alone would leave.",
         "",
-        "| logit scale | bits | relative error, one draw | cosine of the mean of the draws | variance alone |",
-        "|--:|--:|--:|--:|--:|",
     ]
-    for r in attention:
-        lines.append(
-            f"| {r['logit_scale']:g} | {r['bits']} | {r['error_one_draw']:.4f} | {r['cosine_of_mean']:.5f} | "
-            f"{r['cosine_variance_alone']:.5f} |"
-        )
+    lines += markdown_table(
+        ("logit scale", "bits", "relative error, one draw", "cosine of the mean of the draws", "variance alone"),
+        [
+            (f"{r['logit_scale']:g}", r["bits"], f"{r['error_one_draw']:.4f}", f"{r['cosine_of_mean']:.5f}",
+             f"{r['cosine_variance_alone']:.5f}")
+            for r in attention
+        ],
+        left=0,
+    )  # fmt: skip
     lines += [
         "",
         "## What knowing the op costs",
@@ -219,15 +222,16 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
         "watching; both compress the same way, so the difference is the watching. Predicted: ops x the cost "
         "of an op.",
         "",
-        "| model | aten ops a forward | forward ms, learn | forward ms, always | watching, predicted ms "
-        "| watching, measured ms |",
-        "|---|--:|--:|--:|--:|--:|",
     ]
-    for r in cost:
-        lines.append(
-            f"| {r['model']} | {r['aten_ops_per_forward']} | {r['forward_ms_learn']} | {r['forward_ms_always']} | "
-            f"{r['predicted_ms']} | {r['measured_ms']} |"
-        )
+    lines += markdown_table(
+        ("model", "aten ops a forward", "forward ms, learn", "forward ms, always", "watching, predicted ms",
+         "watching, measured ms"),
+        [
+            (r["model"], r["aten_ops_per_forward"], r["forward_ms_learn"], r["forward_ms_always"], r["predicted_ms"],
+             r["measured_ms"])
+            for r in cost
+        ],
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
