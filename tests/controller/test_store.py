@@ -1,0 +1,67 @@
+"""What each rule stores and how it decodes (gactx/controller/store.py)."""
+
+import math
+
+import torch
+
+from gactx.controller.rules import DROPOUT, UNUSED, Site, rule_for
+from gactx.controller.store import Packed, Unused, encode
+from gactx.kernels.codes import CodedTensor
+from gactx.kernels.fewbit import fewbit_table
+
+
+def _decode(stored):
+    return Packed(stored, None, torch.zeros(1), "torch").unpack()
+
+
+def _encode(t, rule, bits=None):
+    return encode(t, rule, bits, seed=0, group_size=256, stochastic=True, backend="torch")
+
+
+def test_a_mask_decodes_to_values_on_each_side_of_the_test():
+    t = torch.tensor([-2.0, -0.5, 0.0, 0.5, 2.0] * 100)
+    hardtanh = rule_for(Site("hardtanh", role="self", params=(("min_val", -1.0), ("max_val", 1.0))))
+    stored = _encode(t, hardtanh)
+    assert isinstance(stored, CodedTensor) and stored.bits == 1
+    decoded = _decode(stored)
+    assert torch.equal((decoded > -1) & (decoded < 1), (t > -1) & (t < 1))
+    assert set(decoded.unique().tolist()) == {-math.inf, 0.0}
+
+
+def test_sign_codes_keep_zero_and_nan():
+    t = torch.tensor([-3.0, 0.0, 2.0, math.nan] * 64)
+    decoded = _decode(_encode(t, rule_for(Site("abs", role="self"))))
+    assert torch.equal(decoded[:3], torch.tensor([-1.0, 0.0, 1.0])) and decoded[3].isnan()
+
+
+def test_unused_values_keep_the_layout_and_hold_nothing():
+    t = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    stored = _encode(t, UNUSED)
+    assert isinstance(stored, Unused) and stored.nbytes == 0
+    decoded = _decode(stored)
+    assert decoded.stride() == t.stride() and decoded.shape == t.shape and not decoded.any()
+
+
+def test_dropout_masks_decode_exactly():
+    torch.manual_seed(0)
+    mask = torch.empty(4096).bernoulli_(0.7).div_(0.7)
+    decoded = _decode(_encode(mask, DROPOUT))
+    assert torch.equal(decoded, mask)
+
+
+def test_fewbit_codes_decode_to_the_tables_points():
+    t = torch.linspace(-6, 6, 1000)
+    rule = rule_for(Site("gelu", role="self", params=(("approximate", "none"),)))
+    stored = _encode(t, rule, bits=2)
+    table = fewbit_table("gelu", (("approximate", "none"),), 2)
+    decoded = _decode(stored)
+    assert set(decoded.tolist()) <= {float(torch.tensor(p)) for p in table.points}
+    codes = torch.bucketize(t, torch.tensor(table.edges, dtype=torch.float32))
+    assert torch.equal(decoded, torch.tensor(table.points, dtype=torch.float32)[codes])
+    assert stored.nbytes == 1000 * 2 // 8 + 4 * 4
+
+
+def test_kept_classes_and_full_widths_return_the_tensor_itself():
+    t = torch.randn(64, 64)
+    assert _encode(t, rule_for(Site("sqrt", role="result"))) is t
+    assert _encode(t, rule_for(Site("addmm", role="mat1")), bits=32) is t
