@@ -140,7 +140,7 @@ class PackPath:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
             # save learns it then.
-            handle = Packed(t, key, t, cfg.backend, pending=True)
+            handle = Packed(t, key, t, cfg.backend)
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
             return handle
         if t.dtype == torch.bool:
@@ -185,7 +185,7 @@ class PackPath:
             self.stats.deduplicated += 1
             if handle is None:
                 return hit
-            handle.stored, handle.pending = hit.stored, False
+            handle.stored = hit.stored
             return handle
         stored = self._store(t, key, ptr, site, rule, bits)
         if handle is None:
@@ -193,7 +193,7 @@ class PackPath:
                 return stored
             handle = Packed(stored, key, t, cfg.backend)
         else:
-            handle.stored, handle.pending = stored, False
+            handle.stored = stored
         if cfg.dedupe:
             self.dedupe[shape] = handle
         return handle

@@ -262,24 +262,27 @@ _TABLE: dict[tuple[str, str | None], object] = {
     ("_cdist_forward", "result"): LOG,
 }
 
-# Saved outputs name their op through their grad_fn, even where the op was not watched.
+# Saved outputs name their op through their grad_fn, even where the op was not watched: node -> op.
 _OUTPUT_NODES = {
-    "ReluBackward0": Site("relu", role="result", result=True),
-    "ReluBackward1": Site("relu_", role="result", result=True),
-    "LeakyReluBackward1": Site("leaky_relu_", role="result", result=True),
-    "SigmoidBackward0": Site("sigmoid", role="result", result=True),
-    "TanhBackward0": Site("tanh", role="result", result=True),
-    "SoftmaxBackward0": Site("_softmax", role="result", result=True),
-    "SafeSoftmaxBackward0": Site("_safe_softmax", role="result", result=True),
-    "LogSoftmaxBackward0": Site("_log_softmax", role="result", result=True),
-    "SqrtBackward0": Site("sqrt", role="result", result=True),
-    "RsqrtBackward0": Site("rsqrt", role="result", result=True),
-    "ReciprocalBackward0": Site("reciprocal", role="result", result=True),
-    "LogsumexpBackward0": Site("logsumexp", role="result", result=True),
-    "AmaxBackward0": Site("amax", role="result", result=True),
-    "AminBackward0": Site("amin", role="result", result=True),
-    "MaxBackward1": Site("max", role="result", result=True),
-    "MinBackward1": Site("min", role="result", result=True),
+    node: Site(op, role="result", result=True)
+    for node, op in {
+        "ReluBackward0": "relu",
+        "ReluBackward1": "relu_",
+        "LeakyReluBackward1": "leaky_relu_",
+        "SigmoidBackward0": "sigmoid",
+        "TanhBackward0": "tanh",
+        "SoftmaxBackward0": "_softmax",
+        "SafeSoftmaxBackward0": "_safe_softmax",
+        "LogSoftmaxBackward0": "_log_softmax",
+        "SqrtBackward0": "sqrt",
+        "RsqrtBackward0": "rsqrt",
+        "ReciprocalBackward0": "reciprocal",
+        "LogsumexpBackward0": "logsumexp",
+        "AmaxBackward0": "amax",
+        "AminBackward0": "amin",
+        "MaxBackward1": "max",
+        "MinBackward1": "min",
+    }.items()
 }
 
 

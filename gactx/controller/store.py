@@ -58,16 +58,15 @@ class Packed:
     """What autograd holds instead of a saved activation: what its rule stored (a ``QuantizedTensor``, its
     ``HostCopy`` in pinned CPU memory, a ``CodedTensor``, an ``Unused``, or a tensor kept as it is) and its
     key. A handle made while the model's op watcher runs holds the tensor itself until its op is known
-    (one op later); ``pending`` says so."""
+    (one op later)."""
 
-    __slots__ = ("stored", "key", "source", "backend", "pending", "__weakref__")
+    __slots__ = ("stored", "key", "source", "backend", "__weakref__")
 
-    def __init__(self, stored, key, source: torch.Tensor, backend: str, pending: bool = False) -> None:
+    def __init__(self, stored, key, source: torch.Tensor, backend: str) -> None:
         self.stored = stored
         self.key = key
         self.source = weakref.ref(storage_owner(source))  # dedupe is valid only while the storage lives
         self.backend = backend
-        self.pending = pending
 
     def unpack(self) -> torch.Tensor:
         s = self.stored
@@ -125,9 +124,7 @@ def _predicate(t: torch.Tensor, pred: tuple) -> torch.Tensor:
     kind = pred[0]
     if kind == "gt":
         return t > pred[1]
-    if kind == "between":
-        return (t > pred[1]) & (t < pred[2])
-    if kind == "open":
+    if kind in ("between", "open"):  # "between" also decodes true to its midpoint (see mask_values)
         return (t > pred[1]) & (t < pred[2])
     if kind == "outside":
         return ~((t >= pred[1]) & (t <= pred[2]))
