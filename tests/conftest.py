@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# No time limit an example: on a shared 2-core machine a test's speed says little (speed lives in benchmarks).
+settings.register_profile("gactx", deadline=None)
+settings.load_profile("gactx")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread a worker: `pytest -n 2` on 2 cores otherwise runs 4 busy threads and

@@ -28,8 +28,8 @@ from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
 from gactx.controller.rules import (
     ALLOCATED,
     ATTENTION_BITS,
-    DROPOUT,
     LINEAR,
+    PROVENANCE,
     UNKNOWN,
     Rule,
     Site,
@@ -77,7 +77,7 @@ class PackPath:
         self.stats = PassStats()
         self.fresh = True  # a new pass began; its first save replaces self.stats
         self.dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self.sites: dict[tuple, tuple[Site, bool, tuple]] = {}  # slot -> (site, dropout, signature)
+        self.sites: dict[tuple, tuple[Site, str | None, tuple]] = {}  # slot -> (site, origin, signature)
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
@@ -152,21 +152,21 @@ class PackPath:
         ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
         learned = self.sites.get(key[:3])
         if learned is not None and learned[2] == _signature(t):
-            site, dropout, _ = learned
-            return site, _rule(site, dropout)
+            site, origin, _ = learned
+            return site, _rule(site, origin)
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)
         return found if found is not None else (None, UNKNOWN)
 
-    def _resolve(self, handle: Packed, site: Site, dropout: bool) -> None:
+    def _resolve(self, handle: Packed, site: Site, origin: str | None) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
         t = handle.stored
         ptr = storage_ptr(t) or 0
         if t.dtype == torch.bool:
             self._finish(t, handle.key, ptr, None, BOOL_MASK, handle=handle)
         else:
-            self._finish(t, handle.key, ptr, site, _rule(site, dropout), handle=handle, learn=(site, dropout))
+            self._finish(t, handle.key, ptr, site, _rule(site, origin), handle=handle, learn=(site, origin))
 
     def _finish(self, t, key: Key, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
         """Store ``t`` under ``rule`` (or share what the same tensor stored the same way got), record it, and
@@ -242,9 +242,9 @@ class PackPath:
         )
 
 
-def _rule(site: Site, dropout: bool) -> Rule:
-    if dropout:
-        return DROPOUT
+def _rule(site: Site, origin: str | None) -> Rule:
+    if origin is not None:
+        return PROVENANCE[origin]
     return UNKNOWN if site.op == "?" else rule_for(site)
 
 

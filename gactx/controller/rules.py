@@ -17,7 +17,9 @@ dropout         a float dropout mask (values 0 and 1/(1-p)), by provenance     1
                                                                                lossless
 smooth          gelu, silu, mish, elu/selu, celu, softplus, hardswish (self);  FewBit code, 1-8 bits
                 sigmoid, tanh (result)                                        (``gactx.kernels.fewbit``)
-attention       softmax results, attention query/key                          quantized, >= ATTENTION_BITS
+attention       softmax results, attention query/key; exp results and what is  quantized, >= ATTENTION_BITS
+                divided out of them (softmax by hand, as PyG's GAT computes
+                its coefficients), by provenance
 equality        amax/amin, max/min reductions, maximum/minimum, fmax/fmin,     kept as is
                 scatter_reduce/index_reduce with amax/amin/prod, inf-norms,
                 clamp with tensor bounds
@@ -44,6 +46,7 @@ import torch
 __all__ = [
     "ALLOCATED",
     "ATTENTION_BITS",
+    "PROVENANCE",
     "Rule",
     "Site",
     "rule_for",
@@ -109,6 +112,9 @@ EQUALITY = Rule("equality", "keep")
 LOG = Rule("log domain", "keep")
 UNUSED = Rule("unused values", "unused")
 DROPOUT = Rule("dropout", "dropout")
+# What a tensor was made by, where its op alone does not tell (watch.py): a float dropout mask (``bernoulli_``
+# then ``div_``), probabilities computed by hand (an ``exp`` result divided by a tensor).
+PROVENANCE = {"dropout": DROPOUT, "probabilities": ATTENTION}
 ALLOCATED = ("linear", "linear (op unknown)", "attention", "smooth")  # classes whose width the allocator picks
 
 INF = math.inf
@@ -220,6 +226,7 @@ _TABLE: dict[tuple[str, str | None], object] = {
     # attention
     ("_softmax", "result"): ATTENTION,
     ("_safe_softmax", "result"): ATTENTION,
+    ("exp", "result"): ATTENTION,  # unnormalised probabilities; a group's values span orders of magnitude
     ("_scaled_dot_product_flash_attention_for_cpu", None): _attention,
     ("_scaled_dot_product_flash_attention", None): _attention,
     ("_scaled_dot_product_efficient_attention", None): _attention,
@@ -272,6 +279,7 @@ _OUTPUT_NODES = {
         "SigmoidBackward0": "sigmoid",
         "TanhBackward0": "tanh",
         "SoftmaxBackward0": "_softmax",
+        "ExpBackward0": "exp",
         "SafeSoftmaxBackward0": "_safe_softmax",
         "LogSoftmaxBackward0": "_log_softmax",
         "SqrtBackward0": "sqrt",

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from gactx.controller.offload import HostCopy
-from gactx.controller.policy import storage_owner
+from gactx.controller.policy import storage_owner, storage_ptr
 from gactx.controller.rules import Rule
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_codes
@@ -58,20 +58,32 @@ class Packed:
     """What autograd holds instead of a saved activation: what its rule stored (a ``QuantizedTensor``, its
     ``HostCopy`` in pinned CPU memory, a ``CodedTensor``, an ``Unused``, or a tensor kept as it is) and its
     key. A handle made while the model's op watcher runs holds the tensor itself until its op is known
-    (one op later)."""
+    (one op later).
 
-    __slots__ = ("stored", "key", "source", "backend", "__weakref__")
+    A tensor that is still alive and unchanged when backward unpacks it (a batch the training loop holds,
+    a graph's features, a tensor another op keeps as it is) is read from where it lives: its values cost
+    nothing there, and backward then computes exactly what plain PyTorch computes. Unchanged: the same
+    storage and version counter as at the save; an in-place change after it falls back to what was stored.
+    """
+
+    __slots__ = ("stored", "key", "source", "backend", "view", "__weakref__")
 
     def __init__(self, stored, key, source: torch.Tensor, backend: str) -> None:
+        owner = storage_owner(source)
         self.stored = stored
         self.key = key
-        self.source = weakref.ref(storage_owner(source))  # dedupe is valid only while the storage lives
+        self.source = weakref.ref(owner)  # dedupe is valid only while the storage lives
         self.backend = backend
+        layout = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype)
+        self.view = (*layout, owner._version, storage_ptr(owner))
 
     def unpack(self) -> torch.Tensor:
         s = self.stored
         if isinstance(s, torch.Tensor):
             return s
+        live = self._still_alive()
+        if live is not None:
+            return live
         if isinstance(s, HostCopy):
             s = s.offloader.fetch(s)
         if isinstance(s, QuantizedTensor):
@@ -79,6 +91,16 @@ class Packed:
         if isinstance(s, CodedTensor):
             return decode_codes(s)
         return s.decode()
+
+    def _still_alive(self) -> torch.Tensor | None:
+        """The saved tensor itself, if something outside gactx still holds it, unchanged since the save."""
+        owner = self.source()
+        if owner is None:
+            return None
+        shape, stride, offset, dtype, version, ptr = self.view
+        if owner._version != version or owner.dtype != dtype or storage_ptr(owner) != ptr:
+            return None
+        return owner.detach().as_strided(shape, stride, offset)
 
 
 def mask_values(rule: Rule, dtype: torch.dtype) -> tuple[float, float] | None:

@@ -9,7 +9,10 @@ results just after. A ``TorchDispatchMode`` sees every op below autograd, so:
   that op, under the name of the argument it is passed as (``"?"`` when it is not among the arguments:
   a custom ``autograd.Function``'s save, a clone made for an in-place op).
 
-A float dropout mask is known by where it comes from: ``bernoulli_`` then ``div_`` on the same tensor.
+Two kinds of tensor are known by where they come from (``rules.PROVENANCE``): a float dropout mask
+(``bernoulli_`` then ``div_`` on the same tensor) and probabilities computed by hand (an ``exp`` result
+divided by a tensor, as torch_geometric's softmax over a node's edges computes GAT's coefficients), with the
+views of either.
 
 The watcher costs a Python call per aten op (about 14 us on a CPU core; on a GPU it is host time). The
 controller runs it only in a forward pass after one that met a save it had not seen (see controller.py).
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gactx.controller.policy import storage_owner
 from gactx.controller.rules import Site
 
 __all__ = ["OpWatcher"]
@@ -63,12 +67,19 @@ def _role(func, args: tuple, kwargs: dict, t: torch.Tensor) -> str:
     return "?"
 
 
-class OpWatcher(TorchDispatchMode):
-    """Names the op and role of each save (see the module docstring). ``on_input(handle, site, dropout)``
-    is called for each pending handle at the next op's dispatch (where no mode is active, so the compression
-    it runs is not watched), or at the end of the forward."""
+def _among(t: torch.Tensor, refs: list[weakref.ref]) -> bool:
+    """``t`` or the tensor it is a view of is one of ``refs``."""
+    owner = storage_owner(t)
+    return any(ref() is owner for ref in refs)
 
-    def __init__(self, on_input: Callable[[object, Site, bool], None]) -> None:
+
+class OpWatcher(TorchDispatchMode):
+    """Names the op and role of each save (see the module docstring). ``on_input(handle, site, origin)``
+    (origin: a key of ``rules.PROVENANCE`` or ``None``) is called for each pending handle at the next op's
+    dispatch (where no mode is active, so the compression it runs is not watched), or at the end of the
+    forward."""
+
+    def __init__(self, on_input: Callable[[object, Site, str | None], None]) -> None:
         super().__init__()
         self.on_input = on_input
         self.pending: list = []  # (handle, its site if a result save) waiting, each with its tensor in .stored
@@ -78,7 +89,7 @@ class OpWatcher(TorchDispatchMode):
         self._claimed: set[str] = set()
         self._saved_names: dict[tuple, frozenset] = {}
         self._bernoulli: weakref.ref | None = None
-        self._dropout: list[weakref.ref] = []  # masks made in this pass
+        self._made: dict[str, list[weakref.ref]] = {"exp": [], "dropout": [], "probabilities": []}  # this pass
 
     @contextmanager
     def quiet(self):
@@ -101,8 +112,12 @@ class OpWatcher(TorchDispatchMode):
         if name == "bernoulli_":
             self._bernoulli = weakref.ref(args[0])
         elif name == "div_" and self._bernoulli is not None and self._bernoulli() is args[0]:
-            self._dropout.append(weakref.ref(args[0]))
+            self._made["dropout"].append(weakref.ref(args[0]))
             self._bernoulli = None
+        elif name in ("exp", "exp_"):
+            self._made["exp"].append(weakref.ref(storage_owner(out)))
+        elif name == "div" and isinstance(args[1], torch.Tensor) and _among(args[0], self._made["exp"]):
+            self._made["probabilities"].append(weakref.ref(out))
         results = out if isinstance(out, tuple | list) else (out,)
         refs = tuple(weakref.ref(r) if isinstance(r, torch.Tensor) else None for r in results)
         self._last = (func, refs, args, kwargs)
@@ -114,14 +129,21 @@ class OpWatcher(TorchDispatchMode):
         params = None
         for handle, site in pending:
             if site is not None:  # a result save of the op before
-                self.on_input(handle, site, False)
+                self.on_input(handle, site, None)
                 continue
             t = handle.stored
             if params is None:
                 params = _params(func, args, kwargs)
             site = Site(func.overloadpacket.__name__, func._overloadname, _role(func, args, kwargs, t), params)
-            dropout = any(ref() is t for ref in self._dropout)
-            self.on_input(handle, site, dropout)
+            self.on_input(handle, site, self._origin(t))
+
+    def _origin(self, t: torch.Tensor) -> str | None:
+        made = self._made
+        if _among(t, made["dropout"]):
+            return "dropout"
+        if _among(t, made["probabilities"]) or _among(t, made["exp"]):
+            return "probabilities"  # an exp result saved as another op's input too: one copy at one width
+        return None
 
     def result_site(self, t: torch.Tensor) -> Site | None:
         """The site of ``t`` if this save is a result save of the op just dispatched, else ``None``."""
@@ -151,6 +173,7 @@ class OpWatcher(TorchDispatchMode):
         """End of the forward pass: handles still waiting have no op (they are resolved as unknown)."""
         pending, self.pending = self.pending, []
         for handle, site in pending:
-            self.on_input(handle, site or Site("?"), False)
+            self.on_input(handle, site or Site("?"), None)
         self._last, self._claimed, self._bernoulli = None, set(), None
-        self._dropout = []
+        for refs in self._made.values():
+            refs.clear()

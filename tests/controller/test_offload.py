@@ -76,7 +76,7 @@ def _offloading(model, prefetch=2, **options):
 def _grads(model, controller, x, retain=False):
     model.zero_grad(set_to_none=True)
     with controller:
-        loss = model(x).square().mean()
+        loss = model(x.clone()).square().mean()  # a batch nothing else holds: backward reads its copy
     loss.backward(retain_graph=retain)
     out = torch.cat([p.grad.flatten() for p in model.parameters()])
     return (out, loss) if retain else out
@@ -112,7 +112,7 @@ def test_backward_prefetches_a_bounded_number_ahead(prefetch):
     model, x = _mlp(), torch.randn(64, 128)
     controller, streams = _offloading(model, prefetch=prefetch)
     with controller:
-        loss = model(x).square().mean()
+        loss = model(x.clone()).square().mean()
     handles = [h for h in live(Packed) if isinstance(h.stored, HostCopy)]
     assert len(handles) == 7 and all(h.stored.on_device is None for h in handles)
     assert all(h.stored.qt.data.device.type == "cpu" for h in handles)
@@ -121,6 +121,15 @@ def test_backward_prefetches_a_bounded_number_ahead(prefetch):
     assert streams.in_flight == 0
     assert streams.most_in_flight == prefetch + 1  # the tensor being decoded and `prefetch` behind it
     assert streams.to_device == streams.to_host
+
+
+def test_a_tensor_still_alive_on_the_device_is_not_copied_back():
+    model, x = _mlp(), torch.randn(64, 128)
+    controller, streams = _offloading(model, prefetch=0)
+    with controller:
+        loss = model(x).square().mean()  # x, held here, is read where it is
+    loss.backward()
+    assert streams.to_host == 2 * 7 and streams.to_device == 2 * 6 and streams.in_flight == 0
 
 
 def test_retain_graph_decodes_the_same_twice():

@@ -20,6 +20,7 @@ from gactx.controller.store import mask_values, round_to
         (Site("gelu", role="self", params=(("approximate", "tanh"),)), "smooth", "fewbit"),
         (Site("sigmoid", role="result"), "smooth", "fewbit"),
         (Site("_softmax", role="result"), "attention", "quantize"),
+        (Site("exp", role="result"), "attention", "quantize"),
         (Site("_scaled_dot_product_flash_attention_for_cpu", role="key"), "attention", "quantize"),
         (Site("_scaled_dot_product_flash_attention_for_cpu", role="value"), "linear", "quantize"),
         (Site("_scaled_dot_product_flash_attention_for_cpu", role="logsumexp"), "log domain", "keep"),

@@ -6,6 +6,7 @@ import torch
 
 from gactx.controller.rules import DROPOUT, UNUSED, Site, rule_for
 from gactx.controller.store import Packed, Unused, encode
+from gactx.kernels import dequantize
 from gactx.kernels.codes import CodedTensor
 from gactx.kernels.fewbit import fewbit_table
 
@@ -65,3 +66,43 @@ def test_kept_classes_and_full_widths_return_the_tensor_itself():
     t = torch.randn(64, 64)
     assert _encode(t, rule_for(Site("sqrt", role="result"))) is t
     assert _encode(t, rule_for(Site("addmm", role="mat1")), bits=32) is t
+
+
+def _linear_grads(x, level):
+    """The weight gradient of a linear layer whose input ``x`` the caller holds, and of one whose input is
+    made inside the forward (nothing holds it after the forward)."""
+    import gactx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    target = torch.randn(256, 64)
+    controller = gactx.Controller(model, level=level) if level else None
+    if controller:
+        controller.install_hook()
+    (model(x) * target).sum().backward()
+    if controller:
+        controller.uninstall_hook()
+        assert all(r.bits == 2 for r in controller._pass.records if r.op.startswith("addmm"))
+    return model[0].weight.grad, model[1].weight.grad
+
+
+def test_a_saved_tensor_still_alive_and_unchanged_is_read_where_it_lives():
+    x = torch.randn(256, 64)
+    full, two_bits = _linear_grads(x, None), _linear_grads(x, "L1.2")
+    assert torch.equal(two_bits[0], full[0]), "the caller's batch is read as it is: exact"
+    assert not torch.equal(two_bits[1], full[1]), "the first layer's output dies after the forward: decoded"
+
+
+def test_a_tensor_changed_in_place_after_its_save_is_decoded():
+    x = torch.randn(256, 64)
+    stored = _encode(x, rule_for(Site("addmm", role="mat1")), bits=2)
+    handle = Packed(stored, None, x, "torch")
+    view = Packed(stored, None, x[:, :32], "torch")
+    assert torch.equal(handle.unpack(), x) and torch.equal(view.unpack(), x[:, :32])
+    decoded = dequantize(stored, backend="torch")
+    x.mul_(2)
+    assert torch.equal(handle.unpack(), decoded), "the values of the save, not the changed ones"
+    y = torch.randn(256, 64)
+    handle = Packed(_encode(y, rule_for(Site("addmm", role="mat1")), bits=2), None, y, "torch")
+    y.data = torch.zeros(256, 64)  # another storage, the version counter untouched
+    assert not torch.equal(handle.unpack(), y)

@@ -59,12 +59,12 @@ def gat_full():
 def test_gat_at_2_bits_trains_close_to_full_precision(gat_full, level):
     """GAT's attention coefficients come out of a scatter softmax (a max, an exp, a division by a sum): with
     the equality and log-domain rules it trains at 2 bits; before them it diverged (loss 8.8 against 3.3).
-    Over seeds 0 to 3 it ends 5.6% (L1.2) and 5.7% (L2.2) above full precision's loss on average: its
-    gradients' mean over 16 noise draws has the cosine that variance alone predicts (0.967), so what is left
-    is the variance of 2-bit codes, not bias. The 5% the op rules aimed at is not reached yet."""
+    Its exp results and coefficients are attention (at least 4 bits), and the features, which the loop holds,
+    are read as they are. Over seeds 0 to 3 it ends 2.6% (L1.2) and 3.0% (L2.2) above full precision's loss
+    on average, at most 4.0%."""
     (full_loss, _), (loss, _) = gat_full, _train("gat", level, 20)
     assert full_loss < 3.6, f"the baseline itself did not train ({full_loss:.3f})"
-    assert loss <= 1.08 * full_loss, (loss, full_loss)
+    assert loss <= 1.05 * full_loss, (loss, full_loss)
 
 
 def test_resnet50_at_2_bits_is_within_2_points_of_full_precision_accuracy():

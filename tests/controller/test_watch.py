@@ -156,3 +156,33 @@ def test_a_result_saved_again_by_an_unknown_op_is_not_read_as_the_result():
     model.calls = 2
     _step(model, controller, x)
     assert [r.cls for r in controller._pass.records] == ["linear", "threshold", "linear", "linear (op unknown)"]
+
+
+def test_probabilities_computed_by_hand_are_attention():
+    """torch_geometric's softmax over a node's edges (GAT's coefficients): an exp, a division by the sums,
+    and the coefficients reach the message product through a view. The exp result saved again as the
+    division's numerator shares its one copy."""
+
+    class HandSoftmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            e = self.lin(x).exp()
+            p = e / e.sum(1, keepdim=True)
+            return (p.unsqueeze(-1) * x.unsqueeze(1)).sum(1)
+
+    model, x = HandSoftmax(), torch.randn(64, 32, requires_grad=True)
+    controller = gactx.Controller(model, level="L1.2", min_numel=0)
+    for _ in range(2):  # watched, then learned
+        _step(model, controller, x)
+        assert _sites(controller) == [
+            ("addmm:mat1", "linear"),
+            ("exp", "attention"),
+            ("div:other", "log domain"),
+            ("mul:other", "linear"),
+            ("mul", "attention"),
+        ]
+        assert [r.bits for r in controller._pass.records if r.cls == "attention"] == [4, 4]
+    assert controller._pass.deduplicated >= 1
