@@ -36,21 +36,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )  # fmt: skip
     print(f"gactx demo on {device_name(device)}, torch {torch.__version__}: {args.steps} steps each, size {args.size}")
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
-    print(f"activation memory: bytes held between forward and backward, from the {memory}\n")
+    print(f"activations: bytes held between forward and backward, from the {memory}")
+    print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)\n")
     start = time.perf_counter()
     rows = [run_one(model, method, "fp32", run_args) for model in MODELS for method in METHODS]
     compare(rows)
-    header = f"{'model':<11}{'method':<8}{'activations':>13}{'saved':>8}{'loss':>8}{'accuracy':>10}{'step':>10}"
+    header = (
+        f"{'model':<11}{'method':<8}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
+        f"{'step':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         saved = f"{r.get('activation_ratio', 1.0):.1f}x"
+        full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp")
+        lower = f"{full['peak_mib'] / r['peak_mib']:.1f}x"
         print(
-            f"{r['model']:<11}{r['method']:<8}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['final_loss']:>8.3f}"
-            f"{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms"
+            f"{r['model']:<11}{r['method']:<8}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
+            f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms"
         )
-    print(f"\n{time.perf_counter() - start:.0f} s in all. On a CPU gactx runs its torch reference kernels, so")
-    print("its steps are slower there than on a GPU; the memory figures are what any device would hold.")
+    print(f"\n{time.perf_counter() - start:.0f} s in all. gactx compresses on a CPU with its C++ kernels and on a")
+    print("GPU with its Triton kernels; the activation bytes are what any device would hold.")
     return rows
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import gactx
 from benchmarks import workloads
 from benchmarks.device import device_name, device_slug
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
@@ -93,6 +94,13 @@ def saved_bytes(method: Method, inputs, target) -> dict:
         row = {"activation_mib": count / MIB}
         if method.name == "checkpoint":
             row["note"] = "CPU count sees only what is saved outside the checkpointed blocks"
+    if method.device_type != "cuda":  # the step's peak from the CPU allocator's events (gactx.PeakMemory)
+        w.model.zero_grad(set_to_none=True)
+        with gactx.PeakMemory("cpu") as meter:
+            with method.forward():
+                loss = w.loss(w.model, inputs, target)
+            loss.backward()
+        row["peak_mib"] = meter.peak / MIB
     w.model.zero_grad(set_to_none=True)
     return row
 
@@ -235,8 +243,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     memory = (
         "activation and peak memory from the CUDA allocator (peak above the memory held at the step's start)"
         if args.device == "cuda"
-        else "CPU: no allocator to ask; activation bytes are plain PyTorch's saved storages counted by a hook, "
-        "gactx's by its own accounting; peak memory, maximum batch and GPU throughput await a GPU"
+        else "CPU: activation bytes are plain PyTorch's saved storages counted by a hook, gactx's by its own "
+        "accounting; peak memory: gactx.PeakMemory over a forward and backward (the running sum of the CPU "
+        "allocator's events, above what was allocated at the start); maximum batch and GPU throughput await a GPU"
     )
     env = {
         "device_name": device_name(args.device), "torch": torch.__version__,

@@ -8,9 +8,9 @@ GB/s counts every byte a call moves, in decimal gigabytes (1e9 bytes) a second, 
 
 so "vs clone" is the share of the attainable memory bandwidth an op reaches. On CUDA every op is timed by
 ``triton.testing.do_bench`` (median, L2 flushed between runs); on the CPU by a ``time.perf_counter`` timer
-(one warm-up, then the median of a few repeats). On the CPU gactx runs its torch path, a reference
-implementation built from full-size temporaries: far below clone there is expected, and says nothing
-about the GPU kernels.
+(one warm-up, then clone, quantize and dequantize in turn, round after round, and the median of each). On
+the CPU gactx runs its C++ kernels (``gactx/kernels/cpu.py``); ``--backend torch`` times the torch twins,
+a reference built from full-size temporaries. CPU figures say nothing about the GPU kernels.
 
     python -m benchmarks.kernels --throughput             # cuda when available, else cpu
     python -m benchmarks.kernels --throughput --quick --out /tmp/bench_quick
@@ -43,13 +43,13 @@ if __package__ in (None, ""):  # run as a script: import the gactx of this check
 
 import gactx  # noqa: E402
 from benchmarks.device import device_name, device_slug  # noqa: E402
-from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, _triton  # noqa: E402
+from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, _triton, cpu  # noqa: E402
 
 MIB = 1 << 20
 GB = 1e9
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GPU_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
-# The torch path runs at about 0.1 GB/s on two cores (a 64 MiB quantize takes 1-2 s), so the CPU sweep
+# The torch twins run at about 0.1 GB/s on two cores (a 64 MiB quantize takes 1-2 s), so the CPU sweep
 # stops at 64 MiB: 32 cases with a warm-up and 3 repeats each finish in about two minutes.
 CPU_SIZES_MIB = (1, 4, 16, 64)
 QUICK = {"sizes_mib": [0.0625, 0.25], "bits": [2, 4], "dtypes": ["fp32"], "repeats": 1, "rep_ms": 10}
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device, help="default: %(default)s")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on cuda, torch on cpu")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on cuda, cpp on cpu")
     parser.add_argument("--bits", type=int, nargs="+", choices=CODE_BITS, help="default: 1 2 4 8")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), help="default: fp32 bf16")
     sizes_help = f"input sizes in MiB; default {GPU_SIZES_MIB} on cuda, {CPU_SIZES_MIB} on cpu"
@@ -123,9 +123,12 @@ def fill_defaults(args: argparse.Namespace) -> None:
 
 
 def resolve_backend(device: str, backend: str) -> str:
-    """The backend gactx will actually run: "auto" is triton on cuda (when installed), torch elsewhere."""
+    """The backend gactx will actually run: "auto" is triton on cuda (when installed), the C++ kernels on the
+    CPU (the torch twins where they cannot be built)."""
     if backend == "auto":
-        return "triton" if device == "cuda" and _triton.HAS_TRITON else "torch"
+        if device == "cuda":
+            return "triton" if _triton.HAS_TRITON else "torch"
+        return "cpp" if cpu.available() else "torch"
     return backend
 
 
@@ -165,6 +168,21 @@ def cpu_time_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def alternating_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median milliseconds of each of ``fns``, run in turn round after round (at least ``repeats`` rounds, and
+    as many as fit in CPU_MIN_TIMED_S), so that a busy spell of the machine slows them all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
+    deadline = time.perf_counter() + CPU_MIN_TIMED_S
+    while len(times[0]) < repeats or (time.perf_counter() < deadline and len(times[0]) < CPU_MAX_RUNS):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) * 1e3 for spent in times]
 
 
 def make_timer(args: argparse.Namespace) -> Timer:
@@ -225,8 +243,11 @@ def measure(x: torch.Tensor, bits: int, clone_ms: float, args: argparse.Namespac
     """One row: quantize and dequantize of ``x`` at ``bits``, against the clone time of the same input."""
     quantize = functools.partial(gactx.quantize, x, bits, args.group_size, seed=SEED, backend=args.backend)
     q = quantize()
-    quantize_ms = timer(quantize)
-    dequantize_ms = timer(functools.partial(gactx.dequantize, q, backend=args.backend))
+    dequantize = functools.partial(gactx.dequantize, q, backend=args.backend)
+    if args.device == "cpu":  # alternated with clone, in one process
+        clone_ms, quantize_ms, dequantize_ms = alternating_ms([x.clone, quantize, dequantize], args.repeats)
+    else:
+        quantize_ms, dequantize_ms = timer(quantize), timer(dequantize)
     in_bytes, q_bytes = x.numel() * x.element_size(), q.nbytes
     clone_gbps = gbps(2 * in_bytes, clone_ms)
     quantize_gbps, dequantize_gbps = gbps(in_bytes + q_bytes, quantize_ms), gbps(q_bytes + in_bytes, dequantize_ms)
@@ -297,8 +318,9 @@ def render_markdown(rows: list[dict], env: dict) -> str:
     ]
     if env["device"] == "cpu":
         lines.append(
-            "- CPU numbers, not GPU ones: gactx's torch path is a reference implementation (full-size "
-            f"temporaries), so it is slow by design; sizes {', '.join(f'{s:g}' for s in env['sizes_mib'])} MiB "
+            "- CPU numbers, not GPU ones (the C++ CPU kernels; the torch twins are a reference with full-size "
+            "temporaries, slow by design); clone, quantize and dequantize alternate round by round; sizes "
+            f"{', '.join(f'{s:g}' for s in env['sizes_mib'])} MiB "
             f"(the default CPU sweep stops at {CPU_SIZES_MIB[-1]} MiB to finish in minutes)"
         )
     share = env["other_processes_cpu_share"]

@@ -7,6 +7,7 @@
 from gactx.config import Config, get_optimization_level, set_optimization_level
 from gactx.controller import Controller, MemoryStats
 from gactx.kernels import ALLOWED_BITS, GROUP_SIZES, QuantizedTensor, dequantize, expected_nbytes, quantize
+from gactx.memory import PeakMemory, peak_memory
 
 __version__ = "0.1.0"
 
@@ -16,11 +17,13 @@ __all__ = [
     "Config",
     "Controller",
     "MemoryStats",
+    "PeakMemory",
     "QuantizedTensor",
     "__version__",
     "dequantize",
     "expected_nbytes",
     "get_optimization_level",
+    "peak_memory",
     "quantize",
     "set_optimization_level",
 ]

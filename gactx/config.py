@@ -56,7 +56,7 @@ class Config:
             worth a kernel launch and 8 bytes of metadata a group).
         stochastic: stochastic rounding (unbiased) or round half up.
         dedupe: store a tensor saved several times in one forward (Q, K, V inputs) once.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``, see :func:`gactx.quantize`.
+        backend: ``"auto"``, ``"triton"``, ``"cpp"`` or ``"torch"``, see :func:`gactx.quantize`.
         seed: base seed of the rounding noise; each tensor's noise depends on it, the step and the key.
         offload: keep compressed CUDA tensors in pinned CPU memory between forward and backward, copied on a
             side stream and prefetched in backward (level L3; any level with compression may set it).

@@ -11,7 +11,6 @@ import math
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -19,9 +18,8 @@ from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_owner, storage_ptr
 from gactx.controller.rules import Rule
 from gactx.kernels import QuantizedTensor, dequantize, quantize
-from gactx.kernels.codes import CodedTensor, decode_codes, encode_codes
+from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes
 from gactx.kernels.fewbit import fewbit_table
-from gactx.kernels.format import memory_order, restore_order
 
 __all__ = ["Packed", "Unused", "as_is", "encode", "mask_values"]
 
@@ -39,11 +37,6 @@ class Unused:
 
     def decode(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).zero_()
-
-
-class _Layout(NamedTuple):
-    dense_shape: torch.Size
-    perm: tuple[int, ...] | None
 
 
 def as_is(t: torch.Tensor) -> torch.Tensor:
@@ -191,10 +184,8 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
         return encode_codes(t != 0, 1, torch.cat([scale.new_zeros(1), scale]), backend)
     if kind == "fewbit" and bits is not None and bits <= 8:
         table = fewbit_table(rule.fn, rule.fn_params, bits)
-        edges = _table(table.edges, t.dtype, t.device)
-        flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
-        codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
-        return encode_codes(codes, bits, _table(table.points, t.dtype, t.device), backend)
+        edges, points = _table(table.edges, t.dtype, t.device), _table(table.points, t.dtype, t.device)
+        return encode_bins(t, edges, bits, points, backend)
     if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
         return as_is(t)
     return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)

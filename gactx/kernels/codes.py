@@ -12,21 +12,29 @@ back channels_last) and packed ``8 / bits`` to a byte, element ``k`` of a run of
                            [ e3  | e2  | e1  | e0 ]    e_k = code of element 4j + k
 
 1-bit codes are bool masks and go through :mod:`gactx.kernels.bitmask` (Triton on CUDA); wider codes are
-packed with a few torch element-wise ops (no host synchronization: nothing is read back).
+packed with a few torch element-wise ops (no host synchronization: nothing is read back), or on a CPU by the
+C++ kernels of :mod:`gactx.kernels.cpu`, which bin, pack and decode without a temporary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from gactx.kernels import cpu
 from gactx.kernels.format import memory_order, restore_order
-from gactx.kernels.functional import dequantize, quantize
+from gactx.kernels.functional import choose_backend, dequantize, quantize
 
-__all__ = ["CodedTensor", "encode_codes", "decode_codes", "coded_nbytes"]
+__all__ = ["CodedTensor", "encode_codes", "encode_bins", "decode_codes", "coded_nbytes"]
 
 CODE_WIDTHS = (1, 2, 4, 8)
+
+
+class _Layout(NamedTuple):
+    dense_shape: torch.Size
+    perm: tuple[int, ...] | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,9 +90,22 @@ def encode_codes(codes: torch.Tensor, bits: int, table: torch.Tensor, backend: s
     return CodedTensor(packed, table, bits, codes.shape, table.dtype, dense_shape, perm, backend)
 
 
+def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
+    """The bin of each element of ``t`` among the sorted ``edges`` (``torch.bucketize``: the first edge at or
+    above it; NaN past the last), stored as a ``bits``-bit code with ``table`` (see :func:`encode_codes`)."""
+    flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
+    if bits > 1 and choose_backend(flat, backend) == "cpp":
+        packed = cpu.encode_bins(flat.contiguous(), edges, bits)
+        return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
+    codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
+    return encode_codes(codes, bits, table, backend)
+
+
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
     """``table[codes]`` in the original shape, dtype, device and strides."""
     n = ct.numel
+    if ct.bits > 1 and choose_backend(ct.codes, ct.backend) == "cpp":
+        return restore_order(cpu.decode_table(ct.codes, ct.table, n, ct.bits), ct)
     if ct.bits == 1:
         mask = dequantize(ct.codes, backend=ct.backend)
         flat = torch.where(mask, ct.table[1], ct.table[0])

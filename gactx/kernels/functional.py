@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels import _triton
+from gactx.kernels import _triton, cpu
 from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.format import QuantizedTensor, check_args, memory_order, restore_order
@@ -13,17 +13,29 @@ from gactx.kernels.quantize import torch_quantize, triton_quantize
 
 __all__ = ["quantize", "dequantize", "BACKENDS"]
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpp", "torch")
 SEED_LIMIT = 1 << 62  # Philox takes a 64-bit seed; torch.Generator a non-negative int64
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
+def choose_backend(x: torch.Tensor, backend: str) -> str:
+    """What runs for ``x``: ``"triton"`` (CUDA tensors, or ``TRITON_INTERPRET=1`` when asked), ``"cpp"`` (CPU
+    tensors: the C++ kernels of ``cpu.py``, built on first use) or ``"torch"`` (the twins; also where the C++
+    build is not possible, with a warning)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not allowed; allowed values are {BACKENDS}")
     if backend == "triton":
         _triton.require_triton(x)
-        return True
-    return backend == "auto" and x.device.type == "cuda" and _triton.HAS_TRITON
+        return "triton"
+    if backend == "auto":
+        if x.device.type == "cuda" and _triton.HAS_TRITON:
+            return "triton"
+        return "cpp" if x.device.type == "cpu" and cpu.available() else "torch"
+    if backend == "cpp":
+        if x.device.type != "cpu":
+            raise ValueError(f"backend='cpp' runs on CPU tensors, not {x.device.type}; use 'auto' or 'triton'")
+        if not cpu.available():
+            raise RuntimeError("backend='cpp': the C++ CPU kernels could not be built (see the warning); use 'torch'")
+    return backend
 
 
 def _draw_seed() -> int:
@@ -51,10 +63,12 @@ def quantize(
             from 32 to 4096.
         stochastic: stochastic rounding (unbiased, the default) or round half up (deterministic).
         seed: seed of the rounding noise; ``None`` draws one from torch's CPU generator.
-        backend: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``,
+            ``"cpp"`` or ``"torch"`` (the reference twins).
     """
     check_args(x, bits, group_size)
-    use_triton = _use_triton(x, backend)
+    chosen = choose_backend(x, backend)
+    use_triton = chosen == "triton"
     if seed is None:
         seed = _draw_seed() if stochastic else 0
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
@@ -79,6 +93,8 @@ def quantize(
         return wrap(half, None, 16, dense_shape, perm)
     if use_triton:
         codes, meta = triton_quantize(flat, bits, group_size, stochastic, seed, interpret)
+    elif chosen == "cpp":
+        codes, meta = cpu.quantize(flat.contiguous(), bits, group_size, stochastic, seed)
     else:
         codes, meta = torch_quantize(flat, bits, group_size, stochastic, seed)
     return wrap(codes, meta, bits, dense_shape, perm)
@@ -90,7 +106,8 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
         raise TypeError(f"dequantize expects a QuantizedTensor, got {type(q).__name__}")
     if q.meta is None and q.data.dtype == q.dtype:
         return q.data  # stored as is
-    use_triton = _use_triton(q.data, backend)
+    chosen = choose_backend(q.data, backend)
+    use_triton = chosen == "triton"
     interpret = _triton.INTERPRET and q.device.type == "cpu"
     n = q.numel
     if q.dtype == torch.bool:
@@ -99,6 +116,8 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
         flat = q.data.to(q.dtype)  # bfloat16 storage of a float32 tensor
     elif use_triton:
         flat = triton_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype, interpret)
+    elif chosen == "cpp":
+        flat = cpu.dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype)
     else:
         flat = torch_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype)
     return restore_order(flat, q)

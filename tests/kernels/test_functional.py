@@ -93,7 +93,7 @@ def test_nbytes_meets_the_compression_targets():
         ({"bits": 3}, ValueError, r"bits=3 is not allowed; allowed values are \(1, 2, 4, 8, 16, 32\)"),
         ({"bits": True}, ValueError, "bits=True"),
         ({"bits": 2, "group_size": 100}, ValueError, r"allowed values are \(32, 64"),
-        ({"bits": 2, "backend": "cuda"}, ValueError, r"allowed values are \('auto', 'triton', 'torch'\)"),
+        ({"bits": 2, "backend": "cuda"}, ValueError, r"allowed values are \('auto', 'triton', 'cpp', 'torch'\)"),
         ({"bits": 2, "seed": -1}, ValueError, "seed=-1"),
         ({"bits": 2, "seed": 1.5}, ValueError, "seed=1.5"),
     ],

@@ -1,0 +1,247 @@
+"""Peak memory of a training step as the allocator sees it, with and without gactx, and next to checkpointing.
+
+A step is ``zero_grad(set_to_none=True)``, forward, backward: its peak (``gactx.PeakMemory``: the CUDA
+allocator's peak, or on a CPU the running sum of the profiler's allocation events) above what was allocated
+when it began, so every temporary counts: the ops', the compression's, the gradients'. Beside it, the saved
+activation bytes: plain PyTorch's counted by a hook (unique storages, parameters left out), gactx's by its
+own accounting (labelled so).
+
+Models:
+
+- ``mlp-gelu``: 8 blocks of ``Linear(1024, 1024)`` + GELU, batch 2048, float32;
+- ``bert-base`` and ``resnet50`` of the models benchmark (``--size``, small by default), at the smallest
+  batch from their default up (doubling) where plain PyTorch's saved activations are at least 80% of its
+  step peak, the share stated in the table.
+
+Methods, alternated in one process (``--repeats`` rounds, medians): full precision, gactx L1.1 (8 bits), L1
+(4) and L1.2 (2), and non-reentrant checkpointing of every block. Each is warmed up first (the op watcher's
+first pass, the CPU kernels' build).
+
+    python -m benchmarks.peak                      # writes benchmarks/results/<device>/peak.{md,json}
+    python -m benchmarks.peak --quick --out /tmp/peak
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gactx  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+from benchmarks.device import device_name, device_slug  # noqa: E402
+from benchmarks.measure import count_saved_bytes  # noqa: E402
+from benchmarks.methods import Method  # noqa: E402
+from benchmarks.table import markdown_table  # noqa: E402
+
+MIB = 1 << 20
+LEVELS = ("L1.1", "L1", "L1.2")
+METHODS = ("fp", *LEVELS, "checkpoint")
+SHARE = 0.8  # saved activations' share of plain PyTorch's step peak that the models' batch must reach
+MAX_DOUBLINGS = 4
+
+
+class MlpGelu(nn.Module):
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+class Case:
+    """A model, its batch and its loss: ``step()`` runs one training step (gradients set to none first)."""
+
+    def __init__(self, name: str, model: nn.Module, blocks: list, inputs: tuple, loss) -> None:
+        self.name, self.model, self.blocks, self.inputs, self.loss = name, model, blocks, inputs, loss
+        self.batch = len(inputs[0][0]) if isinstance(inputs[0], tuple) else len(inputs[0])
+
+    def forward(self) -> torch.Tensor:
+        return self.loss(self.model, *self.inputs)
+
+    def step(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.forward().backward()
+
+
+def mlp_case(device: torch.device, quick: bool) -> Case:
+    torch.manual_seed(0)
+    width, blocks, batch = (256, 4, 256) if quick else (1024, 8, 2048)
+    model = MlpGelu(width, blocks).to(device)
+    x = torch.randn(batch, width, device=device)
+    return Case("mlp-gelu", model, list(model.blocks), (x,), lambda m, x: m(x).square().mean())
+
+
+def workload_case(name: str, size: str, device: torch.device, batch: int) -> Case:
+    w = workloads.build(name, size, device, seed=0)
+    inputs, target = w.make_batch(batch, torch.Generator().manual_seed(0))
+    case = Case(name, w.model, w.blocks, (inputs, target), lambda m, inputs, target: w.loss(m, inputs, target))
+    case.batch = batch
+    return case
+
+
+def peak_of(case: Case, device: torch.device) -> int:
+    with gactx.PeakMemory(device) as meter:
+        case.step()
+    return meter.peak
+
+
+def saved_share(case: Case, device: torch.device) -> tuple[int, int]:
+    """Plain PyTorch's saved bytes and step peak."""
+    case.step()  # warm-up
+    case.model.zero_grad(set_to_none=True)
+    saved, loss = count_saved_bytes(case.model, case.forward)
+    loss.backward()
+    return saved, peak_of(case, device)
+
+
+def choose_batch(name: str, size: str, device: torch.device, quick: bool) -> tuple[Case, float]:
+    w = workloads.build(name, size, device, seed=0)
+    batch = w.default_batch
+    for _ in range(0 if quick else MAX_DOUBLINGS):
+        saved, peak = saved_share(workload_case(name, size, device, batch), device)
+        if saved >= SHARE * peak:
+            break
+        batch *= 2
+    case = workload_case(name, size, device, batch)
+    saved, peak = saved_share(case, device)
+    return case, saved / peak
+
+
+class Runner:
+    """One method on one case: installed, warmed up, measured, removed."""
+
+    def __init__(self, case: Case, method: str) -> None:
+        self.case, self.method = case, method
+
+    def __enter__(self):
+        case = self.case
+        self.controller = None
+        self.wrapper = None
+        if self.method in LEVELS:
+            self.controller = gactx.Controller(case.model, level=self.method).install_hook()
+        elif self.method == "checkpoint":
+            self.wrapper = Method("checkpoint", _Blocks(case.blocks))
+        case.step()  # warm-up: the watcher's pass, the kernels' first build
+        return self
+
+    def __exit__(self, *exc):
+        if self.controller is not None:
+            self.controller.uninstall_hook()
+        if self.wrapper is not None:
+            self.wrapper.close()
+
+    def counted_bytes(self) -> int:
+        """Saved activations: gactx's own accounting, or plain PyTorch's saved storages."""
+        if self.controller is not None:
+            self.case.step()
+            return self.controller.memory_stats().packed_bytes
+        self.case.model.zero_grad(set_to_none=True)
+        saved, loss = count_saved_bytes(self.case.model, self.case.forward)
+        loss.backward()
+        return saved
+
+
+class _Blocks:
+    """What ``Method("checkpoint")`` needs of a workload: its blocks."""
+
+    def __init__(self, blocks: list) -> None:
+        self.blocks = blocks
+        self.model = blocks[0]
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    mlp = mlp_case(device, args.quick)
+    saved, peak = saved_share(mlp, device)
+    cases = [(mlp, saved / peak)]
+    for name in args.models:
+        cases.append(choose_batch(name, args.size, device, args.quick))
+    rows = []
+    for case, share in cases:
+        peaks: dict[str, list[int]] = {m: [] for m in METHODS}
+        counted: dict[str, int] = {}
+        for _ in range(args.repeats):  # alternate the methods, round after round
+            for method in METHODS:
+                with Runner(case, method) as runner:
+                    peaks[method].append(peak_of(case, device))
+                    counted.setdefault(method, runner.counted_bytes())
+        full = statistics.median(peaks["fp"])
+        for method in METHODS:
+            peak = statistics.median(peaks[method])
+            rows.append({
+                "model": case.name, "batch": case.batch, "method": method, "peak_mib": peak / MIB,
+                "peak_vs_fp": full / peak, "saved_mib": counted[method] / MIB,
+                "saved_counted_by": "gactx" if method in LEVELS else "hook",
+                "saved_share_of_fp_peak": share,
+            })  # fmt: skip
+            print(f"{case.name:10} {method:10} peak {peak / MIB:8.1f} MiB ({full / peak:5.2f}x)", flush=True)
+    return rows
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> None:
+    out = args.out or Path(__file__).resolve().parent / "results" / device_slug(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        "device": device_name(args.device), "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
+        "repeats": args.repeats, "quick": args.quick,
+    }  # fmt: skip
+    (out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
+    how = "CUDA caching allocator" if args.device == "cuda" else "running sum of the profiler's CPU allocation events"
+    lines = [
+        f"# gactx step peak memory: {env['device']}",
+        "",
+        f"- torch {env['torch']}; run {env['date']}; models benchmark size {args.size}; median of {args.repeats}",
+        "- peak: `gactx.PeakMemory` over zero_grad + forward + backward, above what was allocated at its start "
+        + f"({how})",
+        "- saved: plain PyTorch's saved storages counted by a hook (fp, checkpoint), gactx's own accounting (levels)",
+        "",
+    ]  # fmt: skip
+    headers = ["model", "batch", "saved / fp peak", "method", "peak MiB", "peak vs fp", "saved MiB", "saved counted by"]
+    table = [
+        [r["model"], r["batch"], f"{r['saved_share_of_fp_peak']:.0%}",
+         r["method"], f"{r['peak_mib']:.1f}", f"{r['peak_vs_fp']:.2f}x", f"{r['saved_mib']:.2f}", r["saved_counted_by"]]
+        for r in rows
+    ]  # fmt: skip
+    (out / "peak.md").write_text("\n".join(lines + markdown_table(headers, table, left=4)) + "\n")
+    print(f"wrote {out / 'peak.md'}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description="Peak memory of a training step with and without gactx.")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
+    p.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
+    p.add_argument("--models", nargs="*", default=["bert-base", "resnet50"], choices=workloads.names())
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every method; the median peak is kept")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU)")
+    p.add_argument("--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test")
+    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.repeats = "tiny", 1
+        if args.out is None:
+            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    write(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""CPU kernels: quantize, dequantize and table codes in C++, with no temporary larger than a group a thread.
+
+The torch twins (``quantize.py``, ``dequantize.py``, ``codes.py``) are written for clarity and as the test
+oracle: about 60 full-size ATen passes a call, and temporaries several times the tensor (a padded float32
+copy, an index tensor, int32 codes), which is what an allocator's peak sees. On a CPU the same arithmetic
+runs here instead: one pass to find each group's range and one to write its codes, a group at a time per
+thread (``at::parallel_for`` over groups, torch's intra-op threads).
+
+Same bytes as the twins: the same float32 operations in the same order, compiled without fused multiply-add
+(``-ffp-contract=off``) or fast-math. With ``stochastic=True`` the noise comes from a counter-based hash of
+``(seed, element index)`` (murmur3's finalizer, twice), not from ``torch.rand``: 23 uniform bits an element,
+so the rounding is unbiased as before, but the codes differ from the twin's.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load_inline`` (about 40 s on 2
+cores, once; cached under torch's extensions folder, rebuilt when this source changes) for the machine it
+runs on (``-march=native``). Where it cannot be built (no C++ compiler, no ninja), a warning says so and the
+torch twins run: slower, with their temporaries, same results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import warnings
+
+import torch
+
+__all__ = ["available", "extension", "quantize", "dequantize", "encode_bins", "decode_table"]
+
+log = logging.getLogger("gactx")
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kFltMax = 3.4028234663852886e38f;
+constexpr float kMinStep = 1.1754943508222875e-38f;  // 2**-126
+constexpr int64_t kGrainBytes = 1 << 16;              // work a task at least: about 64 KiB of input
+
+inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return float_of(uint32_t(v.x) << 16); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+template <typename T> inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
+
+inline uint32_t fmix(uint32_t h) {  // murmur3's finalizer
+  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+  return h;
+}
+
+// 1 + u, u uniform on [0, 1) with 23 bits, from (seed, element index).
+inline float one_plus_u(uint32_t k0, uint32_t k1, uint64_t i) {
+  uint32_t h = fmix(uint32_t(i) * 0x9E3779B9u ^ k0);
+  h = fmix(h ^ k1 ^ uint32_t(i >> 32) * 0x85EBCA77u);
+  return float_of(0x3F800000u | (h >> 9));
+}
+
+// A float's bits as an int32 that sorts like the float (-0 before +0); its own inverse.
+inline int32_t sortable(uint32_t b) { return int32_t(b ^ (uint32_t(int32_t(b) >> 31) & 0x7FFFFFFFu)); }
+
+int64_t grain(int64_t group_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, group_bytes)); }
+
+template <typename T>
+void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits, int64_t G, bool stochastic,
+                   int64_t seed, float factor, float factor_special) {
+  const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
+  const int64_t W = G / per_byte;  // bytes a group
+  const int64_t groups = (n + G - 1) / G;
+  const uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
+  const float top = float(L + 1);
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    std::vector<float> v(G);
+    std::vector<uint8_t> q(G);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * G, m = std::min(G, n - start);
+      const T* xg = x + start;
+      int32_t smin = std::numeric_limits<int32_t>::max(), smax = std::numeric_limits<int32_t>::min();
+      uint32_t nonfinite = 0;
+      for (int64_t k = 0; k < m; ++k) {
+        const float f = to_float(xg[k]);
+        v[k] = f;
+        const uint32_t b = bits_of(f);
+        const int32_t s = sortable(b);
+        smin = std::min(smin, s);
+        smax = std::max(smax, s);
+        nonfinite |= uint32_t((b & 0x7F800000u) == 0x7F800000u);
+      }
+      bool has_nan = false, has_pinf = false, has_ninf = false;
+      float fmin, fmax;
+      if (!nonfinite) {
+        fmin = float_of(uint32_t(sortable(uint32_t(smin))));
+        fmax = float_of(uint32_t(sortable(uint32_t(smax))));
+      } else {  // rare: the finite range, and which non-finite values there are
+        fmin = std::numeric_limits<float>::infinity();
+        fmax = -fmin;
+        for (int64_t k = 0; k < m; ++k) {
+          const float f = v[k];
+          if (std::isnan(f)) has_nan = true;
+          else if (std::isinf(f)) (f > 0 ? has_pinf : has_ninf) = true;
+          else { fmin = std::min(fmin, f); fmax = std::max(fmax, f); }
+        }
+        if (!(fmin < std::numeric_limits<float>::infinity())) fmin = 0.0f;
+        if (!(fmax > -std::numeric_limits<float>::infinity())) fmax = 0.0f;
+      }
+      const bool special = has_nan || has_pinf || has_ninf;
+      const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
+      float step = std::min(span * (special ? factor_special : factor), kFltMax);
+      step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
+      if (L == 1 && special) step = 0.0f;
+      const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+      const float inf = std::numeric_limits<float>::infinity();
+      const float kind = (has_nan || (has_pinf && has_ninf)) ? std::numeric_limits<float>::quiet_NaN()
+                                                             : (has_pinf ? inf : -inf);
+      const float origin = special ? 0.0f : fmin;
+      const float shift = special ? float(centre) : 0.0f;
+      meta[2 * g] = special ? kind : fmin;
+      meta[2 * g + 1] = step;
+      if (stochastic) {
+        for (int64_t k = 0; k < m; ++k) {
+          const float s = std::fabs((v[k] - origin) * inv + (shift + one_plus_u(k0, k1, uint64_t(start + k))));
+          q[k] = uint8_t(int32_t(s < top ? s : top) - 1);  // NaN: the top code, as fmin(s, top)
+        }
+      } else {
+        const float add = shift + 1.5f;
+        for (int64_t k = 0; k < m; ++k) {
+          const float s = std::fabs((v[k] - origin) * inv + add);
+          q[k] = uint8_t(int32_t(s < top ? s : top) - 1);
+        }
+      }
+      for (int64_t k = m; k < G; ++k) q[k] = 0;
+      uint8_t* out = codes + g * W;  // planes (format.py): byte k holds element p * W + k in bits p * bits
+      for (int64_t k = 0; k < W; ++k) out[k] = q[k];
+      for (int p = 1; p < per_byte; ++p) {
+        const uint8_t* qp = q.data() + p * W;
+        for (int64_t k = 0; k < W; ++k) out[k] |= uint8_t(qp[k] << (p * bits));
+      }
+    }
+  });
+}
+
+template <typename T>
+void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n, int bits, int64_t G) {
+  const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
+  const int64_t W = G / per_byte;
+  const int64_t groups = (n + G - 1) / G;
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    T lut[256];  // a group's 2**bits values, each decoded once
+    for (int64_t g = g0; g < g1; ++g) {
+      const float lo = meta[2 * g], step = meta[2 * g + 1];
+      const bool special = !std::isfinite(lo);
+      const float base = special ? 0.0f : lo;
+      const int c = special ? centre : 0;
+      const float top = special ? lo : std::min(std::max(float(L) * step + base, -kFltMax), kFltMax);
+      for (int q = 0; q < L; ++q) {
+        const float value = float(q - c) * step + base;
+        lut[q] = from_float<T>(std::min(std::max(value, -kFltMax), kFltMax));
+      }
+      lut[L] = from_float<T>(top);
+      const uint8_t* in = codes + g * W;
+      const int64_t start = g * G, m = std::min(G, n - start);
+      if (m == G) {
+        for (int p = 0; p < per_byte; ++p) {
+          T* o = out + start + p * W;
+          const int shift = p * bits;
+          for (int64_t k = 0; k < W; ++k) o[k] = lut[(in[k] >> shift) & L];
+        }
+      } else {
+        for (int64_t i = 0; i < m; ++i) out[start + i] = lut[(in[i % W] >> ((i / W) * bits)) & L];
+      }
+    }
+  });
+}
+
+template <typename T>
+void encode_bins_impl(const T* x, int64_t n, const T* edges, int64_t count, uint8_t* packed, int bits) {
+  const int per_byte = 8 / bits;
+  const int64_t bytes = (n + per_byte - 1) / per_byte;
+  std::vector<float> e(count);
+  for (int64_t j = 0; j < count; ++j) e[j] = to_float(edges[j]);
+  at::parallel_for(0, bytes, grain(per_byte * int64_t(sizeof(T))), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t byte = 0;
+      for (int k = 0; k < per_byte; ++k) {
+        const int64_t i = b * per_byte + k;
+        if (i >= n) break;
+        const float f = to_float(x[i]);
+        int64_t lo = 0, hi = count;  // torch.bucketize (right=False): the first edge that is >= f; NaN: past all
+        while (lo < hi) {
+          const int64_t mid = lo + ((hi - lo) >> 1);
+          if (!(e[mid] >= f)) lo = mid + 1; else hi = mid;
+        }
+        byte |= uint8_t(lo << (k * bits));
+      }
+      packed[b] = byte;
+    }
+  });
+}
+
+template <typename T>
+void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n, int bits) {
+  const int per_byte = 8 / bits, mask = (1 << bits) - 1;
+  at::parallel_for(0, n, kGrainBytes / int64_t(sizeof(T)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = table[(packed[i / per_byte] >> ((i % per_byte) * bits)) & mask];
+  });
+}
+
+#define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \
+  switch (DTYPE) {                                                                        \
+    case at::kFloat: { using scalar = float; FN; break; }                                 \
+    case at::kBFloat16: { using scalar = at::BFloat16; FN; break; }                      \
+    case at::kHalf: { using scalar = at::Half; FN; break; }                               \
+    default: TORCH_CHECK(false, "gactx CPU kernels take float32, bfloat16 or float16, not ", DTYPE); \
+  }
+
+}  // namespace
+
+void quantize(at::Tensor x, at::Tensor codes, at::Tensor meta, int64_t bits, int64_t group, bool stochastic,
+              int64_t seed, double factor, double factor_special) {
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && meta.is_contiguous());
+  GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), x.numel(), codes.data_ptr<uint8_t>(),
+                 meta.data_ptr<float>(), int(bits), group, stochastic, seed, float(factor), float(factor_special)));
+}
+
+void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group) {
+  TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous() && out.is_contiguous());
+  GACTX_DISPATCH(out.scalar_type(), dequantize_impl<scalar>(codes.data_ptr<uint8_t>(), meta.data_ptr<float>(),
+                 out.data_ptr<scalar>(), out.numel(), int(bits), group));
+}
+
+void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits) {
+  TORCH_CHECK(x.is_contiguous() && edges.is_contiguous() && packed.is_contiguous());
+  TORCH_CHECK(edges.scalar_type() == x.scalar_type());
+  GACTX_DISPATCH(x.scalar_type(), encode_bins_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
+                 edges.data_ptr<scalar>(), edges.numel(), packed.data_ptr<uint8_t>(), int(bits)));
+}
+
+void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t bits) {
+  TORCH_CHECK(packed.is_contiguous() && table.is_contiguous() && out.is_contiguous());
+  TORCH_CHECK(table.scalar_type() == out.scalar_type());
+  GACTX_DISPATCH(out.scalar_type(), decode_table_impl<scalar>(packed.data_ptr<uint8_t>(), table.data_ptr<scalar>(),
+                 out.data_ptr<scalar>(), out.numel(), int(bits)));
+}
+"""
+
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _name() -> str:
+    key = "\n".join([_SOURCE, *_FLAGS, platform.machine(), torch.__version__])
+    return "gactx_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def extension():
+    """The compiled extension (built on first call), or ``None`` where it cannot be built (warned once)."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+    return _state["module"]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    log.info("gactx: compiling the CPU kernels (once for this machine and torch; about 40 s)")
+    try:
+        return cpp_extension.load_inline(
+            _name(), cpp_sources=_SOURCE, functions=["quantize", "dequantize", "encode_bins", "decode_table"],
+            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
+        )  # fmt: skip
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
+        warnings.warn(
+            f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
+            "falling back to the torch kernels (same results, slower, with temporaries the size of the tensor)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def quantize(flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
+    """``(codes, meta)`` of a contiguous 1-D CPU tensor, in the format of ``format.py``."""
+    from gactx.kernels.quantize import _allocate, step_factor
+
+    codes, meta = _allocate(flat, bits, group_size)
+    if flat.numel():
+        levels = (1 << bits) - 1
+        extension().quantize(
+            flat, codes, meta, bits, group_size, stochastic, seed, step_factor(levels), step_factor(levels - 1)
+        )
+    return codes, meta
+
+
+def dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype):
+    out = torch.empty(n, dtype=dtype)
+    if n:
+        extension().dequantize(codes, meta, out, bits, group_size)
+    return out
+
+
+def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
+    """``torch.bucketize(flat, edges)`` packed ``8 / bits`` codes a byte (the layout of ``codes.py``)."""
+    packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)
+    extension().encode_bins(flat, edges.contiguous(), packed, bits)
+    return packed
+
+
+def decode_table(packed: torch.Tensor, table: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """``table[codes]`` of ``n`` codes packed by :func:`encode_bins`."""
+    out = torch.empty(n, dtype=table.dtype)
+    extension().decode_table(packed, table.contiguous(), out, bits)
+    return out

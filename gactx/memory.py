@@ -1,0 +1,84 @@
+"""Peak memory of a region of code, as the memory allocator sees it: what decides an out-of-memory error.
+
+``gactx`` counts the bytes its handles hold (``Controller.memory_stats()``); a step's peak also holds the
+temporaries of every op, of the compression itself, and what the step keeps from the one before. This is
+the number users compare::
+
+    with gactx.PeakMemory() as meter:          # the default device, or PeakMemory("cuda:1")
+        loss = model(x).loss
+        loss.backward()
+    print(meter.peak)                          # bytes above what was allocated when the region began
+
+- CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) over the region, minus what was
+  allocated at its start. Its peak statistic is reset on entry.
+- CPU: PyTorch's CPU allocator has no peak statistic. Every allocation and free of the region is recorded
+  with ``torch.profiler`` (``profile_memory=True``) and the running sum, in time order, gives the peak.
+  Frees of what existed before the region lower the running sum (the peak is above the start, at least
+  0). The profiler costs time, not memory: time a step without the meter.
+
+Nothing here reads a tensor: no host synchronization beyond the one ``torch.cuda.synchronize`` on exit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PeakMemory", "peak_memory"]
+
+
+class PeakMemory:
+    """Measures the peak bytes allocated on ``device`` during a ``with`` block, above what was allocated at
+    its start (see the module docstring). After the block: ``peak`` (bytes), ``method`` (what measured
+    it). Not reentrant; one at a time on a device."""
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"PeakMemory measures cuda and cpu devices, not {self.device.type!r}")
+        self.peak: int | None = None
+        self.method = "cuda caching allocator" if self.device.type == "cuda" else "profiler allocation events"
+        self._start = 0
+        self._profiler = None
+
+    def __enter__(self) -> PeakMemory:
+        self.peak = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(*exc)
+        self.peak = _running_peak(profiler.profiler.kineto_results.events())
+
+
+def _running_peak(events) -> int:
+    """The largest running sum of the CPU allocations (positive ``nbytes``) and frees (negative) in ``events``,
+    in time order, and at least 0."""
+    memory = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type().name == "CPU"]
+    memory.sort(key=lambda pair: pair[0])  # events of several threads, each list in its own order
+    total = peak = 0
+    for _, nbytes in memory:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
+
+
+def peak_memory(fn, *args, device: str | torch.device | None = None, **kwargs) -> tuple[object, int]:
+    """``fn(*args, **kwargs)`` under a :class:`PeakMemory`: ``(its result, peak bytes)``."""
+    with PeakMemory(device) as meter:
+        out = fn(*args, **kwargs)
+    return out, meter.peak

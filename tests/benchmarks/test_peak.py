@@ -1,0 +1,24 @@
+"""benchmarks/peak.py: every method's step peak is measured and written, and gactx lowers it."""
+
+import json
+
+import pytest
+
+from benchmarks.peak import main
+
+
+def test_quick_peak_benchmark(tmp_path):
+    main(["--quick", "--out", str(tmp_path), "--models", "bert-base", "--threads", "1"])
+    rows = json.loads((tmp_path / "peak.json").read_text())["rows"]
+    assert [(r["model"], r["method"]) for r in rows] == [
+        (model, method) for model in ("mlp-gelu", "bert-base") for method in ("fp", "L1.1", "L1", "L1.2", "checkpoint")
+    ]
+    peak = {(r["model"], r["method"]): r["peak_mib"] for r in rows}
+    assert peak[("mlp-gelu", "L1.2")] < peak[("mlp-gelu", "L1.1")] < peak[("mlp-gelu", "fp")]
+    assert all(0 < r["saved_share_of_fp_peak"] <= 1 for r in rows)
+    assert "saved counted by" in (tmp_path / "peak.md").read_text()
+
+
+def test_quick_needs_an_out_folder():
+    with pytest.raises(SystemExit):
+        main(["--quick"])

@@ -1,0 +1,123 @@
+"""gactx/kernels/cpu.py: the C++ CPU kernels give the torch twins' bytes, round unbiasedly, and allocate
+nothing but their output."""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gactx
+from gactx.kernels import cpu
+from gactx.kernels.codes import decode_codes, encode_bins
+from gactx.kernels.dequantize import torch_dequantize
+from gactx.kernels.quantize import torch_quantize
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _input(n, dtype, scale, specials, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * scale
+    for i, v in zip(range(0, n, 97), specials, strict=False):
+        x[i] = v
+    return x.to(dtype)
+
+
+def _same(a, b):
+    """Equal values; NaN where the other has NaN (the payload of a NaN cast to bf16 is the kernel's)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@settings(max_examples=60)
+@given(
+    n=st.integers(0, 5000),
+    dtype=st.sampled_from(DTYPES),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    group=st.sampled_from([32, 256, 4096]),
+    scale=st.sampled_from([1e-30, 1.0, 1e4, 3e38]),
+    specials=st.lists(st.sampled_from([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 3e38]), max_size=4),
+    seed=st.integers(0, 2**31),
+)
+def test_deterministic_bytes_and_values_are_the_twins(n, dtype, bits, group, scale, specials, seed):
+    x = _input(n, dtype, scale, specials, seed)
+    codes, meta = cpu.quantize(x, bits, group, False, 0)
+    twin_codes, twin_meta = torch_quantize(x, bits, group, False, 0)
+    assert torch.equal(codes, twin_codes)
+    assert _same(meta, twin_meta)  # equal values; the sign of a zero minimum is the reduction order's
+    out = cpu.dequantize(codes, meta, bits, group, n, dtype)
+    assert out.dtype == dtype and _same(out, torch_dequantize(codes, meta, bits, group, n, dtype))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_stochastic_rounding_is_unbiased_and_seeded(bits):
+    x = torch.randn(4096)
+    draws = torch.stack([gactx.dequantize(gactx.quantize(x, bits, seed=s)) for s in range(400)])
+    q = gactx.quantize(x, bits, seed=0)
+    step = q.meta[:, 1].repeat_interleave(256)
+    # The mean of 400 draws is within 5 standard errors of x (the rounding error of one draw is at most a step).
+    assert ((draws.mean(0) - x).abs() <= 5 * step / 2 / 400**0.5 + 1e-7).all()
+    assert ((draws - x).abs() <= step * (1 + 1e-6)).all(), "never more than a level away"
+    assert torch.equal(gactx.quantize(x, bits, seed=7).data, gactx.quantize(x, bits, seed=7).data)
+    assert not torch.equal(gactx.quantize(x, bits, seed=7).data, gactx.quantize(x, bits, seed=8).data)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bins_are_bucketize_and_decode_through_the_table(dtype, bits):
+    edges = torch.linspace(-2, 2, (1 << bits) - 1).to(dtype)
+    table = torch.arange(1 << bits).to(dtype)
+    x = torch.cat([torch.randn(999) * 2, edges.float(), torch.tensor([float("nan"), float("inf"), -float("inf")])])
+    x = x.to(dtype).view(1, -1).expand(3, -1).t()  # a transposed layout: binned in memory order
+    coded = encode_bins(x, edges, bits, table, backend="cpp")
+    expected = table[torch.bucketize(x, edges)]
+    assert torch.equal(decode_codes(coded), expected)
+    assert torch.equal(decode_codes(encode_bins(x, edges, bits, table, backend="torch")), expected)
+    assert coded.codes.numel() == -(-x.numel() * bits // 8)
+
+
+def test_auto_is_cpp_on_the_cpu_and_torch_where_the_build_failed(monkeypatch):
+    x = torch.randn(1000)
+    from gactx.kernels.functional import choose_backend
+
+    assert choose_backend(x, "auto") == "cpp"
+    monkeypatch.setitem(cpu._state, "module", None)
+    assert choose_backend(x, "auto") == "torch"
+    with pytest.raises(RuntimeError, match="could not be built"):
+        gactx.quantize(x, 2, backend="cpp")
+    q = gactx.quantize(x, 2, stochastic=False)
+    assert torch.equal(q.data, torch_quantize(x, 2, 256, False, 0)[0])
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    with pytest.warns(RuntimeWarning, match="falling back to the torch kernels"):
+        assert cpu._build() is None
+
+
+def test_cpp_refuses_other_devices():
+    with pytest.raises(ValueError, match="runs on CPU tensors"):
+        gactx.quantize(torch.randn(10, device="meta"), 2, backend="cpp")
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_peak_memory_is_the_output_and_a_group_a_thread(bits):
+    x = torch.randn(1 << 20)  # 4 MiB
+    q = gactx.quantize(x, bits)
+    with gactx.PeakMemory("cpu") as meter:
+        q2 = gactx.quantize(x, bits)
+    assert meter.peak <= q2.nbytes + 64 * 1024, (meter.peak, q2.nbytes)
+    with gactx.PeakMemory("cpu") as meter:
+        out = gactx.dequantize(q)
+    assert meter.peak <= out.numel() * 4 + 64 * 1024
+    with gactx.PeakMemory("cpu") as meter, warnings.catch_warnings():
+        gactx.quantize(x, bits, backend="torch")
+    assert meter.peak > 4 * x.numel() * 4, "the twins hold temporaries several times the input"

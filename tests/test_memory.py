@@ -1,0 +1,52 @@
+"""gactx/memory.py: the peak of a region as the allocator sees it."""
+
+import pytest
+import torch
+
+import gactx
+from tests.conftest import needs_cuda
+
+MIB = 1 << 20
+
+
+def _region(x):
+    y = x * 2  # +4 MiB
+    z = y + 1  # +4 MiB: the peak, 8 MiB
+    del y  # -4 MiB
+    w = z * 3  # +4 MiB: 8 MiB again
+    return w.sum()  # w and z freed on return
+
+
+def test_the_peak_counts_temporaries_not_what_is_left():
+    x = torch.randn(1024, 1024)
+    with gactx.PeakMemory("cpu") as meter:
+        _region(x)
+    assert 8 * MIB <= meter.peak < 8 * MIB + 64 * 1024
+    assert meter.method == "profiler allocation events"
+
+
+def test_frees_of_older_tensors_do_not_lower_the_peak_below_zero():
+    x = torch.randn(1024, 1024)
+    with gactx.PeakMemory("cpu") as meter:
+        del x  # frees 4 MiB allocated before the region
+        y = torch.empty(MIB, dtype=torch.uint8)
+    assert MIB <= meter.peak < MIB + 64 * 1024, "the free does not pay for the new 1 MiB"
+    del y
+
+
+def test_peak_memory_returns_the_result():
+    out, peak = gactx.peak_memory(lambda n: torch.ones(n).sum(), 1 << 20, device="cpu")
+    assert out == 1 << 20 and 4 * MIB <= peak < 4 * MIB + 64 * 1024
+
+
+def test_other_devices_are_refused():
+    with pytest.raises(ValueError, match="measures cuda and cpu"):
+        gactx.PeakMemory("meta")
+
+
+@needs_cuda
+def test_cuda_peak_is_the_allocators():
+    x = torch.randn(1024, 1024, device="cuda")
+    with gactx.PeakMemory("cuda") as meter:
+        _region(x)
+    assert 8 * MIB <= meter.peak < 9 * MIB
