@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -71,7 +72,7 @@ MEMORY_HEADROOM = 0.8  # use at most 80% of the memory free now: the allocator a
 FIELDS = (
     "device", "device_name", "backend", "dtype", "bits", "group_size", "size_mib", "numel", "input_bytes",
     "quantized_bytes", "quantize_ms", "dequantize_ms", "clone_ms", "quantize_gbps", "dequantize_gbps",
-    "clone_gbps", "quantize_vs_clone", "dequantize_vs_clone",
+    "clone_gbps", "quantize_vs_clone", "dequantize_vs_clone", "page_faults",
 )  # fmt: skip
 
 Timer = Callable[[Callable[[], object]], float]
@@ -170,19 +171,24 @@ def cpu_time_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def alternating_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median milliseconds of each of ``fns``, run in turn round after round (at least ``repeats`` rounds, and
-    as many as fit in CPU_MIN_TIMED_S), so that a busy spell of the machine slows them all alike."""
+def alternating_ms(fns: list[Callable[[], object]], repeats: int) -> tuple[list[float], list[float]]:
+    """Median milliseconds and minor page faults of each of ``fns``, run in turn round after round (at least
+    ``repeats`` rounds, and as many as fit in CPU_MIN_TIMED_S), so that a busy spell of the machine slows them
+    all alike. Page faults tell whether a call's output landed in fresh memory (each 4 KiB page is zeroed by
+    the kernel on first touch: for a 64 MiB output that costs about as much as copying it)."""
     for fn in fns:
         fn()  # warm-up
     times: list[list[float]] = [[] for _ in fns]
+    faults: list[list[int]] = [[] for _ in fns]
     deadline = time.perf_counter() + CPU_MIN_TIMED_S
     while len(times[0]) < repeats or (time.perf_counter() < deadline and len(times[0]) < CPU_MAX_RUNS):
-        for fn, spent in zip(fns, times, strict=True):
+        for fn, spent, faulted in zip(fns, times, faults, strict=True):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             fn()
             spent.append(time.perf_counter() - start)
-    return [statistics.median(spent) * 1e3 for spent in times]
+            faulted.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return [statistics.median(spent) * 1e3 for spent in times], [statistics.median(f) for f in faults]
 
 
 def make_timer(args: argparse.Namespace) -> Timer:
@@ -244,8 +250,9 @@ def measure(x: torch.Tensor, bits: int, clone_ms: float, args: argparse.Namespac
     quantize = functools.partial(gactx.quantize, x, bits, args.group_size, seed=SEED, backend=args.backend)
     q = quantize()
     dequantize = functools.partial(gactx.dequantize, q, backend=args.backend)
+    faults = None
     if args.device == "cpu":  # alternated with clone, in one process
-        clone_ms, quantize_ms, dequantize_ms = alternating_ms([x.clone, quantize, dequantize], args.repeats)
+        (clone_ms, quantize_ms, dequantize_ms), faults = alternating_ms([x.clone, quantize, dequantize], args.repeats)
     else:
         quantize_ms, dequantize_ms = timer(quantize), timer(dequantize)
     in_bytes, q_bytes = x.numel() * x.element_size(), q.nbytes
@@ -270,6 +277,7 @@ def measure(x: torch.Tensor, bits: int, clone_ms: float, args: argparse.Namespac
         "clone_gbps": clone_gbps,
         "quantize_vs_clone": quantize_gbps / clone_gbps,
         "dequantize_vs_clone": dequantize_gbps / clone_gbps,
+        "page_faults": faults,  # CPU: median minor faults a call of clone, quantize, dequantize
     }
 
 
@@ -331,8 +339,8 @@ def render_markdown(rows: list[dict], env: dict) -> str:
     lines += [
         "",
         "| dtype | bits | size MiB | kept | quantize GB/s | dequantize GB/s | clone GB/s "
-        "| quantize/clone | dequantize/clone |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| quantize/clone | dequantize/clone | page faults a call: clone, quantize, dequantize |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     order = list(DTYPES)
     for r in sorted(rows, key=lambda r: (order.index(r["dtype"]), r["bits"], r["size_mib"])):
@@ -340,6 +348,8 @@ def render_markdown(rows: list[dict], env: dict) -> str:
         cells = [r["dtype"], str(r["bits"]), f"{r['size_mib']:g}", kept]
         cells += [fmt(r[k]) for k in ("quantize_gbps", "dequantize_gbps", "clone_gbps")]
         cells += [f"{r[k]:.3f}" for k in ("quantize_vs_clone", "dequantize_vs_clone")]
+        faults = r.get("page_faults")
+        cells.append(", ".join(f"{f:.0f}" for f in faults) if faults else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

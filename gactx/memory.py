@@ -12,9 +12,11 @@ the number users compare::
 - CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) over the region, minus what was
   allocated at its start. Its peak statistic is reset on entry.
 - CPU: PyTorch's CPU allocator has no peak statistic. Every allocation and free of the region is recorded
-  with ``torch.profiler`` (``profile_memory=True``) and the running sum, in time order, gives the peak.
-  Frees of what existed before the region lower the running sum (the peak is above the start, at least
-  0). The profiler costs time, not memory: time a step without the meter.
+  with ``torch.profiler`` (``profile_memory=True``) and the running sum, in time order, gives the peak (at
+  least 0). A free of memory allocated before the region counts only where the allocator knows its size,
+  that is where it was allocated while a profiler ran (an earlier meter): begin the region after what the
+  step frees first (``optimizer.zero_grad()``), so that both devices measure the same thing. The profiler
+  costs time, not memory: time a step without the meter.
 
 Nothing here reads a tensor: no host synchronization beyond the one ``torch.cuda.synchronize`` on exit.
 """

@@ -41,6 +41,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -166,14 +167,27 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
       const float base = special ? 0.0f : lo;
       const int c = special ? centre : 0;
       const float top = special ? lo : std::min(std::max(float(L) * step + base, -kFltMax), kFltMax);
-      for (int q = 0; q < L; ++q) {
-        const float value = float(q - c) * step + base;
-        lut[q] = from_float<T>(std::min(std::max(value, -kFltMax), kFltMax));
-      }
-      lut[L] = from_float<T>(top);
       const uint8_t* in = codes + g * W;
       const int64_t start = g * G, m = std::min(G, n - start);
-      if (m == G) {
+      const bool computed = m == G && !special && std::is_same<T, float>::value;
+      if (!computed) {
+        for (int q = 0; q < L; ++q) {
+          const float value = float(q - c) * step + base;
+          lut[q] = from_float<T>(std::min(std::max(value, -kFltMax), kFltMax));
+        }
+        lut[L] = from_float<T>(top);
+      }
+      if (computed) {
+        // A finite group decodes every code, the top one too, to q * step + lo: computed, vectorized.
+        for (int p = 0; p < per_byte; ++p) {
+          float* o = reinterpret_cast<float*>(out) + start + p * W;
+          const int shift = p * bits;
+          for (int64_t k = 0; k < W; ++k) {
+            const float value = float((in[k] >> shift) & L) * step + lo;
+            o[k] = std::min(std::max(value, -kFltMax), kFltMax);
+          }
+        }
+      } else if (m == G) {
         for (int p = 0; p < per_byte; ++p) {
           T* o = out + start + p * W;
           const int shift = p * bits;
