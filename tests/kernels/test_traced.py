@@ -1,0 +1,91 @@
+"""gactx/kernels/traced.py: the format in ops that trace gives the twin's bytes (deterministic), the C++
+kernels' bytes (stochastic, same seed), eagerly and compiled by Inductor."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gactx.kernels import cpu, traced
+from gactx.kernels.dequantize import torch_dequantize
+from gactx.kernels.quantize import torch_quantize
+
+
+def _input(n, dtype, seed, specials=()):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+    for i, v in zip(range(0, n, 61), specials, strict=False):
+        x[i] = v
+    return x.to(dtype)
+
+
+def _same(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@settings(max_examples=40)
+@given(
+    n=st.integers(1, 3000),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    group=st.sampled_from([32, 256]),
+    specials=st.lists(st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0]), max_size=3),
+    seed=st.integers(0, 2**31),
+)
+def test_deterministic_bytes_are_the_twins(n, dtype, bits, group, specials, seed):
+    x = _input(n, dtype, seed, specials)
+    codes, meta = traced.quantize(x, bits, group, stochastic=False)
+    twin_codes, twin_meta = torch_quantize(x, bits, group, False, 0)
+    assert torch.equal(codes, twin_codes) and _same(meta, twin_meta)
+    assert _same(
+        traced.dequantize(codes, meta, bits, group, n, dtype), torch_dequantize(codes, meta, bits, group, n, dtype)
+    )
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_stochastic_bytes_are_the_cpp_kernels(bits):
+    x = _input(5000, torch.float32, 0)
+    seed = (7 << 40) + 12345  # both halves of the 64-bit seed are used
+    codes, meta = traced.quantize(x, bits, 256, stochastic=True, seed=seed)
+    cpp_codes, cpp_meta = cpu.quantize(x, bits, 256, True, seed)
+    assert torch.equal(codes, cpp_codes) and torch.equal(meta, cpp_meta)
+    codes_t, _ = traced.quantize(x, bits, 256, stochastic=True, seed=torch.tensor(seed))
+    assert torch.equal(codes_t, codes), "a seed tensor draws what the same int draws"
+
+
+def test_uniform_bits_are_uniform():
+    bits = traced.uniform_bits(torch.arange(1 << 16), 3)
+    assert int(bits.min()) >= 0 and int(bits.max()) < 1 << 23
+    counts = torch.bincount(bits >> 19, minlength=16).float()  # 16 bins of 4096 expected
+    assert ((counts - 4096).abs() < 5 * 4096**0.5).all()
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_compiled_by_inductor_gives_the_same_bytes(stochastic):
+    torch._dynamo.reset()
+    x = _input(3000, torch.float32, 1, [float("nan")])
+
+    def roundtrip(x, seed):
+        codes, meta = traced.quantize(x, 4, 256, stochastic, seed)
+        return codes, meta, traced.dequantize(codes, meta, 4, 256, x.numel(), x.dtype)
+
+    seed = torch.tensor(99)
+    eager = roundtrip(x, seed)
+    compiled = torch.compile(roundtrip, fullgraph=True)(x, seed)
+    assert torch.equal(eager[0], compiled[0]) and _same(eager[1], compiled[1]) and _same(eager[2], compiled[2])
+    again = torch.compile(roundtrip, fullgraph=True)(x, torch.tensor(100))
+    assert stochastic != torch.equal(again[0], compiled[0]), "a new seed tensor: new noise, same graph"
+
+
+def test_a_fresh_seed_is_read_at_run_time_in_a_compiled_graph():
+    torch._dynamo.reset()
+    x = _input(1024, torch.float32, 2)
+
+    def codes(x):
+        return traced.quantize(x, 2, 256, True, traced.fresh_seed(x))[0]
+
+    compiled = torch.compile(codes, fullgraph=True)
+    first, second = compiled(x), compiled(x)
+    assert not torch.equal(first, second), "each call draws a new seed: the noise does not repeat"
+    a, b = traced.fresh_seed(x), traced.fresh_seed(x)
+    assert a.dtype == torch.int64 and a.shape == () and not torch.equal(a, b)
