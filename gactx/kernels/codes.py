@@ -104,8 +104,9 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
     """``table[codes]`` in the original shape, dtype, device and strides."""
     n = ct.numel
-    if ct.bits > 1 and choose_backend(ct.codes, ct.backend) == "cpp":
-        return restore_order(cpu.decode_table(ct.codes, ct.table, n, ct.bits), ct)
+    packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
+    if choose_backend(packed, ct.backend) == "cpp":  # the table looked up from the bits, no bool mask between
+        return restore_order(cpu.decode_table(packed, ct.table, n, ct.bits), ct)
     if ct.bits == 1:
         mask = dequantize(ct.codes, backend=ct.backend)
         flat = torch.where(mask, ct.table[1], ct.table[0])

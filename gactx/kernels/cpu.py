@@ -1,8 +1,8 @@
 """CPU kernels: quantize, dequantize and table codes in C++, with no temporary larger than a group a thread.
 
-The torch twins (``quantize.py``, ``dequantize.py``, ``codes.py``) are written for clarity and as the test
-oracle: about 60 full-size ATen passes a call, and temporaries several times the tensor (a padded float32
-copy, an index tensor, int32 codes), which is what an allocator's peak sees. On a CPU the same arithmetic
+The torch twins (``quantize.py``, ``dequantize.py``, ``codes.py``, ``bitmask.py``) are written for clarity
+and as the test oracle: about 60 full-size ATen passes a call, and temporaries several times the tensor (a
+padded float32 copy, an index tensor, int32 codes), which is what an allocator's peak sees. On a CPU the same arithmetic
 runs here instead: one pass to find each group's range and one to write its codes, a group at a time per
 thread (``at::parallel_for`` over groups, torch's intra-op threads).
 
@@ -27,7 +27,9 @@ import warnings
 
 import torch
 
-__all__ = ["available", "extension", "quantize", "dequantize", "encode_bins", "decode_table"]
+__all__ = [
+    "available", "extension", "quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "unpack_bool",
+]  # fmt: skip
 
 log = logging.getLogger("gactx")
 
@@ -233,6 +235,24 @@ void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n,
   });
 }
 
+void pack_bool_impl(const uint8_t* mask, int64_t n, uint8_t* packed) {
+  const int64_t bytes = (n + 7) / 8;
+  at::parallel_for(0, bytes, kGrainBytes / 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t base = b * 8, count = std::min<int64_t>(8, n - base);
+      uint8_t byte = 0;
+      for (int64_t i = 0; i < count; ++i) byte |= uint8_t((mask[base + i] & 1) << i);
+      packed[b] = byte;
+    }
+  });
+}
+
+void unpack_bool_impl(const uint8_t* packed, int64_t n, uint8_t* mask) {
+  at::parallel_for(0, n, kGrainBytes, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) mask[i] = (packed[i >> 3] >> (i & 7)) & 1;
+  });
+}
+
 #define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \
   switch (DTYPE) {                                                                        \
     case at::kFloat: { using scalar = float; FN; break; }                                 \
@@ -263,6 +283,16 @@ void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits
                  edges.data_ptr<scalar>(), edges.numel(), packed.data_ptr<uint8_t>(), int(bits)));
 }
 
+void pack_bool(at::Tensor mask, at::Tensor packed) {
+  TORCH_CHECK(mask.is_contiguous() && packed.is_contiguous() && mask.scalar_type() == at::kBool);
+  pack_bool_impl(reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()), mask.numel(), packed.data_ptr<uint8_t>());
+}
+
+void unpack_bool(at::Tensor packed, at::Tensor mask) {
+  TORCH_CHECK(mask.is_contiguous() && packed.is_contiguous() && mask.scalar_type() == at::kBool);
+  unpack_bool_impl(packed.data_ptr<uint8_t>(), mask.numel(), reinterpret_cast<uint8_t*>(mask.data_ptr<bool>()));
+}
+
 void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t bits) {
   TORCH_CHECK(packed.is_contiguous() && table.is_contiguous() && out.is_contiguous());
   TORCH_CHECK(table.scalar_type() == out.scalar_type());
@@ -271,6 +301,7 @@ void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t b
 }
 """
 
+_FUNCTIONS = ["quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "unpack_bool"]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -297,7 +328,7 @@ def _build():
     log.info("gactx: compiling the CPU kernels (once for this machine and torch; about 40 s)")
     try:
         return cpp_extension.load_inline(
-            _name(), cpp_sources=_SOURCE, functions=["quantize", "dequantize", "encode_bins", "decode_table"],
+            _name(), cpp_sources=_SOURCE, functions=_FUNCTIONS,
             extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False,
         )  # fmt: skip
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
@@ -345,4 +376,18 @@ def decode_table(packed: torch.Tensor, table: torch.Tensor, n: int, bits: int) -
     """``table[codes]`` of ``n`` codes packed by :func:`encode_bins`."""
     out = torch.empty(n, dtype=table.dtype)
     extension().decode_table(packed, table.contiguous(), out, bits)
+    return out
+
+
+def pack_bool(flat: torch.Tensor) -> torch.Tensor:
+    """A contiguous bool tensor packed 8 to a byte, element ``8k + i`` in bit ``i`` of byte ``k`` (the layout of
+    ``bitmask.py``)."""
+    packed = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
+    extension().pack_bool(flat, packed)
+    return packed
+
+
+def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.bool)
+    extension().unpack_bool(packed, out)
     return out

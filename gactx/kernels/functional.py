@@ -82,7 +82,10 @@ def quantize(
         return wrap(x, None, bits, x.shape, None)  # already at or below the asked width: kept as is
     flat, dense_shape, perm = memory_order(x)
     if x.dtype == torch.bool:
-        packed = triton_pack_bool(flat, interpret) if use_triton else torch_pack_bool(flat)
+        if use_triton:
+            packed = triton_pack_bool(flat, interpret)
+        else:
+            packed = cpu.pack_bool(flat.contiguous()) if chosen == "cpp" else torch_pack_bool(flat)
         return wrap(packed, None, 1, dense_shape, perm)
     if bits == 16:
         half = (
@@ -111,7 +114,10 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
     interpret = _triton.INTERPRET and q.device.type == "cpu"
     n = q.numel
     if q.dtype == torch.bool:
-        flat = triton_unpack_bool(q.data, n, interpret) if use_triton else torch_unpack_bool(q.data, n)
+        if use_triton:
+            flat = triton_unpack_bool(q.data, n, interpret)
+        else:
+            flat = cpu.unpack_bool(q.data, n) if chosen == "cpp" else torch_unpack_bool(q.data, n)
     elif q.meta is None:
         flat = q.data.to(q.dtype)  # bfloat16 storage of a float32 tensor
     elif use_triton:

@@ -121,3 +121,24 @@ def test_peak_memory_is_the_output_and_a_group_a_thread(bits):
     with gactx.PeakMemory("cpu") as meter, warnings.catch_warnings():
         gactx.quantize(x, bits, backend="torch")
     assert meter.peak > 4 * x.numel() * 4, "the twins hold temporaries several times the input"
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 4099])
+def test_bool_masks_pack_as_the_twin_and_come_back(n):
+    from gactx.kernels.bitmask import torch_pack_bool
+
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = cpu.pack_bool(mask)
+    assert torch.equal(packed, torch_pack_bool(mask))
+    assert torch.equal(cpu.unpack_bool(packed, n), mask)
+    assert torch.equal(gactx.dequantize(gactx.quantize(mask, 1)), mask)
+
+
+def test_one_bit_codes_decode_through_the_table_without_a_mask():
+    from gactx.kernels.codes import encode_codes
+
+    t = torch.randn(64, 47).t()  # transposed: decoded in memory order, back in the layout
+    table = torch.tensor([-1.5, 2.5])
+    coded = encode_codes(t > 0, 1, table, backend="cpp")
+    assert torch.equal(decode_codes(coded), torch.where(t > 0, 2.5, -1.5))
+    assert decode_codes(coded).stride() == t.stride()
