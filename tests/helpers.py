@@ -53,5 +53,8 @@ def _rank_main(rank: int, world: int, folder: str, worker) -> None:
         result = worker(rank)
         with open(f"{folder}/rank{rank}.json", "w") as f:
             json.dump(result, f)
+        # Both ranks are done before either tears gloo down: a rank that leaves while its peer still holds
+        # a connection can take the peer down with it (std::terminate in a gloo thread, seen under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()

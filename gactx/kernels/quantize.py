@@ -278,6 +278,31 @@ def triton_quantize(
     return codes, meta
 
 
+def group_scales(x: torch.Tensor, valid: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
+    """``(lo, step, inv, origin, shift)`` of each row of ``x`` (a group; ``valid`` marks its elements), in
+    torch ops that trace (no tensor made from host values): the twin's and ``traced.py``'s."""
+    finite = valid & torch.isfinite(x)
+    inf = float("inf")
+    fmin = torch.where(finite, x, inf).amin(1)
+    fmax = torch.where(finite, x, -inf).amax(1)
+    has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
+    special = has_nan | has_pinf | has_ninf
+    fmin = torch.where(fmin < inf, fmin, 0.0)
+    fmax = torch.where(fmax > -inf, fmax, 0.0)
+
+    span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
+    step = span * torch.where(special, step_factor(levels - 1), step_factor(levels)).to(torch.float32)
+    step = step.clamp(max=FLT_MAX)
+    step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
+    if levels == 1:
+        step = torch.where(special, 0.0, step)
+    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
+    kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
+    origin = torch.where(special, 0.0, fmin)
+    shift = torch.where(special, (levels - 1) // 2, 0).float()
+    return torch.where(special, kind, fmin), step, inv, origin, shift
+
+
 def torch_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,33 +312,12 @@ def torch_quantize(
     if n_groups == 0:
         return codes, meta
     levels, per_byte = (1 << bits) - 1, 8 // bits
-    centre = (levels - 1) // 2
     x = torch.zeros(n_groups * group_size, dtype=torch.float32, device=flat.device)
     x[:n] = flat
     x = x.view(n_groups, group_size)
     valid = torch.arange(n_groups * group_size, device=flat.device).view(n_groups, group_size) < n
 
-    finite = valid & torch.isfinite(x)
-    inf = torch.tensor(float("inf"), device=x.device)
-    fmin = torch.where(finite, x, inf).amin(1)
-    fmax = torch.where(finite, x, -inf).amax(1)
-    has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
-    special = has_nan | has_pinf | has_ninf
-    fmin = torch.where(fmin < inf, fmin, 0.0)
-    fmax = torch.where(fmax > -inf, fmax, 0.0)
-
-    span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
-    factor = torch.tensor([step_factor(levels), step_factor(levels - 1)], dtype=torch.float32, device=x.device)
-    step = span * factor[special.long()]
-    step = step.clamp(max=FLT_MAX)
-    step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
-    if levels == 1:
-        step = torch.where(special, 0.0, step)
-    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
-    kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
-    origin = torch.where(special, 0.0, fmin)
-    shift = torch.where(special, centre, 0).float()
-    lo = torch.where(special, kind, fmin)
+    lo, step, inv, origin, shift = group_scales(x, valid, levels)
 
     if stochastic:
         gen = torch.Generator(device=flat.device).manual_seed(seed)

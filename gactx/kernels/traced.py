@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.quantize import FLT_MAX, MIN_STEP, step_factor
+from gactx.kernels.quantize import group_scales
 
 __all__ = ["quantize", "dequantize", "uniform_bits", "fresh_seed"]
 
@@ -80,32 +80,12 @@ def quantize(
     n = flat.numel()
     n_groups = -(-n // group_size)
     levels, per_byte = (1 << bits) - 1, 8 // bits
-    centre = (levels - 1) // 2
     padded = n_groups * group_size
     x = torch.nn.functional.pad(flat.float(), (0, padded - n)).view(n_groups, group_size)
     index = torch.arange(padded, device=flat.device, dtype=torch.int64).view(n_groups, group_size)
     valid = index < n
 
-    finite = valid & torch.isfinite(x)
-    inf = float("inf")
-    fmin = torch.where(finite, x, inf).amin(1)
-    fmax = torch.where(finite, x, -inf).amax(1)
-    has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
-    special = has_nan | has_pinf | has_ninf
-    fmin = torch.where(fmin < inf, fmin, 0.0)
-    fmax = torch.where(fmax > -inf, fmax, 0.0)
-
-    span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
-    step = span * torch.where(special, step_factor(levels - 1), step_factor(levels)).to(torch.float32)
-    step = step.clamp(max=FLT_MAX)
-    step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
-    if levels == 1:
-        step = torch.where(special, 0.0, step)
-    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
-    kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
-    origin = torch.where(special, 0.0, fmin)
-    shift = torch.where(special, centre, 0).float()
-    lo = torch.where(special, kind, fmin)
+    lo, step, inv, origin, shift = group_scales(x, valid, levels)
 
     if stochastic:
         one_plus_u = (uniform_bits(index, seed) | 0x3F800000).to(torch.int32).view(torch.float32)
