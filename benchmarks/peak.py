@@ -66,9 +66,9 @@ class MlpGelu(nn.Module):
 class Case:
     """A model, its batch and its loss: ``step()`` runs one training step (gradients set to none first)."""
 
-    def __init__(self, name: str, model: nn.Module, blocks: list, inputs: tuple, loss) -> None:
+    def __init__(self, name: str, model: nn.Module, blocks: list, inputs: tuple, loss, batch: int) -> None:
         self.name, self.model, self.blocks, self.inputs, self.loss = name, model, blocks, inputs, loss
-        self.batch = len(inputs[0][0]) if isinstance(inputs[0], tuple) else len(inputs[0])
+        self.batch = batch
 
     def forward(self) -> torch.Tensor:
         return self.loss(self.model, *self.inputs)
@@ -76,6 +76,13 @@ class Case:
     def step(self) -> None:
         self.model.zero_grad(set_to_none=True)
         self.forward().backward()
+
+    def plain_saved_bytes(self) -> int:
+        """What plain PyTorch saves in a step (a hook's count), the step run to its end."""
+        self.model.zero_grad(set_to_none=True)
+        saved, loss = count_saved_bytes(self.model, self.forward)
+        loss.backward()
+        return saved
 
     def grad_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
@@ -86,15 +93,13 @@ def mlp_case(device: torch.device, quick: bool) -> Case:
     width, blocks, batch = (256, 4, 256) if quick else (1024, 8, 2048)
     model = MlpGelu(width, blocks).to(device)
     x = torch.randn(batch, width, device=device)
-    return Case("mlp-gelu", model, list(model.blocks), (x,), lambda m, x: m(x).sum())
+    return Case("mlp-gelu", model, list(model.blocks), (x,), lambda m, x: m(x).sum(), batch)
 
 
 def workload_case(name: str, size: str, device: torch.device, batch: int) -> Case:
     w = workloads.build(name, size, device, seed=0)
     inputs, target = w.make_batch(batch, torch.Generator().manual_seed(0))
-    case = Case(name, w.model, w.blocks, (inputs, target), lambda m, inputs, target: w.loss(m, inputs, target))
-    case.batch = batch
-    return case
+    return Case(name, w.model, w.blocks, (inputs, target), lambda m, inputs, target: w.loss(m, inputs, target), batch)
 
 
 def peak_of(case: Case, device: torch.device, keep_grads: bool) -> int:
@@ -115,10 +120,7 @@ def peak_of(case: Case, device: torch.device, keep_grads: bool) -> int:
 def saved_share(case: Case, device: torch.device) -> tuple[int, int]:
     """Plain PyTorch's saved bytes and step peak."""
     case.step()  # warm-up
-    case.model.zero_grad(set_to_none=True)
-    saved, loss = count_saved_bytes(case.model, case.forward)
-    loss.backward()
-    return saved, peak_of(case, device, keep_grads=True)
+    return case.plain_saved_bytes(), peak_of(case, device, keep_grads=True)
 
 
 def model_cases(name: str, size: str, device: torch.device, quick: bool) -> list[tuple[Case, float]]:
@@ -160,10 +162,7 @@ class Runner:
         if self.controller is not None:
             self.case.step()
             return self.controller.memory_stats().packed_bytes
-        self.case.model.zero_grad(set_to_none=True)
-        saved, loss = count_saved_bytes(self.case.model, self.case.forward)
-        loss.backward()
-        return saved
+        return self.case.plain_saved_bytes()
 
 
 class _Blocks:

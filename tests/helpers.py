@@ -19,6 +19,12 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert mismatch.numel() == 0, f"{mismatch.shape[0]} elements differ, first at {mismatch[:5].flatten().tolist()}"
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (0.0 equals -0.0), NaN where the other has NaN (the payload of a NaN cast to bf16 is the
+    kernel's)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
 def group_steps(meta: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
     """Each element's quantization step, from a per-group ``(lo, step)`` table."""
     return meta[:, 1].repeat_interleave(group_size)[:numel]

@@ -140,7 +140,7 @@ class PackPath:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
             # save learns it then.
-            handle = Packed(t, key, t, cfg.backend)
+            handle = Packed(t, key, t, cfg.backend, ptr)
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
             return handle
         if t.dtype == torch.bool:
@@ -191,7 +191,7 @@ class PackPath:
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return stored
-            handle = Packed(stored, key, t, cfg.backend)
+            handle = Packed(stored, key, t, cfg.backend, ptr)
         else:
             handle.stored = stored
         if cfg.dedupe:

@@ -61,14 +61,15 @@ class Packed:
 
     __slots__ = ("stored", "key", "source", "backend", "view", "__weakref__")
 
-    def __init__(self, stored, key, source: torch.Tensor, backend: str) -> None:
+    def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None) -> None:
+        """``ptr``: the address of ``source``'s storage, where the caller has it already."""
         owner = storage_owner(source)
         self.stored = stored
         self.key = key
         self.source = weakref.ref(owner)  # dedupe is valid only while the storage lives
         self.backend = backend
-        layout = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype)
-        self.view = (*layout, owner._version, storage_ptr(owner))
+        ptr = storage_ptr(owner) if ptr is None else ptr
+        self.view = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
 
     def unpack(self) -> torch.Tensor:
         s = self.stored

@@ -67,9 +67,8 @@ def _role(func, args: tuple, kwargs: dict, t: torch.Tensor) -> str:
     return "?"
 
 
-def _among(t: torch.Tensor, refs: list[weakref.ref]) -> bool:
-    """``t`` or the tensor it is a view of is one of ``refs``."""
-    owner = storage_owner(t)
+def _among(owner: torch.Tensor, refs: list[weakref.ref]) -> bool:
+    """``owner`` (a tensor's storage owner: itself, or the tensor it is a view of) is one of ``refs``."""
     return any(ref() is owner for ref in refs)
 
 
@@ -116,8 +115,9 @@ class OpWatcher(TorchDispatchMode):
             self._bernoulli = None
         elif name in ("exp", "exp_"):
             self._made["exp"].append(weakref.ref(storage_owner(out)))
-        elif name == "div" and isinstance(args[1], torch.Tensor) and _among(args[0], self._made["exp"]):
-            self._made["probabilities"].append(weakref.ref(out))
+        elif name == "div" and self._made["exp"] and isinstance(args[1], torch.Tensor):
+            if _among(storage_owner(args[0]), self._made["exp"]):
+                self._made["probabilities"].append(weakref.ref(out))
         results = out if isinstance(out, tuple | list) else (out,)
         refs = tuple(weakref.ref(r) if isinstance(r, torch.Tensor) else None for r in results)
         self._last = (func, refs, args, kwargs)
@@ -139,9 +139,12 @@ class OpWatcher(TorchDispatchMode):
 
     def _origin(self, t: torch.Tensor) -> str | None:
         made = self._made
-        if _among(t, made["dropout"]):
+        if not (made["dropout"] or made["exp"]):  # nothing made by provenance in this pass (probabilities need an exp)
+            return None
+        owner = storage_owner(t)
+        if _among(owner, made["dropout"]):
             return "dropout"
-        if _among(t, made["probabilities"]) or _among(t, made["exp"]):
+        if _among(owner, made["probabilities"]) or _among(owner, made["exp"]):
             return "probabilities"  # an exp result saved as another op's input too: one copy at one width
         return None
 

@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from gactx.kernels.quantize import _allocate, step_factor
+
 __all__ = [
     "available", "extension", "quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "unpack_bool",
 ]  # fmt: skip
@@ -347,8 +349,6 @@ def available() -> bool:
 
 def quantize(flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """``(codes, meta)`` of a contiguous 1-D CPU tensor, in the format of ``format.py``."""
-    from gactx.kernels.quantize import _allocate, step_factor
-
     codes, meta = _allocate(flat, bits, group_size)
     if flat.numel():
         levels = (1 << bits) - 1

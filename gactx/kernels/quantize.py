@@ -40,6 +40,8 @@ GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -48,7 +50,7 @@ from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
 
-__all__ = ["triton_quantize", "torch_quantize", "quantize_launch"]
+__all__ = ["triton_quantize", "torch_quantize", "quantize_groups", "quantize_launch"]
 
 # float32 constants shared by both implementations.
 SAFETY = 1.0 + 2.0**-20  # step margin, see the module docstring
@@ -278,9 +280,23 @@ def triton_quantize(
     return codes, meta
 
 
-def group_scales(x: torch.Tensor, valid: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
-    """``(lo, step, inv, origin, shift)`` of each row of ``x`` (a group; ``valid`` marks its elements), in
-    torch ops that trace (no tensor made from host values): the twin's and ``traced.py``'s."""
+def quantize_groups(
+    flat: torch.Tensor, bits: int, group_size: int, noise: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin's arithmetic, in torch ops that trace (no tensor made from host values): ``(codes, meta)`` of
+    a 1-D float tensor. ``noise(index)`` gives ``1 + u`` at each position of the padded groups (an int64
+    ``index`` of their shape); ``None`` rounds half up. :func:`torch_quantize` draws ``u`` from a
+    ``torch.Generator``, ``traced.py`` from a hash of the index."""
+    n = flat.numel()
+    n_groups = -(-n // group_size)
+    if n_groups == 0:
+        return _allocate(flat, bits, group_size)
+    levels, per_byte = (1 << bits) - 1, 8 // bits
+    padded = n_groups * group_size
+    x = torch.nn.functional.pad(flat.float(), (0, padded - n)).view(n_groups, group_size)
+    index = torch.arange(padded, device=flat.device, dtype=torch.int64).view(n_groups, group_size)
+    valid = index < n
+
     finite = valid & torch.isfinite(x)
     inf = float("inf")
     fmin = torch.where(finite, x, inf).amin(1)
@@ -300,36 +316,24 @@ def group_scales(x: torch.Tensor, valid: torch.Tensor, levels: int) -> tuple[tor
     kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
     origin = torch.where(special, 0.0, fmin)
     shift = torch.where(special, (levels - 1) // 2, 0).float()
-    return torch.where(special, kind, fmin), step, inv, origin, shift
+    lo = torch.where(special, kind, fmin)
+
+    one_plus_u = 1.5 if noise is None else noise(index)
+    s = ((x - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
+    s = torch.where(valid, torch.fmin(s, torch.full((), levels + 1.0, device=x.device)), 1.0)
+    q = s.to(torch.int32) - 1
+
+    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32)[:, None] * bits
+    packed = (q.view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1)  # planes, see format.py
+    return packed.to(torch.uint8).view(-1), torch.stack([lo, step], dim=1)
 
 
 def torch_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference and CPU path of :func:`triton_quantize`: same contract, same arithmetic."""
-    codes, meta = _allocate(flat, bits, group_size)
-    n, n_groups = flat.numel(), meta.shape[0]
-    if n_groups == 0:
-        return codes, meta
-    levels, per_byte = (1 << bits) - 1, 8 // bits
-    x = torch.zeros(n_groups * group_size, dtype=torch.float32, device=flat.device)
-    x[:n] = flat
-    x = x.view(n_groups, group_size)
-    valid = torch.arange(n_groups * group_size, device=flat.device).view(n_groups, group_size) < n
-
-    lo, step, inv, origin, shift = group_scales(x, valid, levels)
-
+    noise = None
     if stochastic:
         gen = torch.Generator(device=flat.device).manual_seed(seed)
-        one_plus_u = 1.0 + torch.rand(x.shape, generator=gen, device=flat.device)
-    else:
-        one_plus_u = torch.tensor(1.5, device=flat.device)
-    s = ((x - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
-    s = torch.where(valid, torch.fmin(s, torch.tensor(levels + 1.0, device=x.device)), 1.0)
-    q = s.to(torch.int32) - 1
-
-    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32)[:, None] * bits
-    packed = (q.view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1)  # planes, see format.py
-    codes.copy_(packed.view(-1))
-    meta[:, 0], meta[:, 1] = lo, step
-    return codes, meta
+        noise = lambda index: 1.0 + torch.rand(index.shape, generator=gen, device=flat.device)  # noqa: E731
+    return quantize_groups(flat, bits, group_size, noise)

@@ -4,8 +4,8 @@ Compressing inside a compiled graph (saved-tensor hooks given as ``torch.fx.Grap
 AOTAutograd into the forward and backward graphs) needs the format written in ops that trace and that
 Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no data-dependent shapes.
 
-- :func:`quantize` computes what the twin (``quantize.py``) computes, operation for operation, so with
-  ``stochastic=False`` its bytes are the twin's and the Triton kernel's.
+- :func:`quantize` is the twin's arithmetic (``quantize.quantize_groups``), so with ``stochastic=False`` its
+  bytes are the twin's and the Triton kernel's.
 - With ``stochastic=True`` the noise is the C++ kernels' (``cpu.py``): murmur3's finalizer of (seed, element
   index), twice, 23 bits a draw; so a compiled graph and an eager step on a CPU store the same bytes for the
   same seed. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads it at run
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.quantize import group_scales
+from gactx.kernels.quantize import quantize_groups
 
 __all__ = ["quantize", "dequantize", "uniform_bits", "fresh_seed"]
 
@@ -64,10 +64,7 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
 
 def uniform_bits(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     """23 uniform bits (int64) an element of ``index`` (int64 positions), as the C++ kernels draw them."""
-    if isinstance(seed, torch.Tensor):
-        k0, k1 = seed & _MASK, (seed >> 32) & _MASK
-    else:
-        k0, k1 = seed & _MASK, (seed >> 32) & _MASK
+    k0, k1 = seed & _MASK, (seed >> 32) & _MASK  # an int or an int64 tensor
     h = _fmix(_mul32(index & _MASK, 0x9E3779B9) ^ k0)
     h = _fmix(h ^ k1 ^ _mul32(index >> 32, 0x85EBCA77))
     return h >> 9
@@ -77,28 +74,13 @@ def quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int | torch.Tensor = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, meta)`` of a 1-D float tensor, in the format of ``format.py``."""
-    n = flat.numel()
-    n_groups = -(-n // group_size)
-    levels, per_byte = (1 << bits) - 1, 8 // bits
-    padded = n_groups * group_size
-    x = torch.nn.functional.pad(flat.float(), (0, padded - n)).view(n_groups, group_size)
-    index = torch.arange(padded, device=flat.device, dtype=torch.int64).view(n_groups, group_size)
-    valid = index < n
-
-    lo, step, inv, origin, shift = group_scales(x, valid, levels)
-
+    noise = None
     if stochastic:
-        one_plus_u = (uniform_bits(index, seed) | 0x3F800000).to(torch.int32).view(torch.float32)
-    else:
-        one_plus_u = torch.full((), 1.5, device=flat.device)
-    s = ((x - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
-    s = torch.where(valid, torch.fmin(s, torch.full((), levels + 1.0, device=flat.device)), 1.0)
-    q = s.to(torch.int32) - 1
 
-    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32)[:, None] * bits
-    codes = (q.view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1).to(torch.uint8).view(-1)
-    meta = torch.stack([lo, step], dim=1)
-    return codes, meta
+        def noise(index: torch.Tensor) -> torch.Tensor:
+            return (uniform_bits(index, seed) | 0x3F800000).to(torch.int32).view(torch.float32)
+
+    return quantize_groups(flat, bits, group_size, noise)
 
 
 def dequantize(

@@ -13,6 +13,7 @@ from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
+from tests.helpers import same_values
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
 
@@ -25,11 +26,6 @@ def _input(n, dtype, scale, specials, seed):
     for i, v in zip(range(0, n, 97), specials, strict=False):
         x[i] = v
     return x.to(dtype)
-
-
-def _same(a, b):
-    """Equal values; NaN where the other has NaN (the payload of a NaN cast to bf16 is the kernel's)."""
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
 
 
 @settings(max_examples=60)
@@ -47,9 +43,9 @@ def test_deterministic_bytes_and_values_are_the_twins(n, dtype, bits, group, sca
     codes, meta = cpu.quantize(x, bits, group, False, 0)
     twin_codes, twin_meta = torch_quantize(x, bits, group, False, 0)
     assert torch.equal(codes, twin_codes)
-    assert _same(meta, twin_meta)  # equal values; the sign of a zero minimum is the reduction order's
+    assert same_values(meta, twin_meta)  # equal values; the sign of a zero minimum is the reduction order's
     out = cpu.dequantize(codes, meta, bits, group, n, dtype)
-    assert out.dtype == dtype and _same(out, torch_dequantize(codes, meta, bits, group, n, dtype))
+    assert out.dtype == dtype and same_values(out, torch_dequantize(codes, meta, bits, group, n, dtype))
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

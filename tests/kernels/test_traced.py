@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from gactx.kernels import cpu, traced
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
+from tests.helpers import same_values
 
 
 def _input(n, dtype, seed, specials=()):
@@ -16,10 +17,6 @@ def _input(n, dtype, seed, specials=()):
     for i, v in zip(range(0, n, 61), specials, strict=False):
         x[i] = v
     return x.to(dtype)
-
-
-def _same(a, b):
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
 
 
 @settings(max_examples=40)
@@ -35,8 +32,8 @@ def test_deterministic_bytes_are_the_twins(n, dtype, bits, group, specials, seed
     x = _input(n, dtype, seed, specials)
     codes, meta = traced.quantize(x, bits, group, stochastic=False)
     twin_codes, twin_meta = torch_quantize(x, bits, group, False, 0)
-    assert torch.equal(codes, twin_codes) and _same(meta, twin_meta)
-    assert _same(
+    assert torch.equal(codes, twin_codes) and same_values(meta, twin_meta)
+    assert same_values(
         traced.dequantize(codes, meta, bits, group, n, dtype), torch_dequantize(codes, meta, bits, group, n, dtype)
     )
 
@@ -72,7 +69,9 @@ def test_compiled_by_inductor_gives_the_same_bytes(stochastic):
     seed = torch.tensor(99)
     eager = roundtrip(x, seed)
     compiled = torch.compile(roundtrip, fullgraph=True)(x, seed)
-    assert torch.equal(eager[0], compiled[0]) and _same(eager[1], compiled[1]) and _same(eager[2], compiled[2])
+    assert (
+        torch.equal(eager[0], compiled[0]) and same_values(eager[1], compiled[1]) and same_values(eager[2], compiled[2])
+    )
     again = torch.compile(roundtrip, fullgraph=True)(x, torch.tensor(100))
     assert stochastic != torch.equal(again[0], compiled[0]), "a new seed tensor: new noise, same graph"
 
