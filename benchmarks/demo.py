@@ -6,7 +6,8 @@ print what was saved and the loss reached.
 
 Models (generated data, nothing downloaded): GraphSAGE on a random graph shaped like ogbn-arxiv, BERT and
 ResNet-50, each scaled down ("small") on a CPU and at full size on a GPU. Methods: full precision, gactx L1
-(4 bits) and L2.2 (adaptive, 2 bits on average).
+(4 bits) and L2.2 (adaptive, 2 bits on average); BERT also with its forward under ``torch.compile``
+(``+compile``: full precision and L1, compressed inside the compiled graphs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from benchmarks.run import compare, run_one
 
 MODELS = ("sage", "bert-base", "resnet50")
 METHODS = ("fp", "L1", "L2.2")
+COMPILED = ("bert-base", ("fp", "L1"))  # a model and the methods also run compiled
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -40,19 +42,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)\n")
     start = time.perf_counter()
     rows = [run_one(model, method, "fp32", run_args) for model in MODELS for method in METHODS]
+    rows += [run_one(COMPILED[0], method, "fp32", run_args, compiled=True) for method in COMPILED[1]]
     compare(rows)
     header = (
-        f"{'model':<11}{'method':<8}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
+        f"{'model':<11}{'method':<12}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
         f"{'step':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         saved = f"{r.get('activation_ratio', 1.0):.1f}x"
-        full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp")
+        suffix = r["method"][r["method"].find("+") :] if "+" in r["method"] else ""
+        full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp" + suffix)
         lower = f"{full['peak_mib'] / r['peak_mib']:.1f}x"
         print(
-            f"{r['model']:<11}{r['method']:<8}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
+            f"{r['model']:<11}{r['method']:<12}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
             f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms"
         )
     print(f"\n{time.perf_counter() - start:.0f} s in all. gactx compresses on a CPU with its C++ kernels and on a")

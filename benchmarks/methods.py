@@ -17,20 +17,24 @@ from torch.utils.checkpoint import checkpoint
 
 import gactx
 
-__all__ = ["METHODS", "GACTX_LEVELS", "Method"]
+__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method"]
 
 GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2", "L3")
 METHODS = ("fp", *GACTX_LEVELS, "checkpoint", "save_on_cpu")
+COMPILABLE = ("fp", "L1", "L1.2", "L2", "L2.2")  # methods the models benchmark also runs compiled
 PROBE_SAMPLES = 8  # the estimator's closure runs on this many samples of the batch
 
 
 class Method:
-    def __init__(self, name: str, workload, precision: str = "fp32") -> None:
+    def __init__(self, name: str, workload, precision: str = "fp32", compiled: bool = False) -> None:
+        """``compiled``: the model's forward under ``torch.compile`` (Inductor) for the run."""
         if name not in METHODS:
             raise ValueError(f"method {name!r} is not one of {METHODS}")
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision {precision!r} is not one of ('fp32', 'bf16')")
-        self.name, self.workload, self.precision = name, workload, precision
+        if compiled and name not in COMPILABLE:
+            raise ValueError(f"method {name!r} is not run compiled; those that are: {COMPILABLE}")
+        self.name, self.workload, self.precision, self.compiled = name, workload, precision, compiled
         self.device_type = next(workload.model.parameters()).device.type
         self.controller = None
         if name in GACTX_LEVELS:  # installed for the whole run: installing hooks every module, once
@@ -38,10 +42,15 @@ class Method:
         self._unwrap: list = []
         if name == "checkpoint":
             self._wrap_blocks()
+        if compiled:
+            torch._dynamo.reset()
+            model = workload.model
+            model.forward = torch.compile(model.forward)
+            self._unwrap.append((model, None))
 
     @property
     def label(self) -> str:
-        return self.name if self.precision == "fp32" else f"{self.name}+bf16"
+        return self.name + ("" if self.precision == "fp32" else "+bf16") + ("+compile" if self.compiled else "")
 
     def _wrap_blocks(self) -> None:
         """Checkpoint every block (non-reentrant): its activations are recomputed in backward."""
@@ -56,7 +65,10 @@ class Method:
 
     def close(self) -> None:
         for block, original in self._unwrap:
-            block.forward = original
+            if original is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = original
         self._unwrap.clear()
         if self.controller is not None and self.controller.installed:
             self.controller.uninstall_hook()

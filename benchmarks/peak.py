@@ -20,7 +20,15 @@ Methods, alternated in one process (``--repeats`` rounds, medians): full precisi
 (4) and L1.2 (2), and non-reentrant checkpointing of every block. Each is warmed up first (the op watcher's
 first pass, the CPU kernels' build).
 
+Compiled (a second table; ``--compiled-models``, ``mlp-gelu`` and ``bert-base`` by default, at the largest
+batch of the eager table): full precision, L1.1 and L1.2 under ``torch.compile`` (Inductor) of the whole
+model, and of each block (regional: ``block.forward`` compiled, the model around it eager). Each method is
+compiled afresh (``torch._dynamo.reset()``); the table gives the first step's time (compilation included),
+the median step time after it, the peak, and the cosine of the gradient with eager full precision's next to
+the same level's eager cosine (one step each, same batch, evaluation mode: dropout off).
+
     python -m benchmarks.peak                      # writes benchmarks/results/<device>/peak.{md,json}
+    python -m benchmarks.peak --compiled-models    # the eager table only
     python -m benchmarks.peak --quick --out /tmp/peak
 """
 
@@ -31,6 +39,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -173,6 +182,91 @@ class _Blocks:
         self.model = blocks[0]
 
 
+COMPILED_METHODS = ("fp", "L1.1", "L1.2")
+
+
+class Compiled:
+    """A case run compiled: the whole model, or each block's forward (the model around them eager)."""
+
+    def __init__(self, case: Case, mode: str, backend: str) -> None:
+        self.case, self.mode, self.backend = case, mode, backend
+
+    def __enter__(self):
+        torch._dynamo.reset()
+        # Every method compiled from nothing: the first step's time is a cold compile's.
+        self.caches = torch._inductor.config.patch(fx_graph_cache=False)
+        self.caches.__enter__()
+        case = self.case
+        self.model = case.model
+        if self.mode == "whole":
+            case.model = torch.compile(self.model, backend=self.backend)
+        else:
+            for block in case.blocks:
+                block.forward = torch.compile(block.forward, backend=self.backend)
+        return self
+
+    def __exit__(self, *exc):
+        self.case.model = self.model
+        for block in self.case.blocks:
+            block.__dict__.pop("forward", None)
+        self.caches.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+
+def gradient(case: Case, model: nn.Module) -> torch.Tensor:
+    """The gradient of one step of ``case`` (its model may be compiled), flattened, of ``model``'s parameters,
+    in evaluation mode: no dropout, whose masks differ between eager and compiled code."""
+    model.eval()
+    try:
+        case.step()
+    finally:
+        model.train()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+
+
+def compiled_rows(case: Case, device: torch.device, repeats: int, backend: str) -> list[dict]:
+    model = case.model
+    reference = gradient(case, model)
+    rows = []
+    for mode in ("whole", "regional"):
+        for method in COMPILED_METHODS:
+            controller = None if method == "fp" else gactx.Controller(model, level=method).install_hook()
+            eager_cos = cosine(gradient(case, model), reference)
+            with Compiled(case, mode, backend):
+                start = time.perf_counter()
+                case.step()
+                first = time.perf_counter() - start
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    case.step()
+                    times.append(time.perf_counter() - start)
+                peak = statistics.median(peak_of(case, device, keep_grads=True) for _ in range(repeats))
+                compiled_cos = cosine(gradient(case, model), reference)
+                counted = controller.memory_stats().packed_bytes if controller is not None else None
+            if controller is not None:
+                controller.uninstall_hook()
+            rows.append({
+                "model": case.name, "batch": case.batch, "compile": mode, "backend": backend, "method": method,
+                "peak_mib": peak / MIB,
+                "first_step_s": first, "step_ms": 1e3 * statistics.median(times), "grad_cos_compiled": compiled_cos,
+                "grad_cos_eager": eager_cos, "saved_mib_gactx": None if counted is None else counted / MIB,
+            })  # fmt: skip
+            print(
+                f"{case.name:10} {mode:8} {method:5} peak {peak / MIB:8.1f} MiB, first step {first:6.1f} s, "
+                f"step {rows[-1]['step_ms']:7.1f} ms, gradient cosine {compiled_cos:.5f} (eager {eager_cos:.5f})",
+                flush=True,
+            )
+    for row in rows:
+        fp = next(r for r in rows if r["compile"] == row["compile"] and r["method"] == "fp")
+        row["peak_vs_fp_compiled"] = fp["peak_mib"] / row["peak_mib"]
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     mlp = mlp_case(device, args.quick)
@@ -205,10 +299,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"gradients set to none {none / MIB:8.1f} MiB ({full[False] / none:5.2f}x)",
                 flush=True,
             )
-    return rows
+    largest = {}
+    for case, _ in cases:
+        if case.name in args.compiled_models and case.batch >= largest.get(case.name, case).batch:
+            largest[case.name] = case
+    compiled = [row for case in largest.values() for row in compiled_rows(case, device, args.repeats, args.backend)]
+    return rows, compiled
 
 
-def write(rows: list[dict], args: argparse.Namespace) -> None:
+def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> None:
+    rows, compiled = result
     out = args.out or Path(__file__).resolve().parent / "results" / device_slug(args.device)
     out.mkdir(parents=True, exist_ok=True)
     env = {
@@ -216,7 +316,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
         "repeats": args.repeats, "quick": args.quick,
     }  # fmt: skip
-    (out / "peak.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
+    result = {"environment": env, "rows": rows, "compiled": compiled}
+    (out / "peak.json").write_text(json.dumps(result, indent=2) + "\n")
     how = "CUDA caching allocator" if args.device == "cuda" else "running sum of the profiler's CPU allocation events"
     lines = [
         f"# gactx step peak memory: {env['device']}",
@@ -236,7 +337,29 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
          f"{r['saved_mib']:.2f}", r["saved_counted_by"]]
         for r in rows
     ]  # fmt: skip
-    (out / "peak.md").write_text("\n".join(lines + markdown_table(headers, table, left=4)) + "\n")
+    lines += markdown_table(headers, table, left=4)
+    if compiled:
+        lines += [
+            "",
+            f"## Compiled ({args.backend})",
+            "",
+            "- whole: `torch.compile(model)`; regional: each block's `forward` compiled, the model around it eager",
+            "- first step: compilation included, every method compiled afresh; step: median of 3 after it",
+            "- gradient cosine: with eager full precision's gradient on the same batch, one step in evaluation "
+            "mode (no dropout); beside it the same level's eager cosine",
+            "",
+        ]
+        headers = ["model", "batch", "compile", "method", "peak MiB", "fp / peak (compiled)", "first step s",
+                   "step ms", "gradient cosine", "eager gradient cosine", "saved MiB (gactx's count)"]  # fmt: skip
+        table = [
+            [r["model"], r["batch"], r["compile"], r["method"], f"{r['peak_mib']:.1f}",
+             f"{r['peak_vs_fp_compiled']:.2f}x", f"{r['first_step_s']:.1f}", f"{r['step_ms']:.1f}",
+             f"{r['grad_cos_compiled']:.5f}", f"{r['grad_cos_eager']:.5f}",
+             "" if r["saved_mib_gactx"] is None else f"{r['saved_mib_gactx']:.2f}"]
+            for r in compiled
+        ]  # fmt: skip
+        lines += markdown_table(headers, table, left=4)
+    (out / "peak.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'peak.md'}")
 
 
@@ -247,6 +370,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
     p.add_argument("--models", nargs="*", default=["bert-base", "resnet50"], choices=workloads.names())
     p.add_argument("--repeats", type=int, default=3, help="rounds of every method; the median peak is kept")
+    p.add_argument(
+        "--compiled-models",
+        nargs="*",
+        default=["mlp-gelu", "bert-base"],
+        choices=["mlp-gelu", *workloads.names()],
+        help="models also measured under torch.compile, whole and by block, at their largest batch (none: skip)",
+    )
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled table")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU)")
     p.add_argument("--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test")
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")

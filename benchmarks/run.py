@@ -25,7 +25,7 @@ import gactx
 from benchmarks import workloads
 from benchmarks.device import device_name, device_slug
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
-from benchmarks.methods import METHODS, Method
+from benchmarks.methods import COMPILABLE, METHODS, Method
 from gactx.kernels import _triton
 
 MIB = 1 << 20
@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test")
+    p.add_argument(
+        "--compile", action="store_true",
+        help="also run full precision and the gactx levels (fp32) with the model's forward under torch.compile",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.train_steps, args.warmup, args.timed = "tiny", 4, 1, 2
@@ -105,10 +109,10 @@ def saved_bytes(method: Method, inputs, target) -> dict:
     return row
 
 
-def run_one(name: str, method_name: str, precision: str, args: argparse.Namespace) -> dict:
+def run_one(name: str, method_name: str, precision: str, args: argparse.Namespace, compiled: bool = False) -> dict:
     w = workloads.build(name, args.size, args.device)
     batch = args.batch or w.default_batch
-    method = Method(method_name, w, precision)
+    method = Method(method_name, w, precision, compiled)
     gen = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
     row = {"model": name, "size": args.size, "method": method.label, "batch": batch}
@@ -126,19 +130,22 @@ def run_one(name: str, method_name: str, precision: str, args: argparse.Namespac
         held_out = w.make_batch(batch, torch.Generator().manual_seed(12345))
         row |= {"final_loss": sum(losses[-3:]) / len(losses[-3:]), "accuracy": workloads.accuracy(w, *held_out)}
         if args.max_batch:
-            row["max_batch"], _ = max_batch(lambda b: _fits(name, method_name, precision, b, args) is not None, batch)
+            fits = lambda b: _fits(name, method_name, precision, b, args, compiled=compiled) is not None  # noqa: E731
+            row["max_batch"], _ = max_batch(fits, batch)
         if args.sweep:
-            row["sweep"] = _sweep(name, method_name, precision, batch, args)
+            row["sweep"] = _sweep(name, method_name, precision, batch, args, compiled)
     finally:
         method.close()
     return row
 
 
-def _fits(name: str, method_name: str, precision: str, batch: int, args, timed: int = 0) -> float | None:
+def _fits(
+    name: str, method_name: str, precision: str, batch: int, args, timed: int = 0, compiled: bool = False
+) -> float | None:
     """Seconds per step at ``batch`` (a fresh model, one step after one warm-up), or None on OOM."""
     try:
         w = workloads.build(name, args.size, args.device)
-        method = Method(method_name, w, precision)
+        method = Method(method_name, w, precision, compiled)
         try:
             optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
             inputs, target = w.make_batch(batch, torch.Generator().manual_seed(0))
@@ -153,11 +160,11 @@ def _fits(name: str, method_name: str, precision: str, batch: int, args, timed: 
             torch.cuda.empty_cache()
 
 
-def _sweep(name: str, method_name: str, precision: str, start: int, args) -> list[list]:
+def _sweep(name: str, method_name: str, precision: str, start: int, args, compiled: bool = False) -> list[list]:
     """[batch, samples/s or None for OOM] at doubling batch sizes from a quarter of ``start``."""
     points, batch = [], max(2, start // 4)  # BatchNorm needs two samples to train
     for _ in range(12 if args.device == "cuda" else 3):
-        seconds = _fits(name, method_name, precision, batch, args, timed=args.timed)
+        seconds = _fits(name, method_name, precision, batch, args, timed=args.timed, compiled=compiled)
         points.append([batch, None if seconds is None else batch / seconds])
         if seconds is None:
             break
@@ -168,8 +175,8 @@ def _sweep(name: str, method_name: str, precision: str, start: int, args) -> lis
 def compare(rows: list[dict]) -> None:
     """Activation ratio and throughput relative to full precision of the same model and precision."""
     for row in rows:
-        precision = "+bf16" if row["method"].endswith("+bf16") else ""
-        base = next((r for r in rows if r["model"] == row["model"] and r["method"] == f"fp{precision}"), None)
+        suffix = row["method"][row["method"].find("+") :] if "+" in row["method"] else ""  # +bf16, +compile
+        base = next((r for r in rows if r["model"] == row["model"] and r["method"] == f"fp{suffix}"), None)
         if base is None or "step_ms" not in row:
             continue
         if row.get("activation_mib"):
@@ -254,7 +261,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
         "timed": args.timed, "warmup": args.warmup, "train_steps": args.train_steps,
         "memory_cap_gib": args.memory_cap_gib,
     }  # fmt: skip
-    cases = [(m, meth, p) for m in args.models for p in args.precisions for meth in args.methods]
+    cases = [(m, meth, p, False) for m in args.models for p in args.precisions for meth in args.methods]
+    if args.compile:
+        cases += [(m, meth, "fp32", True) for m in args.models for meth in args.methods if meth in COMPILABLE]
     offloading = ("save_on_cpu", "L3")  # on a CPU there is nothing to offload to
     cases = [c for c in cases if not (c[1] in offloading and args.device == "cpu")]
     try:
@@ -264,11 +273,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
     except ImportError:
         pass
     rows = []
-    for model, method, precision in cases:
+    for model, method, precision, compiled in cases:
         try:
-            rows.append(run_one(model, method, precision, args))
+            rows.append(run_one(model, method, precision, args, compiled))
         except torch.cuda.OutOfMemoryError:
-            rows.append({"model": model, "method": method + ("+bf16" if precision == "bf16" else ""), "note": "OOM"})
+            label = method + ("+bf16" if precision == "bf16" else "") + ("+compile" if compiled else "")
+            rows.append({"model": model, "method": label, "note": "OOM"})
     compare(rows)
     out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
     out.mkdir(parents=True, exist_ok=True)

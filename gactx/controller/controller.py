@@ -18,6 +18,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
+from gactx.controller.compiled import CompiledPath, HookGraph, in_compiled_graph
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
@@ -87,6 +88,9 @@ class Controller:
             self._warn_offload,
         )
         self._warned_offload = False
+        self._compiled = CompiledPath(self.config, self._tracker, self._path, self._compiled_width)
+        self._graph_hooks: tuple[HookGraph, HookGraph] | None = None
+        self._discovered: PassStats | None = None  # the eager pass an adaptation allocated for
         if self._offloader is not None and not torch.cuda.is_available():
             self._warn_offload("no CUDA device is available")
 
@@ -101,18 +105,40 @@ class Controller:
         if self.installed:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
         self._tracker.attach()
-        # The hooks run eagerly: compression is data movement outside any graph. Marking them so keeps
-        # torch.compile from trying to trace them (and breaking the graph on storage addresses).
-        pack, unpack = torch.compiler.disable(self._path.pack), torch.compiler.disable(self._unpack)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        if self._graph_hooks is None:
+            self._graph_hooks = self._make_graph_hooks()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._graph_hooks)
         self._hooks.__enter__()
+        # Graphs compiled while installed pass their saved inputs to the hooks too (by default AOTAutograd
+        # passes only the intermediates it owns): a compiled block's input is the activation the block
+        # before it made. Parameters and buffers still do not reach them.
+        self._filtering = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="no_static")
+        self._filtering.__enter__()
         return self
+
+    def _make_graph_hooks(self) -> tuple[HookGraph, HookGraph]:
+        """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
+        that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
+        hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
+        # Eagerly, compression is data movement outside any graph: marked so, torch.compile does not try to
+        # trace it (and break the graph on storage addresses).
+        pack, unpack = torch.compiler.disable(self._path.pack), torch.compiler.disable(self._unpack)
+        compiled = self._compiled
+
+        def pack_hook(t):
+            return compiled.pack(t) if in_compiled_graph() else pack(t)
+
+        def unpack_hook(packed):
+            return compiled.unpack(packed) if in_compiled_graph() else unpack(packed)
+
+        return HookGraph(pack_hook), HookGraph(unpack_hook)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""
         if not self.installed:
             raise RuntimeError("this Controller's hooks are not installed")
         hooks, self._hooks = self._hooks, None
+        self._filtering.__exit__(None, None, None)
         hooks.__exit__(None, None, None)
         self._path.end_forward()  # uninstalled inside a forward: stop watching its ops
         self._tracker.detach()
@@ -164,16 +190,25 @@ class Controller:
         if not was_installed:
             self.install_hook()
         try:
-            estimate = estimate_sensitivities(
-                self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed
-            )
+            # Compiled regions run eagerly here: each probe changes one tensor's width, which a compiled graph
+            # would have to be recompiled for.
+            with torch.compiler.set_stance("force_eager"):
+                estimate = estimate_sensitivities(
+                    self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed
+                )
         finally:
             if not was_installed:
                 self.uninstall_hook()
-            self._pass, self._path.fresh = training_pass, True
+            discovered, self._pass, self._path.fresh = self._pass, training_pass, True
         self.sensitivity = reduce_across_ranks(estimate.sensitivity)
-        allocation, budget = plan(cfg, training_pass, self.sensitivity)
+        # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
+        # compiled saves take widths from it by module, shape and dtype (_compiled_width).
+        eager = training_pass if not training_pass.graph_runs else discovered
+        allocation, budget = plan(cfg, eager, self.sensitivity)
+        if allocation.bits != self._slot_bits and self._compiled.saves:
+            self._renew_graph_hooks()
         self._slot_bits = dict(allocation.bits)
+        self._discovered = eager
         self.last_adaptation = Adaptation(
             step=self.step,
             passes=estimate.passes,
@@ -212,6 +247,32 @@ class Controller:
         self.step = int(state["step"])
         self.sensitivity = {(m, int(c), int(i)): float(v) for m, c, i, v in state["sensitivity"]}
         self._slot_bits = {(m, int(c), int(i)): int(b) for m, c, i, b in state["bits"]}
+
+    def _renew_graph_hooks(self) -> None:
+        """New hooks, so that compiled graphs are traced again with the new allocation."""
+        installed = self.installed
+        if installed:
+            self.uninstall_hook()
+        self._graph_hooks = None
+        if installed:
+            self.install_hook()
+
+    def _compiled_width(self, modules: list[str], shape: tuple, dtype: torch.dtype) -> int:
+        """The width of a quantized save of a compiled graph: the level's; at adaptive levels the widest the
+        allocation gave an eager save of the same shape and dtype in one of ``modules`` (the compiled
+        region's names, relative to it), else the default width."""
+        cfg = self.config
+        if not cfg.adaptive or self._discovered is None:
+            return cfg.bits
+        widths = [
+            self._slot_bits[r.key[:3]]
+            for r in self._discovered.records
+            if r.key[:3] in self._slot_bits
+            and r.key.shape == shape
+            and r.dtype == dtype
+            and any(r.key.module == m or (m and r.key.module.endswith("." + m)) for m in modules)
+        ]
+        return max(widths, default=default_width(cfg.bits))
 
     def bits_for(self, key: Key) -> int | None:
         """Bits given to the tensor named ``key`` if its class is allocated (``None``: kept as it is)."""

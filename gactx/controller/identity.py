@@ -62,6 +62,8 @@ class ModuleTracker:
         self._stack.clear()
 
     def _enter(self, name: str, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():  # a compiled region's saves are named by its graph (compiled.py)
+            return
         if not self._stack and module is self.model:
             self._calls.clear()
             self._outside = 0
@@ -70,6 +72,8 @@ class ModuleTracker:
         self._stack.append([name, call, 0])
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
             if not self._stack and module is self.model:
@@ -79,6 +83,10 @@ class ModuleTracker:
     def inside(self) -> bool:
         """Whether a module of the model is running (a forward pass is under way)."""
         return bool(self._stack)
+
+    def frame(self) -> tuple[str, int] | None:
+        """The innermost module running eagerly (its name and call), or ``None``."""
+        return (self._stack[-1][0], self._stack[-1][1]) if self._stack else None
 
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""

@@ -81,6 +81,7 @@ class PackPath:
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
+        self._eager = None
         self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
         self._ptrs: frozenset[int] = frozenset()
 
@@ -93,6 +94,10 @@ class PackPath:
         watch = cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn)
         if watch and cfg.bits is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.relearn = False
+            # Compiled regions inside the model run eagerly in a watched pass: torch.compile refuses to compile
+            # under a dispatch mode, and then skips the code for good.
+            self._eager = torch.compiler.set_stance("force_eager")
+            self._eager.__enter__()
             self.watcher.__enter__()
             self.watching = True
 
@@ -101,6 +106,7 @@ class PackPath:
             self.watching = False
             self.watcher.flush()
             self.watcher.__exit__(None, None, None)
+            self._eager.__exit__(None, None, None)
 
     def _begin_pass_if_fresh(self) -> PassStats:
         if self.fresh:

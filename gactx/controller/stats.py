@@ -82,6 +82,7 @@ class PassStats:
     records: list[KeyRecord] = field(default_factory=list)
     held: dict[int, weakref.ref] = field(default_factory=dict)  # storages kept as is: address -> owner
     offloaded_bytes: int = 0
+    graph_runs: dict = field(default_factory=dict)  # compiled forward graph -> its run under way (compiled.py)
 
     def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False) -> None:
         self.records.append(record)
@@ -99,6 +100,18 @@ class PassStats:
             why = record.cls if record.bits == "kept" else str(record.bits)
             self.kept_storages.setdefault(ptr, (record.storage_bytes, why))
             self.held[ptr] = weakref.ref(storage_owner(t))
+
+    def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
+        """A save of a compiled graph: a value the graph made, its own storage (no other save shares it)."""
+        self.records.append(record)
+        self.original_bytes += record.original_bytes
+        if compressed:
+            self.compressed += 1
+            self.packed_bytes += record.packed_bytes
+        else:
+            self.kept += 1
+            why = record.cls or str(record.bits)
+            self.kept_storages[-len(self.records)] = (record.packed_bytes, why)
 
     def holds(self, ptr: int) -> bool:
         """Whether a storage at ``ptr`` is kept as is in this pass (then more views of it cost nothing)."""

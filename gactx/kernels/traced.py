@@ -14,6 +14,17 @@ Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no da
 - :func:`fresh_seed` is a seed that a compiled graph reads at run time: a custom op (``gactx::fresh_seed``)
   that advances a counter on the tensor's device and returns it, with no host synchronization. A seed made
   while tracing (``torch.tensor(5)``) would be a constant of the graph, and the noise would repeat every step.
+- :func:`tick` is the same counter with a token: each time a compiled graph runs the op, the listener
+  registered for the token (:func:`new_token`) is told, on the host, in the graph's order, and shown the
+  tensor (its shape, where the graph's shapes are dynamic) and the count it returns (a graph that saves the
+  count holds it until its backward has run). That is how a
+  controller knows which of a compiled graph's saves ran in a pass, and how often.
+- :func:`pack_bool` and :func:`unpack_bool`: a bool tensor as 1 bit an element (8 to a byte, LSB first).
+- :func:`kernel_quantize` and :func:`kernel_dequantize` (``gactx::quantize``, ``gactx::dequantize``): the
+  format's kernels (Triton on a GPU, C++ on a CPU) as custom ops, opaque to Inductor: a graph calls them as
+  it calls a matmul, so nothing of the format is compiled per graph and each runs at its kernel's speed.
+  The noise seed of a stochastic quantization is drawn on the host at every call (a counter mixed with the
+  caller's salt): a graph draws new noise every step without reading anything back from the device.
 
 32-bit multiplications are done on 16-bit halves in int64, so that no product overflows (the low 32 bits of
 ``h * c`` are ``(h_lo * c + ((h_hi * c) << 16)) mod 2**32``).
@@ -21,12 +32,30 @@ Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no da
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.quantize import quantize_groups
+from gactx.kernels.format import QuantizedTensor
+from gactx.kernels.functional import dequantize as _dequantize
+from gactx.kernels.functional import quantize as _quantize
+from gactx.kernels.quantize import _allocate, quantize_groups
 
-__all__ = ["quantize", "dequantize", "uniform_bits", "fresh_seed"]
+__all__ = [
+    "quantize",
+    "dequantize",
+    "uniform_bits",
+    "fresh_seed",
+    "tick",
+    "new_token",
+    "pack_bool",
+    "unpack_bool",
+    "kernel_quantize",
+    "kernel_dequantize",
+]
 
 _MASK = 0xFFFFFFFF
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -46,6 +75,63 @@ def fresh_seed(like: torch.Tensor) -> torch.Tensor:
 @fresh_seed.register_fake
 def _(like: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64, device=like.device)
+
+
+# A graph captured by CUDA graphs would replay the counter's launch without calling the listener, and draw
+# the same noise every step: the op is marked so that Inductor leaves it out of captured regions.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+_LISTENERS: dict[int, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
+_TOKENS = itertools.count(1)
+
+
+def new_token(listener: Callable[[int, torch.Tensor, torch.Tensor], None]) -> int:
+    """A token for :func:`tick`: ``listener(token, x, count)`` is called whenever a graph runs
+    ``count = tick(x, token)``. A bound method is held weakly (its object may go; the token then does
+    nothing)."""
+    token = next(_TOKENS)
+    if hasattr(listener, "__self__"):
+        ref = weakref.WeakMethod(listener)
+
+        def listener(token: int, like: torch.Tensor, count: torch.Tensor, ref=ref) -> None:
+            method = ref()
+            if method is not None:
+                method(token, like, count)
+
+    _LISTENERS[token] = listener
+    return token
+
+
+@torch.library.custom_op("gactx::tick", mutates_args=(), tags=_TAGS)
+def tick(like: torch.Tensor, token: int) -> torch.Tensor:
+    """A new int64 count on ``like``'s device (as :func:`fresh_seed`'s counter, nothing read back); tells the
+    token's listener that it ran."""
+    counter = _COUNTERS.get(like.device)
+    if counter is None:
+        counter = _COUNTERS.setdefault(like.device, torch.zeros((), dtype=torch.int64, device=like.device))
+    count = counter.add_(1).clone()
+    listener = _LISTENERS.get(token)
+    if listener is not None:
+        listener(token, like, count)
+    return count
+
+
+@tick.register_fake
+def _(like: torch.Tensor, token: int) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device=like.device)
+
+
+def pack_bool(t: torch.Tensor) -> torch.Tensor:
+    """A bool tensor's elements, 8 to a uint8 byte (element ``8 i + j`` in bit ``j`` of byte ``i``)."""
+    flat = t.reshape(-1).to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8)).view(-1, 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=t.device)
+    return (flat << shifts).sum(1, dtype=torch.uint8)
+
+
+def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` elements :func:`pack_bool` packed, as a 1-D bool tensor."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -88,3 +174,37 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode ``n`` elements of ``dtype`` from ``(codes, meta)`` (the twin: it traces as it is)."""
     return torch_dequantize(codes, meta, bits, group_size, n, dtype)
+
+
+_DRAWS = itertools.count(1)
+
+
+@torch.library.custom_op("gactx::quantize", mutates_args=())
+def kernel_quantize(
+    flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, salt: int, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, meta)`` of a contiguous 1-D float tensor by the format's kernel for ``backend``; a new noise
+    seed at every call (``salt`` tells callers apart)."""
+    seed = ((next(_DRAWS) * 0x9E3779B97F4A7C15) ^ (salt * 0xC2B2AE3D27D4EB4F)) & ((1 << 62) - 1)
+    q = _quantize(flat, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
+    return q.data, q.meta
+
+
+@kernel_quantize.register_fake
+def _(flat, bits, group_size, stochastic, salt, backend):
+    return _allocate(flat, bits, group_size)
+
+
+@torch.library.custom_op("gactx::dequantize", mutates_args=())
+def kernel_dequantize(
+    codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    """The ``n`` elements of ``dtype`` that :func:`kernel_quantize` encoded, as a 1-D tensor."""
+    size = torch.Size([n])
+    q = QuantizedTensor(codes, meta, bits, group_size, size, dtype, size, None)
+    return _dequantize(q, backend=backend)
+
+
+@kernel_dequantize.register_fake
+def _(codes, meta, bits, group_size, n, dtype, backend):
+    return codes.new_empty(n, dtype=dtype)

@@ -8,8 +8,10 @@ from benchmarks.peak import main
 
 
 def test_quick_peak_benchmark(tmp_path):
-    main(["--quick", "--out", str(tmp_path), "--models", "bert-base", "--threads", "1"])
-    rows = json.loads((tmp_path / "peak.json").read_text())["rows"]
+    main(["--quick", "--out", str(tmp_path), "--models", "bert-base", "--threads", "1", "--compiled-models",
+          "mlp-gelu", "--backend", "aot_eager"])  # fmt: skip
+    result = json.loads((tmp_path / "peak.json").read_text())
+    rows = result["rows"]
     assert [(r["model"], r["method"]) for r in rows] == [
         (model, method) for model in ("mlp-gelu", "bert-base") for method in ("fp", "L1.1", "L1", "L1.2", "checkpoint")
     ]
@@ -17,6 +19,13 @@ def test_quick_peak_benchmark(tmp_path):
     assert peak[("mlp-gelu", "L1.2")] < peak[("mlp-gelu", "L1.1")] < peak[("mlp-gelu", "fp")]
     assert all(0 < r["saved_share_of_fp_peak"] <= 1 for r in rows)
     assert "saved counted by" in (tmp_path / "peak.md").read_text()
+    compiled = {(r["compile"], r["method"]): r for r in result["compiled"]}
+    assert list(compiled) == [(mode, m) for mode in ("whole", "regional") for m in ("fp", "L1.1", "L1.2")]
+    for mode in ("whole", "regional"):
+        assert compiled[mode, "L1.2"]["peak_mib"] < compiled[mode, "fp"]["peak_mib"]
+        assert compiled[mode, "fp"]["grad_cos_compiled"] > 0.9999
+        assert compiled[mode, "L1.1"]["grad_cos_compiled"] > 0.99
+    assert "## Compiled (aot_eager)" in (tmp_path / "peak.md").read_text()
 
 
 def test_quick_needs_an_out_folder():

@@ -28,3 +28,13 @@ def test_every_method_in_both_precisions_with_a_sweep(tmp_path):
     assert {r["method"] for r in rows} == expected | {m + "+bf16" for m in expected}
     assert all(len(r["sweep"]) >= 2 for r in rows)
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000
+
+
+def test_compiled_runs_are_measured_beside_eager(tmp_path):
+    args = ["--quick", "--models", "bert-base", "--methods", "fp", "L1.2", "--precisions", "fp32", "--compile"]
+    rows = {r["method"]: r for r in run([*args, "--out", str(tmp_path)])}
+    assert list(rows) == ["fp", "L1.2", "fp+compile", "L1.2+compile"]
+    compiled = rows["L1.2+compile"]
+    assert compiled["activation_ratio"] > 1.5, compiled  # against fp+compile: compressed inside the graphs
+    assert compiled["peak_mib"] < rows["fp+compile"]["peak_mib"]
+    assert 0 <= compiled["accuracy"] <= 1

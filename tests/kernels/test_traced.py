@@ -88,3 +88,48 @@ def test_a_fresh_seed_is_read_at_run_time_in_a_compiled_graph():
     assert not torch.equal(first, second), "each call draws a new seed: the noise does not repeat"
     a, b = traced.fresh_seed(x), traced.fresh_seed(x)
     assert a.dtype == torch.int64 and a.shape == () and not torch.equal(a, b)
+
+
+def test_tick_tells_its_listener_each_run_of_a_compiled_graph():
+    torch._dynamo.reset()
+    heard = []
+
+    def listener(token, like, count):
+        heard.append((token, tuple(like.shape), int(count)))
+
+    token = traced.new_token(listener)
+
+    def f(x):
+        y = x.sin()
+        return y, traced.tick(y, token)
+
+    compiled = torch.compile(f, fullgraph=True)
+    _, first = compiled(torch.randn(3))
+    _, second = compiled(torch.randn(5))
+    assert [h[0] for h in heard] == [token, token] and [h[1] for h in heard] == [(3,), (5,)]
+    assert int(second) == int(first) + 1 and heard[1][2] == int(second)
+
+
+def test_a_token_holds_a_bound_method_weakly():
+    class Owner:
+        def __init__(self):
+            self.heard = 0
+
+        def hear(self, token, like, count):
+            self.heard += 1
+
+    owner = Owner()
+    token = traced.new_token(owner.hear)
+    traced.tick(torch.zeros(1), token)
+    assert owner.heard == 1
+    del owner
+    traced.tick(torch.zeros(1), token)  # the owner is gone: nothing happens
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000])
+def test_bool_packing_round_trips(n):
+    t = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = traced.pack_bool(t)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+    assert torch.equal(traced.unpack_bool(packed, n), t)
+    assert int(packed[0]) == sum(int(v) << i for i, v in enumerate(t[:8].tolist()))

@@ -1,0 +1,420 @@
+"""Compression inside ``torch.compile`` graphs: saved-tensor hooks that AOTAutograd inlines.
+
+Hooks given to ``torch.autograd.graph.saved_tensors_hooks`` as ``torch.fx.GraphModule``s are inlined by
+AOTAutograd into the graphs it compiles (``maybe_inline_graph_saved_tensors_hooks``): the pack hook is
+traced once per tensor the forward graph saves and joins that graph's end, the unpack hook joins the
+backward graph's start, and Inductor schedules and fuses both. A compiled region then holds what it saves
+compressed from the moment its forward ends; with ordinary hooks it held every saved tensor until its
+forward ended, and its backward unpacked them all before starting.
+
+:class:`HookGraph` is such a GraphModule whose ``forward`` is Python: called eagerly (no graph is being
+compiled) it runs the eager pack path; traced by AOTAutograd, :class:`CompiledPath` decides for the saved
+node it is shown (``_get_saved_tensor_hook_context``: the forward and backward graphs and the node):
+
+- Kept as it is: not floating point, float64, fewer than ``min_numel`` elements, level L0, or the result of
+  an op whose backward needs its exact values (the "equality" and "log domain" classes of ``rules.py``,
+  read from the node's op and from how the backward graph uses it: ``eq``, ``log``, a division by it).
+  Parameters and graph inputs never reach the hook (AOTAutograd's default filtering, "donated": only
+  intermediates whose memory the graph owns).
+- bool: 1 bit an element, lossless.
+- Attention: ``exp``/``softmax`` results and what is divided out of an ``exp`` result (a softmax the graph
+  decomposed) get at least ``ATTENTION_BITS``.
+- Anything else is quantized at the width: the level's, or at adaptive levels the widest the allocation
+  gave the eager saves of that shape in the modules that made or used it. By the format's kernels (Triton,
+  C++) as custom ops the graph calls (``traced.kernel_quantize``; ``backend="auto"``, ``"triton"``,
+  ``"cpp"``), or with ``backend="torch"`` in torch ops (``traced.quantize``) that Inductor compiles into the
+  graph's own code and fuses (the same bytes deterministically, longer to compile).
+
+The op rules that need the op's own test or its function (masks decoded from ReLU-like tests, FewBit codes
+of GELU inputs, pooling inputs stored as nothing) are eager-only: a compiled graph has decomposed those
+ops, and one saved node serves every backward use of the value.
+
+Every save the hook handles also calls ``traced.tick`` in the forward graph: at run time it tells the
+controller which saves ran (the records of ``memory_stats()`` and ``report()``), and with
+``backend="torch"`` its count, a counter on the device, seeds the noise (the C++ kernels' hash of (seed,
+index)). Either way a graph draws new noise every step without recompiling.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from gactx.config import Config
+from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.rules import ATTENTION_BITS
+from gactx.controller.stats import KeyRecord
+from gactx.kernels import traced
+from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
+
+__all__ = ["HookGraph", "CompiledPath", "GraphSave", "in_compiled_graph"]
+
+# Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
+# backward graph).
+KEPT, QUANTIZED, BOOL, KERNEL = 0, 1, 2, 3
+_MASK32 = 0xFFFFFFFF
+
+# How the backward graph uses a saved value, where its exact value matters (rules.py's "equality" and "log
+# domain" classes in the ops a graph decomposes to).
+_EXACT_USERS = {"eq", "ne", "log", "log1p", "log2", "log10", "reciprocal", "rsqrt", "sqrt", "pow", "atan2"}
+_EXACT_RESULTS = {
+    "amax": "equality",
+    "amin": "equality",
+    "max": "equality",
+    "min": "equality",
+    "maximum": "equality",
+    "minimum": "equality",
+    "sqrt": "log domain",
+    "rsqrt": "log domain",
+    "reciprocal": "log domain",
+    "logsumexp": "log domain",
+    "_log_softmax": "log domain",
+    "prod": "log domain",
+    "cumprod": "log domain",
+}
+_ATTENTION_RESULTS = {"exp", "_softmax", "_safe_softmax"}
+
+
+def _hook_context() -> dict | None:
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:  # a torch without graph hooks' context: every call is eager
+        return None
+    return _get_saved_tensor_hook_context()
+
+
+def in_compiled_graph() -> bool:
+    """Whether a saved-tensor hook is being traced into a compiled graph now."""
+    return _hook_context() is not None
+
+
+def _uncached(x):
+    """The body of a :class:`HookGraph`'s graph. Never run; an op AOTAutograd's cache does not know, so that
+    graphs compiled with gactx's hooks are never taken from its cache: their saves are decided, and their
+    records registered, only by tracing them."""
+    return x
+
+
+class HookGraph(torch.fx.GraphModule):
+    """A saved-tensor hook AOTAutograd can inline: ``forward`` is ``fn`` (Python, traced once per saved
+    tensor), the graph a placeholder for the compile caches."""
+
+    def __init__(self, fn: Callable) -> None:
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(_uncached, (graph.placeholder("x"),)))
+        super().__init__(torch.nn.Module(), graph)
+        self.fn = fn
+
+    def recompile(self):  # the code is forward's, not the graph's
+        return None
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@dataclass
+class GraphSave:
+    """One saved node of one compiled forward graph, as decided when it was traced."""
+
+    graph: int  # the forward graph (one token a graph)
+    module: str  # the module that made it, as the compiled region names it
+    index: int  # its place among the graph's saves of that module
+    dtype: torch.dtype
+    bits: int | str  # the width, or why it was kept
+    group_size: int
+    op: str
+    cls: str
+
+    @property
+    def compressed(self) -> bool:
+        return isinstance(self.bits, int)
+
+    def record(self, frame: tuple[str, int] | None, call: int, t: torch.Tensor) -> KeyRecord:
+        """The record of one run, ``t`` the saved tensor (its shape is known now, dynamic or not). What the
+        graph holds includes the tick's 8 bytes. Under an eager module (``frame``: its name and call; a
+        compiled block), the module is named from it, as eager saves are."""
+        numel = t.numel()
+        nbytes = numel * t.element_size()
+        packed = 8 + (expected_nbytes(numel, self.dtype, self.bits, self.group_size) if self.compressed else nbytes)
+        module = self.module
+        if frame is not None:
+            module, call = ".".join(p for p in (frame[0], self.module) if p), frame[1]
+        key = Key(module, call, self.index, tuple(t.shape))
+        return KeyRecord(key, self.dtype, self.bits, nbytes, packed, nbytes, self.op, self.cls)
+
+
+@dataclass
+class _Run:
+    call: int
+    seen: set = field(default_factory=set)
+
+
+class CompiledPath:
+    """Decides, while AOTAutograd traces, what each saved node of a compiled graph becomes; collects, while
+    compiled graphs run, which saves ran into the controller's pass statistics.
+
+    ``width(modules, shape, dtype)`` gives the width of a quantized save (``modules``: where the value was
+    made and used, innermost first); ``path``: the eager pack path, whose ``stats`` and pass boundaries
+    compiled saves share; ``salt``: the configuration's seed."""
+
+    def __init__(self, config: Config, tracker: ModuleTracker, path, width: Callable[..., int]) -> None:
+        self.config = config
+        self.tracker = tracker
+        self.path = path
+        self.width = width
+        self.saves: dict[int, GraphSave] = {}  # token -> save
+        self._decided: dict[tuple, tuple[int, GraphSave]] = {}  # (graph, node name) -> (token, save)
+        self._graphs: dict[int, int] = {}  # id of a forward graph -> its token
+        self._indices: dict[tuple, int] = {}  # (graph, module) -> saves so far
+        self._starts: dict[tuple, int] = {}  # (graph, node name) -> the forward graph's output position
+        self._pending: list[tuple] = []  # (backward graph, saved node name) whose unpack nodes are to sink
+        self._alive: list[weakref.ref] = []  # the counts that the graphs of the pass under way hold
+
+    # -- tracing ------------------------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        ctx = _hook_context()
+        self._sink_pending(ctx["_bw_graph"])
+        token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
+        count = traced.tick(t, token)
+        # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
+        # one it already has, which is the saved tensor itself where the hook returns it.
+        if save.bits == 1 and t.dtype == torch.bool:
+            return (BOOL, count, traced.pack_bool(t), t.numel(), tuple(t.shape))
+        if not save.compressed:
+            return (KEPT, count, t)
+        cfg = self.config
+        salt = _salt(cfg.seed, token)
+        dtype = FLOAT_DTYPES.index(t.dtype)
+        if cfg.backend == "torch":  # the format in torch ops, which Inductor compiles and fuses
+            seed = (count << 32) | salt
+            codes, meta = traced.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
+            tag = QUANTIZED
+        else:  # the kernels (Triton, C++), opaque to Inductor
+            flat = t.reshape(-1)
+            codes, meta = traced.kernel_quantize(flat, save.bits, cfg.group_size, cfg.stochastic, salt, cfg.backend)
+            tag = KERNEL
+        return (tag, count, codes, meta, save.bits, cfg.group_size, t.numel(), tuple(t.shape), dtype)
+
+    def unpack(self, packed):
+        ctx = _hook_context()
+        start = self._starts.pop((id(ctx["_fw_graph"]), ctx["_node"].name), None)
+        if start is not None:  # the first of the two calls: the pack nodes are in the forward graph now
+            _hoist(ctx["_fw_graph"], start)
+            self._pending.append((ctx["_bw_graph"], ctx["_node"].name))
+        if isinstance(packed, torch.Tensor):
+            return packed
+        tag = packed[0]
+        if tag == KEPT:
+            return packed[2]
+        if tag == BOOL:
+            _, _, data, n, shape = packed
+            return traced.unpack_bool(data, n).view(shape)
+        _, _, codes, meta, bits, group_size, n, shape, dtype = packed
+        if tag == KERNEL:
+            flat = traced.kernel_dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype], self.config.backend)
+        else:
+            flat = traced.dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype])
+        return flat.view(shape)
+
+    def _decide(self, t: torch.Tensor, node, fw_graph, bw_graph) -> tuple[int, GraphSave]:
+        """The token and decision of a saved node (made once: AOTAutograd calls the hook twice a node)."""
+        found = self._decided.get((id(fw_graph), node.name))
+        if found is not None:
+            return found
+        self._starts[(id(fw_graph), node.name)] = len(fw_graph.nodes) - 1  # where its pack nodes will go
+        graph = self._graphs.setdefault(id(fw_graph), len(self._graphs))
+        modules = _modules(node)
+        module = modules[0] if modules else ""
+        index = self._indices[(graph, module)] = self._indices.get((graph, module), -1) + 1
+        bits, cls = self._rule(t, node, bw_graph, modules)
+        save = GraphSave(graph, module, index, t.dtype, bits, self.config.group_size, _op_name(_source(node)), cls)
+        token = traced.new_token(self.ran)
+        self.saves[token] = save
+        self._decided[(id(fw_graph), node.name)] = (token, save)
+        return token, save
+
+    def _rule(self, t: torch.Tensor, node, bw_graph, modules: list[str]) -> tuple[int | str, str]:
+        """(bits or why kept, class) of a saved node."""
+        cfg = self.config
+        if t.dtype == torch.bool:
+            return 1, "bool mask"
+        if t.dtype not in FLOAT_DTYPES:
+            return f"dtype {str(t.dtype).removeprefix('torch.')}", ""
+        if t.numel() < cfg.min_numel:
+            return "small", ""
+        if cfg.bits is None:
+            return "L0", ""
+        exact = _EXACT_RESULTS.get(_op_name(_source(node))) or _exact_use(node, bw_graph)
+        if exact is not None:
+            return "kept", exact
+        bits = self.width(modules, _hint(t.shape), t.dtype)
+        if _attention(node):
+            return max(bits, ATTENTION_BITS), "attention"
+        if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
+            return f"{bits} (as is)", "linear"
+        return bits, "linear"
+
+    def _sink_pending(self, bw_graph) -> None:
+        """Move the unpack nodes of the saves before this one (inlined at the start of the backward graph) to
+        right before their first use. At the start, every saved tensor would be decoded in full before the
+        backward begins. (The last save's stay there: backward uses it first.)"""
+        pending, self._pending = self._pending, []
+        for graph, name in pending:
+            if graph is bw_graph:
+                _sink(graph, name)
+            else:
+                self._pending.append((graph, name))
+
+    # -- running ------------------------------------------------------------------------------------------
+
+    def ran(self, token: int, t: torch.Tensor, count: torch.Tensor) -> None:
+        """A compiled graph ran the save of ``token`` (``t`` the tensor, ``count`` what the graph saves with
+        it): record it in the pass under way.
+
+        Under an eager model (compiled blocks) the model's forward pre-hook begins passes, and a region run
+        again is its next call. With no eager module of the model running (the whole model compiled), a
+        save begins a new pass when the graphs of the pass under way are gone (their backward has run, or
+        they were dropped) or when its region runs a second time."""
+        save = self.saves.get(token)
+        if save is None:
+            return
+        path = self.path
+        stats = path._begin_pass_if_fresh()
+        run = stats.graph_runs.get(save.graph)
+        if not self.tracker.inside and (stats.graph_runs or stats.records):
+            rerun = run is not None and token in run.seen
+            if rerun or not stats.graph_runs or not any(ref() is not None for ref in self._alive):
+                path.fresh = True
+                stats, run = path._begin_pass_if_fresh(), None
+        if not stats.graph_runs:
+            self._alive = []
+        self._alive.append(weakref.ref(count))
+        if run is None or token in run.seen:
+            run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
+        run.seen.add(token)
+        stats.add_compiled(save.record(self.tracker.frame(), run.call, t), save.compressed)
+
+
+def _hint(shape) -> tuple[int, ...]:
+    """A shape's sizes, a dynamic size as the value it was traced with."""
+    return tuple(s if isinstance(s, int) else s.node.hint for s in shape)
+
+
+def _hoist(fw_graph, start: int) -> None:
+    """Move the pack nodes of one save (inlined at the end of the forward graph, from position ``start``
+    to before the output) to right after what they read. At the end, they would hold every saved tensor in
+    full until the forward ends: the forward's peak would be plain PyTorch's."""
+    nodes = list(fw_graph.nodes)
+    block = nodes[start:-1]
+    inside = set(block)
+    order = {n: i for i, n in enumerate(nodes)}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    inputs = [a for n in block for a in n.all_input_nodes if a not in inside]
+    anchor = max((*inputs, *placeholders[-1:]), key=order.__getitem__, default=None)
+    if anchor is None:
+        return
+    for n in block:
+        anchor.append(n)
+        anchor = n
+
+
+def _sink(bw_graph, name: str) -> None:
+    """Move the nodes that decode save ``name`` (those computed from its ``{name}_hook_*`` inputs alone) to
+    right before the first node that uses what they decode."""
+    prefix = f"{name}_hook_"
+    nodes = list(bw_graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    block: set = {n for n in nodes if n.op == "placeholder" and (n.name.startswith(prefix) or n.name == name)}
+    inputs = set(block)
+    for n in nodes:
+        if n.op not in ("placeholder", "output") and n.all_input_nodes and all(a in block for a in n.all_input_nodes):
+            block.add(n)
+    block -= inputs
+    users = [u for n in block for u in n.users if u not in block]
+    if not block or not users:
+        return
+    first = min(users, key=order.__getitem__)
+    for n in sorted(block, key=order.__getitem__):
+        first.prepend(n)
+
+
+def _salt(seed: int, token: int) -> int:
+    h = (seed * 0x9E3779B1 + token * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF
+    return (h ^ (h >> 29)) & _MASK32
+
+
+def _op_name(node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    target = getattr(node, "target", None)
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+# Ops that pass values through unchanged (aliases, views): a saved node made by one is its source's values.
+_PASS_THROUGH = {"detach", "alias", "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand",
+                 "clone", "contiguous", "unsqueeze", "squeeze", "select", "slice"}  # fmt: skip
+
+
+def _source(node):
+    """The node whose op made ``node``'s values, through aliases and views."""
+    for _ in range(8):
+        if _op_name(node) not in _PASS_THROUGH or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _exact_use(node, bw_graph) -> str | None:
+    """The class of a value the backward graph reads where its exact value matters, else ``None``."""
+    for p in bw_graph.find_nodes(op="placeholder"):
+        if p.name != node.name:
+            continue
+        for user in p.users:
+            name = _op_name(user)
+            if name in _EXACT_USERS:
+                return "equality" if name in ("eq", "ne") else "log domain"
+            if name == "div" and len(user.args) > 1 and user.args[1] is p:
+                return "log domain"
+    return None
+
+
+def _attention(node) -> bool:
+    """An exp or softmax result, or a quotient of an exp result (a decomposed softmax), or a view of one."""
+    node = _source(node)
+    name = _op_name(node)
+    if name in _ATTENTION_RESULTS:
+        return True
+    if name == "div" and node.args and isinstance(node.args[0], torch.fx.Node):
+        return _op_name(_source(node.args[0])) == "exp"
+    return False
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_ITEM = re.compile(r"\[(\d+)\]|\.?_modules\['([^']*)'\]|\['([^']*)'\]")
+
+
+def _module_name(path: str) -> str:
+    """A dynamo module path (``L['self'].blocks[0].attn``) as a qualified name relative to the compiled
+    module (``blocks.0.attn``)."""
+    path = _ROOT.sub("", path)
+    path = _ITEM.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
+    # a compiled bound method (``block.forward``) or a compiled module's wrapper
+    return ".".join(p for p in path.split(".") if p and p not in ("__self__", "_orig_mod"))
+
+
+def _modules(node) -> list[str]:
+    """The module that made ``node`` and those whose ops used it in the forward graph, innermost first."""
+    names: list[str] = []
+    for n in (node, *node.users):
+        stack = n.meta.get("nn_module_stack") if hasattr(n, "meta") else None
+        if stack:
+            name = _module_name(list(stack.values())[-1][0])
+            if name not in names:
+                names.append(name)
+    return names

@@ -1,0 +1,250 @@
+"""gactx/controller/compiled.py: saved tensors compressed inside compiled graphs.
+
+Most tests compile with AOTAutograd and run its graphs eagerly (``backend="aot_eager"``): the hooks are
+inlined the same way, in seconds. One test runs Inductor, what users run.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gactx
+from gactx.controller.compiled import HookGraph, _module_name
+
+WIDTH = 128
+
+
+def mlp(blocks: int = 3) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(blocks)])
+
+
+def grads(module, model, x) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    (module(x) * 0.01).sum().backward()  # a loss that saves nothing outside the model
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_pack_hook_runs_only_while_compiling():
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1.1") as controller:
+        calls = []
+        eager_pack = controller._path.pack
+        controller._path.pack = lambda t: calls.append(t.shape) or eager_pack(t)
+        controller._renew_graph_hooks()
+        for _ in range(3):
+            grads(compiled, model, x)
+    assert calls == [], "a compiled model's saves go through the graph, not the eager hook"
+    stats = controller.memory_stats()
+    # The graph saves its input, each linear's output (GELU's input) and each GELU's output but the last.
+    assert stats.compressed == 6 and stats.kept == 0
+    assert stats.original_bytes == 6 * 64 * WIDTH * 4
+    assert 3.5 < stats.ratio < 4.0
+
+
+def test_records_name_the_modules_and_do_not_grow():
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1.2") as controller:
+        grads(compiled, model, x)
+        first = controller.memory_stats()
+        for _ in range(3):
+            grads(compiled, model, x)
+    assert controller.memory_stats() == first
+    keys = [str(r.key) for r in controller._pass.records]
+    assert keys == ["0.0[0]", "0.0[1]", "0.1[0]", "1.0[0]", "1.1[0]", "2.0[0]"]
+    report = controller.report()
+    assert "0.1[0]" in report and "input" in report and "addmm" in report and "gelu" in report
+
+
+def test_gradients_as_close_as_eager_and_l0_exact():
+    model, x = mlp(), torch.randn(256, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    full = grads(model, model, x)
+    plain = grads(compiled, model, x)
+    with gactx.Controller(model, level="L0"):
+        assert torch.equal(grads(compiled, model, x), plain), "L0 changes nothing in a compiled graph"
+    for level in ("L1.1", "L1.2"):
+        with gactx.Controller(model, level=level):
+            eager = torch.stack([grads(model, model, x) for _ in range(4)]).mean(0)
+            comp = torch.stack([grads(compiled, model, x) for _ in range(4)]).mean(0)
+        cos_eager, cos_comp = F.cosine_similarity(eager, full, 0), F.cosine_similarity(comp, full, 0)
+        assert cos_comp >= cos_eager - 0.01, (level, cos_comp, cos_eager)
+
+
+def test_deterministic_bytes_are_the_eager_quantizers():
+    """Linear layers only: eager and compiled both store each linear's input quantized at 4 bits, and with
+    stochastic=False the codes are the same, so the gradients are. (The first layer's input, which the test
+    holds, eager reads where it lives.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1))
+    x = torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1", stochastic=False, backend="torch"):
+        eager, comp = grads(model, model, x)[WIDTH * WIDTH :], grads(compiled, model, x)[WIDTH * WIDTH :]
+    full = grads(model, model, x)[WIDTH * WIDTH :]
+    assert not torch.equal(eager, full), "the inputs were quantized"
+    torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_is_new_every_step_without_recompiling():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1.2"):
+        a, b = grads(compiled, model, x), grads(compiled, model, x)
+    assert not torch.equal(a, b), "each step draws new noise"
+    assert counters["stats"]["unique_graphs"] == 1
+    with gactx.Controller(model, level="L1.2", stochastic=False):
+        assert torch.equal(grads(compiled, model, x), grads(compiled, model, x))
+
+
+def test_bool_masks_attention_and_small_tensors():
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(WIDTH, 2 * WIDTH)
+
+        def forward(self, x):
+            q, k = self.qk(x).chunk(2, -1)
+            p = torch.softmax(q @ k.transpose(-1, -2), -1)
+            h = p @ x
+            return torch.where(h > 0, h, h.detach() * 0.1)  # a bool mask saved for backward
+
+    torch.manual_seed(0)
+    model = Attention()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 32, WIDTH)
+    with gactx.Controller(model, level="L1.2", min_numel=1024) as controller:
+        grads(compiled, model, x)
+    records = controller._pass.records
+    by_cls = {r.cls: r for r in records}
+    assert by_cls["attention"].bits == 4, "softmax results get at least 4 bits"
+    assert by_cls["bool mask"].bits == 1
+    assert by_cls["bool mask"].packed_bytes == 8 + 4 * 32 * WIDTH // 8
+    assert all(isinstance(r.bits, int) for r in records if r.original_bytes >= 4096)
+
+
+def test_dynamic_shapes_are_compressed():
+    model = mlp(2)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1.1") as controller:
+        for batch in (64, 32, 48):
+            x = torch.randn(batch, WIDTH)
+            full = grads(model, model, x)
+            comp = grads(compiled, model, x)
+            assert F.cosine_similarity(comp, full, 0) > 0.999
+            stats = controller.memory_stats()
+            assert stats.original_bytes == 4 * batch * WIDTH * 4 and stats.compressed == 4
+
+
+def test_regional_compilation_names_each_call():
+    model = mlp(3)
+    for block in model:
+        block.forward = torch.compile(block.forward, backend="aot_eager")
+    x = torch.randn(64, WIDTH)
+    with gactx.Controller(model, level="L1.1") as controller:
+        for _ in range(2):
+            grads(model, model, x)
+    keys = [str(r.key) for r in controller._pass.records]
+    # Each block's graph saves its input (the activation the block before made) and its linear's output,
+    # named as eager saves are.
+    assert keys == ["0.0[0]", "0.0[1]", "1.0[0]", "1.0[1]", "2.0[0]", "2.0[1]"]
+    assert controller.memory_stats().compressed == 6
+
+
+def test_new_allocation_recompiles_once():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def backprop():
+        compiled(x).square().mean().backward()
+
+    with gactx.Controller(model, level="L2.2", adapt_interval=2) as controller:
+        for _ in range(5):
+            grads(compiled, model, x)
+            controller.iterate(backprop)
+    assert controller.last_adaptation is not None
+    # One graph before the first adaptation, one after it; the adaptation at step 4 chose the same widths.
+    assert counters["stats"]["unique_graphs"] == 2
+    widths = {r.bits for r in controller._pass.records}
+    assert widths <= {1, 2, 4, 8} and widths != {2}, widths
+
+
+def test_inductor_compiles_and_fuses_the_format():
+    """What users run: Inductor generates the quantize and dequantize code; gradients match eager's."""
+    model, x = mlp(1), torch.randn(64, WIDTH)
+    compiled = torch.compile(model)
+    full = grads(model, model, x)
+    with gactx.Controller(model, level="L1.1") as controller:
+        comp = grads(compiled, model, x)
+    assert controller.memory_stats().compressed == 2  # the input and the linear's output
+    assert F.cosine_similarity(comp, full, 0) > 0.9999
+
+
+def test_hooks_are_graph_modules_that_bypass_the_compile_caches():
+    model = mlp(1)
+    controller = gactx.Controller(model, level="L1")
+    with controller:
+        pack, unpack = controller._graph_hooks
+    assert isinstance(pack, HookGraph) and isinstance(unpack, HookGraph)
+    targets = [n.target.__name__ for n in pack.graph.nodes if n.op == "call_function"]
+    assert targets == ["_uncached"]
+
+
+@pytest.mark.parametrize(
+    "path, name",
+    [("L['self'].blocks[0].attn", "blocks.0.attn"), ("L['fn'].0.1", "0.1"), ("L['self']", ""),
+     ("L['self']._modules['layer'].fc", "layer.fc")],
+)  # fmt: skip
+def test_module_names(path, name):
+    assert _module_name(path) == name
+
+
+def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm.graph
+            return gm
+
+        return compiler
+
+    model, x = mlp(3), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    with gactx.Controller(model, level="L1.1"):
+        grads(compiled, model, x)
+    fw, bw = list(graphs["fw"].nodes), list(graphs["bw"].nodes)
+    quantize = [n for n in fw if n.target is torch.ops.gactx.quantize.default]
+    assert len(quantize) >= 6
+    for q in quantize:
+        source = q.args[0]  # the flattened saved tensor
+        while source.op == "call_function" and "view" in str(source.target):
+            source = source.args[0]
+        between = fw[fw.index(source) + 1 : fw.index(q)]
+        pack = ("gactx", "view")  # (an input's pack nodes come after the other inputs)
+        assert all(n.op == "placeholder" or any(p in str(n.target) for p in pack) for n in between), between
+    last_addmm = max(i for i, n in enumerate(fw) if "addmm" in str(n.target))
+    assert fw.index(quantize[0]) < last_addmm, "packs run during the forward, not after it"
+    dequantize = [n for n in bw if n.target is torch.ops.gactx.dequantize.default]
+    assert len(dequantize) == len(quantize)
+    for d in dequantize[:-1]:  # the last save's stays first: backward uses it first
+        user = min((bw.index(u) for v in (d, *d.users) for u in v.users if "gactx" not in str(u.target)))
+        assert user - bw.index(d) <= 3, "decoded right before its first use"
