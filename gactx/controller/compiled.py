@@ -253,7 +253,7 @@ class CompiledPath:
         if exact is not None:
             return "kept", exact
         bits = self.width(modules, _hint(t.shape), t.dtype)
-        if _attention(node):
+        if _attention(node) or _feeds_exp(node, bw_graph):
             return max(bits, ATTENTION_BITS), "attention"
         if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
             return f"{bits} (as is)", "linear"
@@ -382,6 +382,18 @@ def _exact_use(node, bw_graph) -> str | None:
             if name == "div" and len(user.args) > 1 and user.args[1] is p:
                 return "log domain"
     return None
+
+
+def _feeds_exp(node, bw_graph) -> bool:
+    """Whether backward recomputes an ``exp`` from the value (a softmax the partitioner chose to recompute from
+    its scores, the max subtracted or a scale applied first): noise in it is multiplied by the exp."""
+    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
+    for _ in range(3):
+        users = [u for n in frontier for u in n.users]
+        if any(_op_name(u) == "exp" for u in users):
+            return True
+        frontier = [u for u in users if _op_name(u) in ("sub", "add", "mul", "div", "where", *_PASS_THROUGH)]
+    return False
 
 
 def _attention(node) -> bool:

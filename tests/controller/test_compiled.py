@@ -246,5 +246,39 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
     dequantize = [n for n in bw if n.target is torch.ops.gactx.dequantize.default]
     assert len(dequantize) == len(quantize)
     for d in dequantize[:-1]:  # the last save's stays first: backward uses it first
-        user = min((bw.index(u) for v in (d, *d.users) for u in v.users if "gactx" not in str(u.target)))
+        user = min(bw.index(u) for v in (d, *d.users) for u in v.users if "gactx" not in str(u.target))
         assert user - bw.index(d) <= 3, "decoded right before its first use"
+
+
+def test_values_that_backward_feeds_to_exp_are_attention():
+    """Inductor's partitioner recomputes a softmax in backward from its saved scores: noise in the scores is
+    multiplied by the exp, so they get attention's width (at least 4 bits), as a softmax result does."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    class Scores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(WIDTH, 2 * WIDTH)
+
+        def forward(self, x):
+            q, k = self.qk(x).chunk(2, -1)
+            return torch.softmax(q @ k.transpose(-1, -2), -1) @ x
+
+    torch.manual_seed(0)
+    model = Scores()
+
+    def nop(gm, example_inputs):
+        return gm
+
+    from torch._inductor.decomposition import select_decomp_table
+
+    backend = aot_autograd(  # Inductor's decompositions and partitioner, its graphs run as they are
+        fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition,
+        decompositions=select_decomp_table(),
+    )  # fmt: skip
+    compiled = torch.compile(model, backend=backend)
+    with gactx.Controller(model, level="L1.2") as controller:
+        grads(compiled, model, torch.randn(4, 32, WIDTH))
+    scores = [r for r in controller._pass.records if r.key.shape == (4, 32, 32)]
+    assert scores and all(r.cls == "attention" and r.bits == 4 for r in scores), controller.report()
