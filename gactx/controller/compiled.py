@@ -159,7 +159,7 @@ class CompiledPath:
 
     ``width(modules, shape, dtype)`` gives the width of a quantized save (``modules``: where the value was
     made and used, innermost first); ``path``: the eager pack path, whose ``stats`` and pass boundaries
-    compiled saves share; ``salt``: the configuration's seed."""
+    compiled saves share."""
 
     def __init__(self, config: Config, tracker: ModuleTracker, path, width: Callable[..., int]) -> None:
         self.config = config
@@ -168,7 +168,7 @@ class CompiledPath:
         self.width = width
         self.saves: dict[int, GraphSave] = {}  # token -> save
         self._decided: dict[tuple, tuple[int, GraphSave]] = {}  # (graph, node name) -> (token, save)
-        self._graphs: dict[int, int] = {}  # id of a forward graph -> its token
+        self._graphs: dict[int, int] = {}  # id of a forward graph -> its number
         self._indices: dict[tuple, int] = {}  # (graph, module) -> saves so far
         self._starts: dict[tuple, int] = {}  # (graph, node name) -> the forward graph's output position
         self._pending: list[tuple] = []  # (backward graph, saved node name) whose unpack nodes are to sink
@@ -183,19 +183,18 @@ class CompiledPath:
         count = traced.tick(t, token)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
-        if save.bits == 1 and t.dtype == torch.bool:
+        if save.compressed and t.dtype == torch.bool:
             return (BOOL, count, traced.pack_bool(t), t.numel(), tuple(t.shape))
         if not save.compressed:
             return (KEPT, count, t)
         cfg = self.config
         salt = _salt(cfg.seed, token)
-        dtype = FLOAT_DTYPES.index(t.dtype)
+        dtype, flat = FLOAT_DTYPES.index(t.dtype), t.reshape(-1)
         if cfg.backend == "torch":  # the format in torch ops, which Inductor compiles and fuses
             seed = (count << 32) | salt
-            codes, meta = traced.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
+            codes, meta = traced.quantize(flat, save.bits, cfg.group_size, cfg.stochastic, seed)
             tag = QUANTIZED
         else:  # the kernels (Triton, C++), opaque to Inductor
-            flat = t.reshape(-1)
             codes, meta = traced.kernel_quantize(flat, save.bits, cfg.group_size, cfg.stochastic, salt, cfg.backend)
             tag = KERNEL
         return (tag, count, codes, meta, save.bits, cfg.group_size, t.numel(), tuple(t.shape), dtype)
@@ -241,14 +240,14 @@ class CompiledPath:
     def _rule(self, t: torch.Tensor, node, bw_graph, modules: list[str]) -> tuple[int | str, str]:
         """(bits or why kept, class) of a saved node."""
         cfg = self.config
-        if t.dtype == torch.bool:
-            return 1, "bool mask"
-        if t.dtype not in FLOAT_DTYPES:
+        if cfg.bits is None:
+            return "L0", ""
+        if t.dtype != torch.bool and t.dtype not in FLOAT_DTYPES:
             return f"dtype {str(t.dtype).removeprefix('torch.')}", ""
         if t.numel() < cfg.min_numel:
             return "small", ""
-        if cfg.bits is None:
-            return "L0", ""
+        if t.dtype == torch.bool:
+            return 1, "bool mask"
         exact = _EXACT_RESULTS.get(_op_name(_source(node))) or _exact_use(node, bw_graph)
         if exact is not None:
             return "kept", exact

@@ -111,7 +111,7 @@ class PassStats:
         else:
             self.kept += 1
             why = record.cls or str(record.bits)
-            self.kept_storages[-len(self.records)] = (record.packed_bytes, why)
+            self.kept_storages[-len(self.records)] = (record.packed_bytes, why)  # no address: a key of its own
 
     def holds(self, ptr: int) -> bool:
         """Whether a storage at ``ptr`` is kept as is in this pass (then more views of it cost nothing)."""
