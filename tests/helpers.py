@@ -3,6 +3,15 @@
 import torch
 
 
+def special_input(n: int, dtype: torch.dtype, seed: int, scale: float = 1.0, specials=(), every: int = 97):
+    """``n`` normal values times ``scale`` in ``dtype``, with ``specials`` (NaN, infinities, ...) put every
+    ``every`` elements from the first."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    for i, v in zip(range(0, n, every), specials, strict=False):
+        x[i] = v
+    return x.to(dtype)
+
+
 def bits_view(t: torch.Tensor) -> torch.Tensor:
     """The raw bit patterns of ``t`` as an integer tensor of the same element size."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])

@@ -37,7 +37,6 @@ index)). Either way a graph draws new noise every step without recompiling.
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +44,17 @@ from dataclasses import dataclass, field
 import torch
 
 from gactx.config import Config
+from gactx.controller.graph_nodes import (
+    EXACT_RESULTS,
+    exact_use,
+    feeds_exp,
+    hoist,
+    is_attention,
+    modules_of,
+    op_name,
+    sink,
+    source,
+)
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import KeyRecord
@@ -57,26 +67,6 @@ __all__ = ["HookGraph", "CompiledPath", "GraphSave", "in_compiled_graph"]
 # backward graph).
 KEPT, QUANTIZED, BOOL, KERNEL = 0, 1, 2, 3
 _MASK32 = 0xFFFFFFFF
-
-# How the backward graph uses a saved value, where its exact value matters (rules.py's "equality" and "log
-# domain" classes in the ops a graph decomposes to).
-_EXACT_USERS = {"eq", "ne", "log", "log1p", "log2", "log10", "reciprocal", "rsqrt", "sqrt", "pow", "atan2"}
-_EXACT_RESULTS = {
-    "amax": "equality",
-    "amin": "equality",
-    "max": "equality",
-    "min": "equality",
-    "maximum": "equality",
-    "minimum": "equality",
-    "sqrt": "log domain",
-    "rsqrt": "log domain",
-    "reciprocal": "log domain",
-    "logsumexp": "log domain",
-    "_log_softmax": "log domain",
-    "prod": "log domain",
-    "cumprod": "log domain",
-}
-_ATTENTION_RESULTS = {"exp", "_softmax", "_safe_softmax"}
 
 
 def _hook_context() -> dict | None:
@@ -203,7 +193,7 @@ class CompiledPath:
         ctx = _hook_context()
         start = self._starts.pop((id(ctx["_fw_graph"]), ctx["_node"].name), None)
         if start is not None:  # the first of the two calls: the pack nodes are in the forward graph now
-            _hoist(ctx["_fw_graph"], start)
+            hoist(ctx["_fw_graph"], start)
             self._pending.append((ctx["_bw_graph"], ctx["_node"].name))
         if isinstance(packed, torch.Tensor):
             return packed
@@ -227,11 +217,11 @@ class CompiledPath:
             return found
         self._starts[(id(fw_graph), node.name)] = len(fw_graph.nodes) - 1  # where its pack nodes will go
         graph = self._graphs.setdefault(id(fw_graph), len(self._graphs))
-        modules = _modules(node)
+        modules = modules_of(node)
         module = modules[0] if modules else ""
         index = self._indices[(graph, module)] = self._indices.get((graph, module), -1) + 1
         bits, cls = self._rule(t, node, bw_graph, modules)
-        save = GraphSave(graph, module, index, t.dtype, bits, self.config.group_size, _op_name(_source(node)), cls)
+        save = GraphSave(graph, module, index, t.dtype, bits, self.config.group_size, op_name(source(node)), cls)
         token = traced.new_token(self.ran)
         self.saves[token] = save
         self._decided[(id(fw_graph), node.name)] = (token, save)
@@ -248,11 +238,11 @@ class CompiledPath:
             return "small", ""
         if t.dtype == torch.bool:
             return 1, "bool mask"
-        exact = _EXACT_RESULTS.get(_op_name(_source(node))) or _exact_use(node, bw_graph)
+        exact = EXACT_RESULTS.get(op_name(source(node))) or exact_use(node, bw_graph)
         if exact is not None:
             return "kept", exact
         bits = self.width(modules, _hint(t.shape), t.dtype)
-        if _attention(node) or _feeds_exp(node, bw_graph):
+        if is_attention(node) or feeds_exp(node, bw_graph):
             return max(bits, ATTENTION_BITS), "attention"
         if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
             return f"{bits} (as is)", "linear"
@@ -265,7 +255,7 @@ class CompiledPath:
         pending, self._pending = self._pending, []
         for graph, name in pending:
             if graph is bw_graph:
-                _sink(graph, name)
+                sink(graph, name)
             else:
                 self._pending.append((graph, name))
 
@@ -304,128 +294,6 @@ def _hint(shape) -> tuple[int, ...]:
     return tuple(s if isinstance(s, int) else s.node.hint for s in shape)
 
 
-def _hoist(fw_graph, start: int) -> None:
-    """Move the pack nodes of one save (inlined at the end of the forward graph, from position ``start``
-    to before the output) to right after what they read. At the end, they would hold every saved tensor in
-    full until the forward ends: the forward's peak would be plain PyTorch's."""
-    nodes = list(fw_graph.nodes)
-    block = nodes[start:-1]
-    inside = set(block)
-    order = {n: i for i, n in enumerate(nodes)}
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    inputs = [a for n in block for a in n.all_input_nodes if a not in inside]
-    anchor = max((*inputs, *placeholders[-1:]), key=order.__getitem__, default=None)
-    if anchor is None:
-        return
-    for n in block:
-        anchor.append(n)
-        anchor = n
-
-
-def _sink(bw_graph, name: str) -> None:
-    """Move the nodes that decode save ``name`` (those computed from its ``{name}_hook_*`` inputs alone) to
-    right before the first node that uses what they decode."""
-    prefix = f"{name}_hook_"
-    nodes = list(bw_graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    block: set = {n for n in nodes if n.op == "placeholder" and (n.name.startswith(prefix) or n.name == name)}
-    inputs = set(block)
-    for n in nodes:
-        if n.op not in ("placeholder", "output") and n.all_input_nodes and all(a in block for a in n.all_input_nodes):
-            block.add(n)
-    block -= inputs
-    users = [u for n in block for u in n.users if u not in block]
-    if not block or not users:
-        return
-    first = min(users, key=order.__getitem__)
-    for n in sorted(block, key=order.__getitem__):
-        first.prepend(n)
-
-
 def _salt(seed: int, token: int) -> int:
     h = (seed * 0x9E3779B1 + token * 0x85EBCA77) & 0xFFFFFFFFFFFFFFFF
     return (h ^ (h >> 29)) & _MASK32
-
-
-def _op_name(node) -> str:
-    if node.op == "placeholder":
-        return "input"
-    target = getattr(node, "target", None)
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0]
-
-
-# Ops that pass values through unchanged (aliases, views): a saved node made by one is its source's values.
-_PASS_THROUGH = {"detach", "alias", "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "expand",
-                 "clone", "contiguous", "unsqueeze", "squeeze", "select", "slice"}  # fmt: skip
-
-
-def _source(node):
-    """The node whose op made ``node``'s values, through aliases and views."""
-    for _ in range(8):
-        if _op_name(node) not in _PASS_THROUGH or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            break
-        node = node.args[0]
-    return node
-
-
-def _exact_use(node, bw_graph) -> str | None:
-    """The class of a value the backward graph reads where its exact value matters, else ``None``."""
-    for p in bw_graph.find_nodes(op="placeholder"):
-        if p.name != node.name:
-            continue
-        for user in p.users:
-            name = _op_name(user)
-            if name in _EXACT_USERS:
-                return "equality" if name in ("eq", "ne") else "log domain"
-            if name == "div" and len(user.args) > 1 and user.args[1] is p:
-                return "log domain"
-    return None
-
-
-def _feeds_exp(node, bw_graph) -> bool:
-    """Whether backward recomputes an ``exp`` from the value (a softmax the partitioner chose to recompute from
-    its scores, the max subtracted or a scale applied first): noise in it is multiplied by the exp."""
-    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
-    for _ in range(3):
-        users = [u for n in frontier for u in n.users]
-        if any(_op_name(u) == "exp" for u in users):
-            return True
-        frontier = [u for u in users if _op_name(u) in ("sub", "add", "mul", "div", "where", *_PASS_THROUGH)]
-    return False
-
-
-def _attention(node) -> bool:
-    """An exp or softmax result, or a quotient of an exp result (a decomposed softmax), or a view of one."""
-    node = _source(node)
-    name = _op_name(node)
-    if name in _ATTENTION_RESULTS:
-        return True
-    if name == "div" and node.args and isinstance(node.args[0], torch.fx.Node):
-        return _op_name(_source(node.args[0])) == "exp"
-    return False
-
-
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"\[(\d+)\]|\.?_modules\['([^']*)'\]|\['([^']*)'\]")
-
-
-def _module_name(path: str) -> str:
-    """A dynamo module path (``L['self'].blocks[0].attn``) as a qualified name relative to the compiled
-    module (``blocks.0.attn``)."""
-    path = _ROOT.sub("", path)
-    path = _ITEM.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
-    # a compiled bound method (``block.forward``) or a compiled module's wrapper
-    return ".".join(p for p in path.split(".") if p and p not in ("__self__", "_orig_mod"))
-
-
-def _modules(node) -> list[str]:
-    """The module that made ``node`` and those whose ops used it in the forward graph, innermost first."""
-    names: list[str] = []
-    for n in (node, *node.users):
-        stack = n.meta.get("nn_module_stack") if hasattr(n, "meta") else None
-        if stack:
-            name = _module_name(list(stack.values())[-1][0])
-            if name not in names:
-                names.append(name)
-    return names

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gactx
-from gactx.controller.compiled import HookGraph, _module_name
+from gactx.controller.compiled import HookGraph
+from gactx.controller.graph_nodes import module_name
 
 WIDTH = 128
 
@@ -18,6 +19,20 @@ WIDTH = 128
 def mlp(blocks: int = 3) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(blocks)])
+
+
+class Attention(nn.Module):
+    """Softmax attention of ``x`` over itself; ``masked``: a leaky ReLU by ``where`` (a bool mask saved)."""
+
+    def __init__(self, masked: bool = False) -> None:
+        super().__init__()
+        self.qk = nn.Linear(WIDTH, 2 * WIDTH)
+        self.masked = masked
+
+    def forward(self, x):
+        q, k = self.qk(x).chunk(2, -1)
+        h = torch.softmax(q @ k.transpose(-1, -2), -1) @ x
+        return torch.where(h > 0, h, h.detach() * 0.1) if self.masked else h
 
 
 def grads(module, model, x) -> torch.Tensor:
@@ -111,19 +126,8 @@ def test_noise_is_new_every_step_without_recompiling():
 
 
 def test_bool_masks_attention_and_small_tensors():
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qk = nn.Linear(WIDTH, 2 * WIDTH)
-
-        def forward(self, x):
-            q, k = self.qk(x).chunk(2, -1)
-            p = torch.softmax(q @ k.transpose(-1, -2), -1)
-            h = p @ x
-            return torch.where(h > 0, h, h.detach() * 0.1)  # a bool mask saved for backward
-
     torch.manual_seed(0)
-    model = Attention()
+    model = Attention(masked=True)
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(4, 32, WIDTH)
     with gactx.Controller(model, level="L1.2", min_numel=1024) as controller:
@@ -212,7 +216,7 @@ def test_hooks_are_graph_modules_that_bypass_the_compile_caches():
      ("L['self']._modules['layer'].fc", "layer.fc")],
 )  # fmt: skip
 def test_module_names(path, name):
-    assert _module_name(path) == name
+    assert module_name(path) == name
 
 
 def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
@@ -256,17 +260,8 @@ def test_values_that_backward_feeds_to_exp_are_attention():
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    class Scores(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.qk = nn.Linear(WIDTH, 2 * WIDTH)
-
-        def forward(self, x):
-            q, k = self.qk(x).chunk(2, -1)
-            return torch.softmax(q @ k.transpose(-1, -2), -1) @ x
-
     torch.manual_seed(0)
-    model = Scores()
+    model = Attention()
 
     def nop(gm, example_inputs):
         return gm

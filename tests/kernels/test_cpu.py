@@ -13,19 +13,11 @@ from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
-from tests.helpers import same_values
+from tests.helpers import same_values, special_input
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _input(n, dtype, scale, specials, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * scale
-    for i, v in zip(range(0, n, 97), specials, strict=False):
-        x[i] = v
-    return x.to(dtype)
 
 
 @settings(max_examples=60)
@@ -39,7 +31,7 @@ def _input(n, dtype, scale, specials, seed):
     seed=st.integers(0, 2**31),
 )
 def test_deterministic_bytes_and_values_are_the_twins(n, dtype, bits, group, scale, specials, seed):
-    x = _input(n, dtype, scale, specials, seed)
+    x = special_input(n, dtype, seed, scale, specials)
     codes, meta = cpu.quantize(x, bits, group, False, 0)
     twin_codes, twin_meta = torch_quantize(x, bits, group, False, 0)
     assert torch.equal(codes, twin_codes)

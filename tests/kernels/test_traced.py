@@ -9,14 +9,11 @@ from hypothesis import strategies as st
 from gactx.kernels import cpu, traced
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
-from tests.helpers import same_values
+from tests.helpers import same_values, special_input
 
 
 def _input(n, dtype, seed, specials=()):
-    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
-    for i, v in zip(range(0, n, 61), specials, strict=False):
-        x[i] = v
-    return x.to(dtype)
+    return special_input(n, dtype, seed, 3.0, specials, every=61)
 
 
 @settings(max_examples=40)
