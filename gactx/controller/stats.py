@@ -85,11 +85,22 @@ class PassStats:
     graph_runs: dict = field(default_factory=dict)  # compiled forward graph -> its run under way (compiled.py)
 
     def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False) -> None:
-        self.records.append(record)
         seen = self.live.get(ptr)
         if seen is None or seen() is None:
             self.live[ptr] = weakref.ref(storage_owner(t))
             self.original_bytes += record.storage_bytes
+        self._count(record, compressed, offloaded, ptr, record.storage_bytes)
+        if not compressed:
+            self.held[ptr] = weakref.ref(storage_owner(t))
+
+    def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
+        """A save of a compiled graph: a value the graph made, its own storage (no other save shares it, and it
+        has no address: a key of its own among the kept storages)."""
+        self.original_bytes += record.original_bytes
+        self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
+
+    def _count(self, record: KeyRecord, compressed: bool, offloaded: bool, storage: int, kept_bytes: int) -> None:
+        self.records.append(record)
         if compressed:
             self.compressed += 1
             self.packed_bytes += record.packed_bytes
@@ -98,20 +109,7 @@ class PassStats:
         else:
             self.kept += 1
             why = record.cls if record.bits == "kept" else str(record.bits)
-            self.kept_storages.setdefault(ptr, (record.storage_bytes, why))
-            self.held[ptr] = weakref.ref(storage_owner(t))
-
-    def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
-        """A save of a compiled graph: a value the graph made, its own storage (no other save shares it)."""
-        self.records.append(record)
-        self.original_bytes += record.original_bytes
-        if compressed:
-            self.compressed += 1
-            self.packed_bytes += record.packed_bytes
-        else:
-            self.kept += 1
-            why = record.cls or str(record.bits)
-            self.kept_storages[-len(self.records)] = (record.packed_bytes, why)  # no address: a key of its own
+            self.kept_storages.setdefault(storage, (kept_bytes, why))
 
     def holds(self, ptr: int) -> bool:
         """Whether a storage at ``ptr`` is kept as is in this pass (then more views of it cost nothing)."""

@@ -61,13 +61,19 @@ _MASK = 0xFFFFFFFF
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
+def _counter(device: torch.device) -> torch.Tensor:
+    """The int64 counter on ``device`` that :func:`fresh_seed` and :func:`tick` advance (made once)."""
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        counter = _COUNTERS.setdefault(device, torch.zeros((), dtype=torch.int64, device=device))
+    return counter
+
+
 @torch.library.custom_op("gactx::fresh_seed", mutates_args=())
 def fresh_seed(like: torch.Tensor) -> torch.Tensor:
     """A new int64 seed on ``like``'s device at every call, eager or inside a compiled graph (the counter
     is advanced on the device: nothing is read back)."""
-    counter = _COUNTERS.get(like.device)
-    if counter is None:
-        counter = _COUNTERS.setdefault(like.device, torch.zeros((), dtype=torch.int64, device=like.device))
+    counter = _counter(like.device)
     counter.add_(1)
     return _mul32(counter * 0x9E3779B9, 1) | (counter << 32)
 
@@ -105,10 +111,7 @@ def new_token(listener: Callable[[int, torch.Tensor, torch.Tensor], None]) -> in
 def tick(like: torch.Tensor, token: int) -> torch.Tensor:
     """A new int64 count on ``like``'s device (as :func:`fresh_seed`'s counter, nothing read back); tells the
     token's listener that it ran."""
-    counter = _COUNTERS.get(like.device)
-    if counter is None:
-        counter = _COUNTERS.setdefault(like.device, torch.zeros((), dtype=torch.int64, device=like.device))
-    count = counter.add_(1).clone()
+    count = _counter(like.device).add_(1).clone()
     listener = _LISTENERS.get(token)
     if listener is not None:
         listener(token, like, count)
