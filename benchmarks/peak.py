@@ -314,15 +314,23 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
     env = {
         "device": device_name(args.device), "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
-        "repeats": args.repeats, "quick": args.quick,
+        "repeats": args.repeats, "quick": args.quick, "cuda": args.device == "cuda", "backend": args.backend,
     }  # fmt: skip
     result = {"environment": env, "rows": rows, "compiled": compiled}
     (out / "peak.json").write_text(json.dumps(result, indent=2) + "\n")
-    how = "CUDA caching allocator" if args.device == "cuda" else "running sum of the profiler's CPU allocation events"
+    (out / "peak.md").write_text(render(result))
+    print(f"wrote {out / 'peak.md'}")
+
+
+def render(result: dict) -> str:
+    """``peak.md`` from what ``peak.json`` holds."""
+    env, rows, compiled = result["environment"], result["rows"], result["compiled"]
+    cuda = env.get("cuda", not env["device"].startswith("CPU"))
+    how = "CUDA caching allocator" if cuda else "running sum of the profiler's CPU allocation events"
     lines = [
         f"# gactx step peak memory: {env['device']}",
         "",
-        f"- torch {env['torch']}; run {env['date']}; models benchmark size {args.size}; median of {args.repeats}",
+        f"- torch {env['torch']}; run {env['date']}; models benchmark size {env['size']}; median of {env['repeats']}",
         f"- peak: `gactx.PeakMemory` over forward + backward, above what was allocated at its start ({how}); "
         "gradients kept from the step before (zeroed in place), or set to none (allocated by backward: the "
         "peak then holds the parameters' size in gradients, whatever the method)",
@@ -341,7 +349,7 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
     if compiled:
         lines += [
             "",
-            f"## Compiled ({args.backend})",
+            f"## Compiled ({env.get('backend', 'inductor')})",
             "",
             "- whole: `torch.compile(model)`; regional: each block's `forward` compiled, the model around it eager",
             "- first step: compilation included, every method compiled afresh; step: median of 3 after it",
@@ -359,8 +367,7 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
             for r in compiled
         ]  # fmt: skip
         lines += markdown_table(headers, table, left=4)
-    (out / "peak.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'peak.md'}")
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

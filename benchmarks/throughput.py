@@ -155,6 +155,7 @@ def environment(args: argparse.Namespace) -> dict:
         "rounding": f"stochastic, fixed seed {SEED}",
         "timer": timer,
         "sizes_mib": args.sizes_mib,
+        "cpus": os.cpu_count(),
         "skipped": [],
     }
 
@@ -334,7 +335,9 @@ def render_markdown(rows: list[dict], env: dict) -> str:
     share = env["other_processes_cpu_share"]
     if share is not None:
         busy = f"; BUSY MACHINE (over {BUSY_SHARE:.0%}): timings are low" if share > BUSY_SHARE else ""
-        lines.append(f"- other processes used {share:.0%} of the {os.cpu_count()} CPUs during the run{busy}")
+        lines.append(
+            f"- other processes used {share:.0%} of the {env.get('cpus', os.cpu_count())} CPUs during the run{busy}"
+        )
     lines += [f"- skipped: {s}" for s in env["skipped"]]
     lines += [
         "",

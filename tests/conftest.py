@@ -30,10 +30,24 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
+# Triton runs on CPU tensors only through its interpreter, which a machine with a GPU leaves off: there the
+# Triton kernel tests run on CUDA tensors, natively, and their CPU cases are skipped.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_DEVICE = "cpu" if INTERPRET else "cuda"
+triton_on_cpu = pytest.mark.skipif(not INTERPRET, reason="Triton runs on CPU tensors only with TRITON_INTERPRET=1")
+TRITON_DEVICES = [pytest.param("cpu", marks=triton_on_cpu), pytest.param("cuda", marks=needs_cuda)]
+
 
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     """Every test that takes ``device`` runs on the CPU and, where there is one, on the GPU."""
+    return request.param
+
+
+@pytest.fixture(params=TRITON_DEVICES)
+def triton_device(request) -> str:
+    """Every test that launches Triton kernels on ``triton_device`` runs under the interpreter on the CPU (where
+    it is on) and natively on the GPU (where there is one)."""
     return request.param
 
 

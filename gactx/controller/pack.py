@@ -33,6 +33,7 @@ from gactx.controller.rules import (
     UNKNOWN,
     Rule,
     Site,
+    node_id,
     output_rule,
     rule_for,
 )
@@ -181,7 +182,7 @@ class PackPath:
         if learn is not None:
             self.sites[key[:3]] = (learn[0], learn[1], _signature(t))
         if site is not None and site.result and t.grad_fn is not None:
-            self._claimed.add(id(t.grad_fn))  # later saves of this tensor are other ops' inputs
+            self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
         rule, bits = self._width(key, rule)
         # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
         form = (rule.kind, rule.pred, rule.values, rule.fn, rule.fn_params, bits)

@@ -307,17 +307,26 @@ def rule_for(site: Site) -> Rule:
     return entry(site) if callable(entry) else entry
 
 
+def node_id(fn) -> int:
+    """An autograd node's identity for one forward pass: its sequence number, which the node keeps. Not
+    ``id(fn)``: ``grad_fn`` is a Python wrapper that some torch versions make afresh at each access once the
+    last one is freed, so one node can show two ids. Two threads number their nodes apart, so two nodes may
+    share a number; that can only make a result save look like an input save (quantized as linear)."""
+    return fn._sequence_nr()
+
+
 def output_rule(t: torch.Tensor, claimed: set[int]) -> tuple[Site, Rule] | None:
     """The site and rule of a result saved by its own op, read from its ``grad_fn`` (no watcher needed), or
     ``None``. Autograd saves a node's result right after making the node, before anything else can save
-    that tensor, so the first save of a tensor whose node saves its result is that save; ``claimed`` (node
-    ids, one forward pass) marks the nodes whose result save has been seen. A reused id can only make a
-    result save look like an input save, which is then quantized as linear: never the other way round."""
+    that tensor, so the first save of a tensor whose node saves its result is that save; ``claimed``
+    (:func:`node_id` of nodes, one forward pass) marks the nodes whose result save has been seen. A shared
+    number can only make a result save look like an input save, which is then quantized as linear: never
+    the other way round."""
     fn = t.grad_fn
     if fn is None:
         return None
     site = _OUTPUT_NODES.get(type(fn).__name__)
-    if site is None or id(fn) in claimed:
+    if site is None or node_id(fn) in claimed:
         return None
-    claimed.add(id(fn))
+    claimed.add(node_id(fn))
     return site, rule_for(site)

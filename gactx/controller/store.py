@@ -154,14 +154,15 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, made once. Filled element by element on the device: a copy from
-    pageable host memory would make a CUDA stream synchronize with the host."""
+    """``values`` as a tensor on ``device``, made once. Filled element by element on the device (``fill_`` takes the
+    value as a kernel argument): a copy from pageable host memory, which ``table[i] = v`` is, would make the
+    host wait for the CUDA stream."""
     key = (repr(values), dtype, device)
     table = _TABLES.get(key)
     if table is None:
         table = torch.empty(len(values), dtype=dtype, device=device)
         for i, v in enumerate(values):
-            table[i] = v
+            table[i].fill_(v)
         table = _TABLES.setdefault(key, table)
     return table
 

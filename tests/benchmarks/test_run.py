@@ -3,8 +3,10 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks import workloads
+from benchmarks.device import device_name
 from benchmarks.methods import METHODS
 from benchmarks.run import run
 
@@ -14,17 +16,26 @@ def test_every_model_trains_and_is_measured(tmp_path):
     assert {r["model"] for r in rows} == set(workloads.names())
     for r in rows:
         assert r["step_ms"] > 0 and r["activation_mib"] > 0 and 0 <= r["accuracy"] <= 1, r
+    fp = {r["model"]: r for r in rows if r["method"] == "fp"}
     for r in (r for r in rows if r["method"] == "L1.2"):
-        assert r["activation_ratio"] > 1.5, r  # gactx holds less than plain PyTorch saves
+        # gactx holds less than plain PyTorch saves. Under 1 MiB (tiny ViT on a GPU: 75 KiB) the CUDA
+        # allocator's 512-byte blocks and the tensors kept under min_numel leave less to gain.
+        small_on_gpu = torch.cuda.is_available() and fp[r["model"]]["activation_mib"] < 1
+        assert r["activation_ratio"] > (1.0 if small_on_gpu else 1.5), r
     saved = json.loads((tmp_path / "models.json").read_text())
     assert saved["environment"]["size"] == "tiny" and len(saved["rows"]) == len(rows)
-    assert "CPU" in (tmp_path / "models.md").read_text()
+    assert (
+        device_name("cuda" if torch.cuda.is_available() else "cpu").split(" (")[0]
+        in (tmp_path / "models.md").read_text()
+    )
 
 
 def test_every_method_in_both_precisions_with_a_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     rows = run(["--quick", "--models", "gcn", "--sweep", "--out", str(tmp_path)])
-    expected = {m for m in METHODS if m not in ("save_on_cpu", "L3")}  # nothing to offload to on a CPU
+    expected = set(METHODS)
+    if not torch.cuda.is_available():
+        expected -= {"save_on_cpu", "L3"}  # nothing to offload to on a CPU
     assert {r["method"] for r in rows} == expected | {m + "+bf16" for m in expected}
     assert all(len(r["sweep"]) >= 2 for r in rows)
     assert (tmp_path / "batch_throughput.png").stat().st_size > 10_000

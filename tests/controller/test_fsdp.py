@@ -14,13 +14,17 @@ if not hasattr(fsdp, "fully_shard"):
 
 
 def _train_sharded(x, y, level):
+    from torch.distributed.device_mesh import init_device_mesh
+
     import gactx
 
+    # On the CPU, named: FSDP2's default mesh is the GPU's where there is one.
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     model = _model()
     for layer in model:
         if any(True for _ in layer.parameters()):
-            fsdp.fully_shard(layer)
-    fsdp.fully_shard(model)
+            fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     controller = gactx.Controller(model, level=level) if level else None
     kept_weights = True

@@ -5,6 +5,7 @@ import torch
 
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.quantize import torch_quantize
+from tests.conftest import TRITON_DEVICE
 from tests.helpers import assert_same_bits, group_steps
 from tests.kernels.test_quantize import BITS, DTYPES, SIZES, _sample, _special
 
@@ -20,8 +21,8 @@ def _decode_both(codes, meta, bits, group_size, n, dtype):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_and_torch_decode_identically(device, n, bits, dtype):
-    x = _sample(n, dtype, device)
+def test_triton_and_torch_decode_identically(triton_device, n, bits, dtype):
+    x = _sample(n, dtype, triton_device)
     codes, meta = torch_quantize(x, bits, 32, True, 3)
     a, b = _decode_both(codes, meta, bits, 32, n, dtype)
     assert a.dtype == dtype and a.shape == (n,)
@@ -30,8 +31,8 @@ def test_triton_and_torch_decode_identically(device, n, bits, dtype):
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_special_values_decode_identically_and_keep_non_finite(device, bits, dtype):
-    x = _special(dtype, device)
+def test_special_values_decode_identically_and_keep_non_finite(triton_device, bits, dtype):
+    x = _special(dtype, triton_device)
     codes, meta = torch_quantize(x, bits, 32, False, 0)
     a, b = _decode_both(codes, meta, bits, 32, x.numel(), dtype)
     assert_same_bits(a, b)
@@ -48,7 +49,7 @@ def test_gpu_launch_configuration_decodes_identically_across_programs_and_tail(b
     """The GPU's meta-parameters (whole programs, then a masked one), run by the interpreter. bfloat16 output is
     left out: compiled, it uses the hardware conversion, which the interpreter's cast (truncation) is not."""
     n = 2 * 8192 + 300
-    codes, meta = torch_quantize(_sample(n, dtype, "cpu"), bits, 256, True, 3)
+    codes, meta = torch_quantize(_sample(n, dtype, TRITON_DEVICE), bits, 256, True, 3)
     a = triton_dequantize(codes, meta, bits, 256, n, dtype, interpret=False)
     assert_same_bits(a, torch_dequantize(codes, meta, bits, 256, n, dtype))
 
@@ -95,9 +96,9 @@ def test_signal_to_noise_floor(bits):
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_values_near_float32_max_never_decode_to_inf(device, bits):
+def test_values_near_float32_max_never_decode_to_inf(triton_device, bits):
     big = torch.finfo(torch.float32).max * 0.99999
-    x = torch.tensor([0.0, big, -big, big] + [big] * 28 + [float("nan"), big, -big] + [1.0] * 29, device=device)
+    x = torch.tensor([0.0, big, -big, big] + [big] * 28 + [float("nan"), big, -big] + [1.0] * 29, device=triton_device)
     codes, meta = torch_quantize(x, bits, 32, True, 1)
     a, b = _decode_both(codes, meta, bits, 32, x.numel(), torch.float32)
     assert_same_bits(a, b)

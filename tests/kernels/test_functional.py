@@ -9,9 +9,15 @@ from hypothesis.extra.numpy import arrays
 
 import gactx
 from gactx.kernels.format import expected_nbytes
+from tests.conftest import TRITON_DEVICE
 from tests.helpers import assert_same_bits, group_steps
 
 BACKENDS = ["torch", "triton"]
+
+
+def _on(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """``x`` where ``backend`` runs here: Triton's cases on the GPU where there is one."""
+    return x.to(TRITON_DEVICE) if backend == "triton" else x
 
 
 def _layouts():
@@ -35,7 +41,7 @@ LAYOUTS = list(_layouts())
 @pytest.mark.parametrize("name,x", LAYOUTS, ids=[name for name, _ in LAYOUTS])
 def test_shape_dtype_device_and_strides_come_back(name, x, bits, backend):
     for dtype in (torch.float32, torch.bfloat16):
-        xd = x.to(dtype)
+        xd = _on(x, backend).to(dtype)
         q = gactx.quantize(xd, bits, 32, stochastic=False, backend=backend)
         y = gactx.dequantize(q, backend=backend)
         assert y.shape == xd.shape and y.dtype == dtype and y.device == xd.device
@@ -74,7 +80,7 @@ def test_bits_16_stores_float32_as_bfloat16():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bits", [1, 2, 8, 32])
 def test_bool_masks_are_packed_losslessly_whatever_the_bits(bits, backend):
-    mask = torch.rand(3, 11, 7) < 0.5
+    mask = _on(torch.rand(3, 11, 7) < 0.5, backend)
     q = gactx.quantize(mask, bits, backend=backend)
     assert q.nbytes == -(-mask.numel() // 8)
     assert torch.equal(gactx.dequantize(q, backend=backend), mask)
@@ -197,7 +203,7 @@ def test_property_non_finite_stays_non_finite_and_finite_groups_stay_finite(x, b
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_identical_bytes_through_the_public_api(backend):
-    x = torch.randn(4, 257).to(memory_format=torch.contiguous_format)
+    x = _on(torch.randn(4, 257), backend)
     ref = gactx.quantize(x, 4, stochastic=False, backend="torch")
     q = gactx.quantize(x, 4, stochastic=False, backend=backend)
     assert torch.equal(q.data, ref.data)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
+from tests.conftest import INTERPRET, TRITON_DEVICE
 from tests.helpers import assert_same_bits
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -15,19 +16,19 @@ def _values(device: str) -> torch.Tensor:
     return x.to(device)
 
 
-def test_round_to_nearest_even_matches_torch_cast(device):
-    x = _values(device)
+def test_round_to_nearest_even_matches_torch_cast(triton_device):
+    x = _values(triton_device)
     assert_same_bits(torch_round_bf16(x, False, 0), x.to(torch.bfloat16))
-    assert_same_bits(triton_round_bf16(x, False, 0, interpret=device == "cpu"), x.to(torch.bfloat16))
+    assert_same_bits(triton_round_bf16(x, False, 0, interpret=triton_device == "cpu"), x.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_stochastic_rounding_picks_a_neighbour_and_keeps_specials(device, impl):
-    x = _values(device)
+def test_stochastic_rounding_picks_a_neighbour_and_keeps_specials(triton_device, impl):
+    x = _values(triton_device)
     if impl == "torch":
         y = torch_round_bf16(x, True, 11).float()
     else:
-        y = triton_round_bf16(x, True, 11, interpret=device == "cpu").float()
+        y = triton_round_bf16(x, True, 11, interpret=triton_device == "cpu").float()
     down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncation: magnitude rounded down
     up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)
     finite = torch.isfinite(x) & (x.abs() < FLT_MAX)
@@ -39,10 +40,15 @@ def test_stochastic_rounding_picks_a_neighbour_and_keeps_specials(device, impl):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_stochastic_rounding_is_unbiased(impl):
     x = torch.randn(257, generator=torch.Generator().manual_seed(2)) * 5
+    x = x.to(TRITON_DEVICE if impl == "triton" else "cpu")
     seeds = 400 if impl == "torch" else 150
     total = torch.zeros_like(x, dtype=torch.float64)
     for seed in range(seeds):
-        y = torch_round_bf16(x, True, seed) if impl == "torch" else triton_round_bf16(x, True, seed, interpret=True)
+        y = (
+            torch_round_bf16(x, True, seed)
+            if impl == "torch"
+            else triton_round_bf16(x, True, seed, interpret=INTERPRET)
+        )
         total += y.double()
     ulp = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32) - (x.view(torch.int32) & ~0xFFFF).view(
         torch.float32
@@ -54,7 +60,7 @@ def test_stochastic_rounding_is_unbiased(impl):
 def test_gpu_launch_configuration_matches_torch_across_programs_and_tail():
     """The GPU's programs (8192 elements, whole ones and then a masked one) under the interpreter, stochastic
     (round to nearest is the hardware conversion when compiled, which the interpreter does not run)."""
-    x = torch.randn(2 * 8192 + 300, generator=torch.Generator().manual_seed(4)) * 3
+    x = (torch.randn(2 * 8192 + 300, generator=torch.Generator().manual_seed(4)) * 3).to(TRITON_DEVICE)
     y = triton_round_bf16(x, True, 9, interpret=False).float()
     down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)
     up = ((x.view(torch.int32) & ~0xFFFF) + 0x10000).view(torch.float32)

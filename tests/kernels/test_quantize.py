@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gactx.kernels.quantize import torch_quantize, triton_quantize
+from tests.conftest import INTERPRET, TRITON_DEVICE
 from tests.helpers import assert_same_bits, group_steps
 
 SIZES = [1, 255, 257, 4099]
@@ -45,8 +46,8 @@ def _both(x: torch.Tensor, bits: int, group_size: int, stochastic: bool = False,
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 256])
-def test_triton_and_torch_produce_identical_bytes(device, n, bits, dtype, group_size):
-    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(n, dtype, device), bits, group_size)
+def test_triton_and_torch_produce_identical_bytes(triton_device, n, bits, dtype, group_size):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(n, dtype, triton_device), bits, group_size)
     assert codes_a.numel() == -(-n // group_size) * group_size * bits // 8 and meta_a.shape == (-(-n // group_size), 2)
     assert torch.equal(codes_a, codes_b)
     assert_same_bits(meta_a, meta_b)
@@ -54,15 +55,15 @@ def test_triton_and_torch_produce_identical_bytes(device, n, bits, dtype, group_
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_identical_bytes_on_special_values(device, bits, dtype):
-    (codes_a, meta_a), (codes_b, meta_b) = _both(_special(dtype, device), bits, 32)
+def test_identical_bytes_on_special_values(triton_device, bits, dtype):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_special(dtype, triton_device), bits, 32)
     assert torch.equal(codes_a, codes_b)
     assert_same_bits(meta_a, meta_b)
 
 
 @pytest.mark.parametrize("group_size", [32, 256, 4096])
-def test_identical_bytes_across_group_sizes(device, group_size):
-    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(4099, torch.float32, device), 2, group_size)
+def test_identical_bytes_across_group_sizes(triton_device, group_size):
+    (codes_a, meta_a), (codes_b, meta_b) = _both(_sample(4099, torch.float32, triton_device), 2, group_size)
     assert torch.equal(codes_a, codes_b)
     assert_same_bits(meta_a, meta_b)
 
@@ -74,7 +75,7 @@ def test_gpu_launch_configuration_matches_the_twin_across_programs_and_tail(bits
     """The GPU's meta-parameters (a launch of whole programs of 4096 elements, then one of masked programs of 2048
     for the rest), run by the interpreter: identical bytes in deterministic mode, each code within a step else."""
     n = 2 * 8192 + 2048 + 300
-    x = _sample(n, dtype, "cpu", seed=3)
+    x = _sample(n, dtype, TRITON_DEVICE, seed=3)
     codes_a, meta_a = triton_quantize(x, bits, 256, stochastic, 5, interpret=False)
     codes_b, meta_b = torch_quantize(x, bits, 256, stochastic, 5)
     assert_same_bits(meta_a, meta_b)
@@ -101,13 +102,13 @@ def test_stochastic_rounding_is_unbiased(impl, bits):
     from gactx.kernels.dequantize import torch_dequantize
 
     n, group, seeds = 257, 32, 300 if impl == "torch" else 120
-    x = _sample(n, torch.float32, "cpu", seed=1)
-    total = torch.zeros(n, dtype=torch.float64)
+    x = _sample(n, torch.float32, TRITON_DEVICE if impl == "triton" else "cpu", seed=1)
+    total = torch.zeros(n, dtype=torch.float64, device=x.device)
     for seed in range(seeds):
         if impl == "torch":
             codes, meta = torch_quantize(x, bits, group, True, seed)
         else:
-            codes, meta = triton_quantize(x, bits, group, True, seed, interpret=True)
+            codes, meta = triton_quantize(x, bits, group, True, seed, interpret=INTERPRET)
         xhat = torch_dequantize(codes, meta, bits, group, n, torch.float32)
         step = group_steps(meta, group, n)
         assert ((xhat - x).abs() <= step * (1 + 1e-5)).all(), "an element moved by more than one step"
@@ -117,10 +118,10 @@ def test_stochastic_rounding_is_unbiased(impl, bits):
     assert ((total / seeds - x.double()).abs() <= bound).all()
 
 
-def test_stochastic_noise_depends_on_seed_only(device):
-    x = _sample(4099, torch.float32, device)
+def test_stochastic_noise_depends_on_seed_only(triton_device):
+    x = _sample(4099, torch.float32, triton_device)
     for impl in (triton_quantize, torch_quantize):
-        kwargs = {"interpret": device == "cpu"} if impl is triton_quantize else {}
+        kwargs = {"interpret": triton_device == "cpu"} if impl is triton_quantize else {}
         a, _ = impl(x, 2, 256, True, 7, **kwargs)
         b, _ = impl(x, 2, 256, True, 7, **kwargs)
         c, _ = impl(x, 2, 256, True, 8, **kwargs)
