@@ -65,16 +65,16 @@ __all__ = ["HookGraph", "CompiledPath", "GraphSave", "in_compiled_graph"]
 
 # Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
 # backward graph).
-KEPT, QUANTIZED, BOOL, KERNEL = 0, 1, 2, 3
+KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL = 0, 1, 2, 3, 4
 _MASK32 = 0xFFFFFFFF
 
 
-def _hook_context() -> dict | None:
-    try:
-        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-    except ImportError:  # a torch without graph hooks' context: every call is eager
+try:
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context as _hook_context
+except ImportError:  # a torch without graph hooks' context: every call is eager
+
+    def _hook_context() -> dict | None:
         return None
-    return _get_saved_tensor_hook_context()
 
 
 def in_compiled_graph() -> bool:
@@ -103,6 +103,9 @@ class HookGraph(torch.fx.GraphModule):
         return None
 
     def forward(self, x):
+        return self.fn(x)
+
+    def __call__(self, x):  # autograd calls a hook for every saved tensor: no module call machinery
         return self.fn(x)
 
 
@@ -173,11 +176,14 @@ class CompiledPath:
         count = traced.tick(t, token)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
-        if save.compressed and t.dtype == torch.bool:
-            return (BOOL, count, traced.pack_bool(t), t.numel(), tuple(t.shape))
         if not save.compressed:
             return (KEPT, count, t)
         cfg = self.config
+        if t.dtype == torch.bool:
+            if cfg.backend == "torch":
+                return (BOOL, count, traced.pack_bool(t), t.numel(), tuple(t.shape))
+            # The kernel, opaque: traced, a dropout's mask would be drawn again in each kernel that reads it.
+            return (BOOL_KERNEL, count, traced.kernel_pack_bool(t.reshape(-1), cfg.backend), t.numel(), tuple(t.shape))
         salt = _salt(cfg.seed, token)
         dtype, flat = FLOAT_DTYPES.index(t.dtype), t.reshape(-1)
         if cfg.backend == "torch":  # the format in torch ops, which Inductor compiles and fuses
@@ -200,8 +206,10 @@ class CompiledPath:
         tag = packed[0]
         if tag == KEPT:
             return packed[2]
-        if tag == BOOL:
+        if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
+            if tag == BOOL_KERNEL:
+                return traced.kernel_unpack_bool(data, n, self.config.backend).view(shape)
             return traced.unpack_bool(data, n).view(shape)
         _, _, codes, meta, bits, group_size, n, shape, dtype = packed
         if tag == KERNEL:

@@ -25,6 +25,8 @@ Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no da
   it calls a matmul, so nothing of the format is compiled per graph and each runs at its kernel's speed.
   The noise seed of a stochastic quantization is drawn on the host at every call (a counter mixed with the
   caller's salt): a graph draws new noise every step without reading anything back from the device.
+  :func:`kernel_pack_bool` and :func:`kernel_unpack_bool` (``gactx::pack_bool``, ``gactx::unpack_bool``) are
+  the bit packing's kernels the same way.
 
 32-bit multiplications are done on 16-bit halves in int64, so that no product overflows (the low 32 bits of
 ``h * c`` are ``(h_lo * c + ((h_hi * c) << 16)) mod 2**32``).
@@ -55,6 +57,8 @@ __all__ = [
     "unpack_bool",
     "kernel_quantize",
     "kernel_dequantize",
+    "kernel_pack_bool",
+    "kernel_unpack_bool",
 ]
 
 _MASK = 0xFFFFFFFF
@@ -211,3 +215,28 @@ def kernel_dequantize(
 @kernel_dequantize.register_fake
 def _(codes, meta, bits, group_size, n, dtype, backend):
     return codes.new_empty(n, dtype=dtype)
+
+
+@torch.library.custom_op("gactx::pack_bool", mutates_args=())
+def kernel_pack_bool(flat: torch.Tensor, backend: str) -> torch.Tensor:
+    """A contiguous 1-D bool tensor packed 8 to a byte by the format's kernel for ``backend``. Opaque to
+    Inductor, so the mask is made once: traced (:func:`pack_bool`), a mask no other output holds (a dropout's)
+    is recomputed, random draws included, in each kernel that reads it."""
+    return _quantize(flat, 1, backend=backend).data
+
+
+@kernel_pack_bool.register_fake
+def _(flat, backend):
+    return flat.new_empty(-(-flat.numel() // 8), dtype=torch.uint8)
+
+
+@torch.library.custom_op("gactx::unpack_bool", mutates_args=())
+def kernel_unpack_bool(packed: torch.Tensor, n: int, backend: str) -> torch.Tensor:
+    """The ``n`` bools :func:`kernel_pack_bool` packed, as a 1-D tensor."""
+    size = torch.Size([n])
+    return _dequantize(QuantizedTensor(packed, None, 1, 256, size, torch.bool, size, None), backend=backend)
+
+
+@kernel_unpack_bool.register_fake
+def _(packed, n, backend):
+    return packed.new_empty(n, dtype=torch.bool)

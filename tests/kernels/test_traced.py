@@ -130,3 +130,19 @@ def test_bool_packing_round_trips(n):
     assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
     assert torch.equal(traced.unpack_bool(packed, n), t)
     assert int(packed[0]) == sum(int(v) << i for i, v in enumerate(t[:8].tolist()))
+
+
+@pytest.mark.parametrize("n", [1, 9, 1000])
+def test_bool_kernel_ops_are_the_traced_packing(n):
+    t = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = traced.kernel_pack_bool(t, "auto")
+    assert torch.equal(packed, traced.pack_bool(t))
+    assert torch.equal(traced.kernel_unpack_bool(packed, n, "auto"), t)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def round_trip(x):
+        mask = x > 0.5
+        return traced.kernel_unpack_bool(traced.kernel_pack_bool(mask, "auto"), n, "auto")
+
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n + 1))
+    assert torch.equal(round_trip(x), x > 0.5)
