@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     device = "cuda" if cuda else "cpu"
     run_args = argparse.Namespace(
-        size=args.size, device=device, batch=None, train_steps=args.steps, warmup=2, timed=3,
+        size=args.size, device=device, batch=None, train_steps=args.steps, warmup=2, timed=5,
         max_batch=False, sweep=False,
     )  # fmt: skip
     print(f"gactx demo on {device_name(device)}, torch {torch.__version__}: {args.steps} steps each, size {args.size}")
