@@ -262,24 +262,48 @@ void encode_bins_impl(const T* x, int64_t n, const T* edges, int64_t count, uint
   });
 }
 
-template <typename T>
-void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n, int bits) {
-  const int per_byte = 8 / bits, mask = (1 << bits) - 1;
-  at::parallel_for(0, n, kGrainBytes / int64_t(sizeof(T)), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) out[i] = table[(packed[i / per_byte] >> ((i % per_byte) * bits)) & mask];
+// BITS a constant: the divisions become shifts, and whole bytes decode in an unrolled loop.
+template <typename T, int BITS>
+void decode_table_bits(const uint8_t* __restrict packed, const T* table, T* __restrict out, int64_t n) {
+  constexpr int P = 8 / BITS, M = (1 << BITS) - 1;
+  T lut[1 << BITS];
+  for (int c = 0; c <= M; ++c) lut[c] = table[c];
+  const int64_t whole = n / P;  // bytes all of whose codes are elements
+  at::parallel_for(0, whole, kGrainBytes / int64_t(P * sizeof(T)), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const unsigned byte = packed[b];
+      T* o = out + b * P;
+      for (int k = 0; k < P; ++k) o[k] = lut[(byte >> (k * BITS)) & M];
+    }
   });
+  for (int64_t i = whole * P; i < n; ++i) out[i] = lut[(packed[i / P] >> ((i % P) * BITS)) & M];
 }
 
-void pack_bool_impl(const uint8_t* mask, int64_t n, uint8_t* packed) {
-  const int64_t bytes = (n + 7) / 8;
-  at::parallel_for(0, bytes, kGrainBytes / 8, [&](int64_t b0, int64_t b1) {
+template <typename T>
+void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n, int bits) {
+  switch (bits) {
+    case 1: decode_table_bits<T, 1>(packed, table, out, n); break;
+    case 2: decode_table_bits<T, 2>(packed, table, out, n); break;
+    case 4: decode_table_bits<T, 4>(packed, table, out, n); break;
+    default: decode_table_bits<T, 8>(packed, table, out, n); break;
+  }
+}
+
+void pack_bool_impl(const uint8_t* __restrict mask, int64_t n, uint8_t* __restrict packed) {
+  const int64_t whole = n / 8;  // bytes of 8 elements
+  at::parallel_for(0, whole, kGrainBytes / 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t base = b * 8, count = std::min<int64_t>(8, n - base);
+      const uint8_t* m = mask + b * 8;
       uint8_t byte = 0;
-      for (int64_t i = 0; i < count; ++i) byte |= uint8_t((mask[base + i] & 1) << i);
+      for (int i = 0; i < 8; ++i) byte |= uint8_t((m[i] & 1) << i);
       packed[b] = byte;
     }
   });
+  if (whole * 8 < n) {
+    uint8_t byte = 0;
+    for (int64_t i = whole * 8; i < n; ++i) byte |= uint8_t((mask[i] & 1) << (i - whole * 8));
+    packed[whole] = byte;
+  }
 }
 
 void unpack_bool_impl(const uint8_t* packed, int64_t n, uint8_t* mask) {
