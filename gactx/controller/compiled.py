@@ -173,27 +173,30 @@ class CompiledPath:
         ctx = _hook_context()
         self._sink_pending(ctx["_bw_graph"])
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
-        count = traced.tick(t, token)
+        cfg = self.config
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
         if not save.compressed:
-            return (KEPT, count, t)
-        cfg = self.config
+            return (KEPT, traced.tick(t, token), t)
+        shape, dtype = tuple(t.shape), FLOAT_DTYPES.index(t.dtype) if t.dtype != torch.bool else -1
+        if cfg.backend != "torch":
+            # The kernels (C++, Triton), opaque to Inductor, with the tick in the same op: the value is read
+            # once. Bool masks too: traced, a dropout's mask would be drawn again in each kernel reading it.
+            if t.dtype == torch.bool:
+                packed, count = traced.kernel_pack_bool_saved(t, cfg.backend, token)
+                return (BOOL_KERNEL, count, packed, t.numel(), shape)
+            salt = _salt(cfg.seed, token)
+            codes, meta, count = traced.kernel_quantize_saved(
+                t, save.bits, cfg.group_size, cfg.stochastic, salt, cfg.backend, token
+            )
+            return (KERNEL, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
+        # The format in torch ops, which Inductor compiles and fuses.
+        count = traced.tick(t, token)
         if t.dtype == torch.bool:
-            if cfg.backend == "torch":
-                return (BOOL, count, traced.pack_bool(t), t.numel(), tuple(t.shape))
-            # The kernel, opaque: traced, a dropout's mask would be drawn again in each kernel that reads it.
-            return (BOOL_KERNEL, count, traced.kernel_pack_bool(t.reshape(-1), cfg.backend), t.numel(), tuple(t.shape))
-        salt = _salt(cfg.seed, token)
-        dtype, flat = FLOAT_DTYPES.index(t.dtype), t.reshape(-1)
-        if cfg.backend == "torch":  # the format in torch ops, which Inductor compiles and fuses
-            seed = (count << 32) | salt
-            codes, meta = traced.quantize(flat, save.bits, cfg.group_size, cfg.stochastic, seed)
-            tag = QUANTIZED
-        else:  # the kernels (Triton, C++), opaque to Inductor
-            codes, meta = traced.kernel_quantize(flat, save.bits, cfg.group_size, cfg.stochastic, salt, cfg.backend)
-            tag = KERNEL
-        return (tag, count, codes, meta, save.bits, cfg.group_size, t.numel(), tuple(t.shape), dtype)
+            return (BOOL, count, traced.pack_bool(t), t.numel(), shape)
+        seed = (count << 32) | _salt(cfg.seed, token)
+        codes, meta = traced.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
+        return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
 
     def unpack(self, packed):
         ctx = _hook_context()

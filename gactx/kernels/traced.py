@@ -26,7 +26,8 @@ Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no da
   The noise seed of a stochastic quantization is drawn on the host at every call (a counter mixed with the
   caller's salt): a graph draws new noise every step without reading anything back from the device.
   :func:`kernel_pack_bool` and :func:`kernel_unpack_bool` (``gactx::pack_bool``, ``gactx::unpack_bool``) are
-  the bit packing's kernels the same way.
+  the bit packing's kernels the same way. :func:`kernel_quantize_saved` and :func:`kernel_pack_bool_saved`
+  are :func:`tick` and the kernel in one op, so that a graph reads the saved value once.
 
 32-bit multiplications are done on 16-bit halves in int64, so that no product overflows (the low 32 bits of
 ``h * c`` are ``(h_lo * c + ((h_hi * c) << 16)) mod 2**32``).
@@ -59,6 +60,8 @@ __all__ = [
     "kernel_dequantize",
     "kernel_pack_bool",
     "kernel_unpack_bool",
+    "kernel_quantize_saved",
+    "kernel_pack_bool_saved",
 ]
 
 _MASK = 0xFFFFFFFF
@@ -90,6 +93,9 @@ def _(like: torch.Tensor) -> torch.Tensor:
 # A graph captured by CUDA graphs would replay the counter's launch without calling the listener, and draw
 # the same noise every step: the op is marked so that Inductor leaves it out of captured regions.
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# The ops that read a saved value take it in any layout: Inductor may then hand them the buffer that holds it
+# rather than a copy with the strides the value had when traced.
+_SAVED_TAGS = _TAGS + ((torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ())
 _LISTENERS: dict[int, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
 _TOKENS = itertools.count(1)
 
@@ -111,15 +117,19 @@ def new_token(listener: Callable[[int, torch.Tensor, torch.Tensor], None]) -> in
     return token
 
 
-@torch.library.custom_op("gactx::tick", mutates_args=(), tags=_TAGS)
-def tick(like: torch.Tensor, token: int) -> torch.Tensor:
-    """A new int64 count on ``like``'s device (as :func:`fresh_seed`'s counter, nothing read back); tells the
-    token's listener that it ran."""
+def _tick(like: torch.Tensor, token: int) -> torch.Tensor:
     count = _counter(like.device).add_(1).clone()
     listener = _LISTENERS.get(token)
     if listener is not None:
         listener(token, like, count)
     return count
+
+
+@torch.library.custom_op("gactx::tick", mutates_args=(), tags=_TAGS)
+def tick(like: torch.Tensor, token: int) -> torch.Tensor:
+    """A new int64 count on ``like``'s device (as :func:`fresh_seed`'s counter, nothing read back); tells the
+    token's listener that it ran."""
+    return _tick(like, token)
 
 
 @tick.register_fake
@@ -215,6 +225,38 @@ def kernel_dequantize(
 @kernel_dequantize.register_fake
 def _(codes, meta, bits, group_size, n, dtype, backend):
     return codes.new_empty(n, dtype=dtype)
+
+
+@torch.library.custom_op("gactx::quantize_saved", mutates_args=(), tags=_SAVED_TAGS)
+def kernel_quantize_saved(
+    t: torch.Tensor, bits: int, group_size: int, stochastic: bool, salt: int, backend: str, token: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tick` and :func:`kernel_quantize` of ``t`` (any shape, flattened) in one op: ``(codes, meta,
+    count)``. One op reading the saved value: Inductor copies a view of a value it has not stored yet into a
+    buffer of its own for each opaque op that reads it, so two ops held two full-size copies at once."""
+    count = _tick(t, token)
+    codes, meta = kernel_quantize(t.reshape(-1), bits, group_size, stochastic, salt, backend)
+    return codes, meta, count
+
+
+@kernel_quantize_saved.register_fake
+def _(t, bits, group_size, stochastic, salt, backend, token):
+    codes, meta = _allocate(t.reshape(-1), bits, group_size)
+    return codes, meta, torch.empty((), dtype=torch.int64, device=t.device)
+
+
+@torch.library.custom_op("gactx::pack_bool_saved", mutates_args=(), tags=_SAVED_TAGS)
+def kernel_pack_bool_saved(t: torch.Tensor, backend: str, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tick` and :func:`kernel_pack_bool` of a bool ``t`` (any shape, flattened) in one op:
+    ``(packed, count)``."""
+    count = _tick(t, token)
+    return kernel_pack_bool(t.reshape(-1), backend), count
+
+
+@kernel_pack_bool_saved.register_fake
+def _(t, backend, token):
+    packed = t.new_empty(-(-t.numel() // 8), dtype=torch.uint8)
+    return packed, torch.empty((), dtype=torch.int64, device=t.device)
 
 
 @torch.library.custom_op("gactx::pack_bool", mutates_args=())

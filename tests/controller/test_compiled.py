@@ -236,10 +236,10 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
     with gactx.Controller(model, level="L1.1"):
         grads(compiled, model, x)
     fw, bw = list(graphs["fw"].nodes), list(graphs["bw"].nodes)
-    quantize = [n for n in fw if n.target is torch.ops.gactx.quantize.default]
+    quantize = [n for n in fw if n.target is torch.ops.gactx.quantize_saved.default]
     assert len(quantize) >= 6
     for q in quantize:
-        source = q.args[0]  # the flattened saved tensor
+        source = q.args[0]  # the saved tensor
         while source.op == "call_function" and "view" in str(source.target):
             source = source.args[0]
         between = fw[fw.index(source) + 1 : fw.index(q)]

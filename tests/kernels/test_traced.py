@@ -107,6 +107,21 @@ def test_tick_tells_its_listener_each_run_of_a_compiled_graph():
     assert int(second) == int(first) + 1 and heard[1][2] == int(second)
 
 
+def test_the_saved_value_ops_tick_and_encode_in_one_op():
+    """``quantize_saved`` and ``pack_bool_saved``: the kernel's bytes for a value in any layout (they take
+    whatever strides Inductor hands them), and the listener told once each."""
+    heard = []
+    token = traced.new_token(lambda token, like, count: heard.append((tuple(like.shape), int(count))))
+    x = torch.randn(24, 40).t()  # not contiguous
+    codes, meta, count = traced.kernel_quantize_saved(x, 4, 32, False, 7, "auto", token)
+    ref_codes, ref_meta = traced.kernel_quantize(x.reshape(-1), 4, 32, False, 7, "auto")
+    assert torch.equal(codes, ref_codes) and torch.equal(meta, ref_meta)
+    mask = x > 0
+    packed, count2 = traced.kernel_pack_bool_saved(mask, "auto", token)
+    assert torch.equal(packed, traced.pack_bool(mask.reshape(-1)))
+    assert heard == [((40, 24), int(count)), ((40, 24), int(count2))] and int(count2) == int(count) + 1
+
+
 def test_a_token_holds_a_bound_method_weakly():
     class Owner:
         def __init__(self):
