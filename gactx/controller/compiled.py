@@ -16,12 +16,12 @@ node it is shown (``_get_saved_tensor_hook_context``: the forward and backward g
   read from the node's op and from how the backward graph uses it: ``eq``, ``log``, a division by it).
   Parameters and graph inputs never reach the hook (AOTAutograd's default filtering, "donated": only
   intermediates whose memory the graph owns).
-- bool: 1 bit an element, lossless.
+- bool: 1 bit an element, lossless (the bit-packing kernel as a custom op, ``traced.kernel_pack_bool_saved``).
 - Attention: ``exp``/``softmax`` results and what is divided out of an ``exp`` result (a softmax the graph
   decomposed) get at least ``ATTENTION_BITS``.
 - Anything else is quantized at the width: the level's, or at adaptive levels the widest the allocation
   gave the eager saves of that shape in the modules that made or used it. By the format's kernels (Triton,
-  C++) as custom ops the graph calls (``traced.kernel_quantize``; ``backend="auto"``, ``"triton"``,
+  C++) as custom ops the graph calls (``traced.kernel_quantize_saved``; ``backend="auto"``, ``"triton"``,
   ``"cpp"``), or with ``backend="torch"`` in torch ops (``traced.quantize``) that Inductor compiles into the
   graph's own code and fuses (the same bytes deterministically, longer to compile).
 
@@ -29,10 +29,11 @@ The op rules that need the op's own test or its function (masks decoded from ReL
 of GELU inputs, pooling inputs stored as nothing) are eager-only: a compiled graph has decomposed those
 ops, and one saved node serves every backward use of the value.
 
-Every save the hook handles also calls ``traced.tick`` in the forward graph: at run time it tells the
-controller which saves ran (the records of ``memory_stats()`` and ``report()``), and with
-``backend="torch"`` its count, a counter on the device, seeds the noise (the C++ kernels' hash of (seed,
-index)). Either way a graph draws new noise every step without recompiling.
+Every save the hook handles ticks in the forward graph (``traced.tick``, or inside the kernel's op,
+``traced.kernel_quantize_saved``, so that one op reads the value): at run time it tells the controller which
+saves ran (the records of ``memory_stats()`` and ``report()``), and with ``backend="torch"`` its count, a
+counter on the device, seeds the noise (the C++ kernels' hash of (seed, index)). Either way a graph draws
+new noise every step without recompiling.
 """
 
 from __future__ import annotations
