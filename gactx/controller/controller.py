@@ -26,7 +26,7 @@ from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import ALLOCATED
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import MemoryStats, PassStats
-from gactx.controller.store import Packed
+from gactx.controller.store import Kept, Packed
 
 __all__ = ["Controller", "Packed"]
 
@@ -358,4 +358,4 @@ class Controller:
 
     @staticmethod
     def _unpack(packed):
-        return packed.unpack() if isinstance(packed, Packed) else packed
+        return packed.unpack() if isinstance(packed, (Packed, Kept)) else packed

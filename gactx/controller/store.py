@@ -21,7 +21,7 @@ from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes
 from gactx.kernels.fewbit import fewbit_table
 
-__all__ = ["Packed", "Unused", "as_is", "encode", "mask_values"]
+__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +47,34 @@ def as_is(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.grad_fn is not None else t
 
 
+def modified_in_place(t: torch.Tensor, saved: int) -> RuntimeError:
+    """Autograd's own error for a saved tensor changed in place after its save. Saved-tensor hooks skip
+    autograd's check of the saved tensor's version counter, so gactx makes it (the counter is read on the
+    host: nothing synchronizes)."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {saved} instead. Hint: "
+        "the tensor was saved for backward (and compressed by gactx); enable anomaly detection to find the "
+        "operation that failed to compute its gradient, with torch.autograd.set_detect_anomaly(True)."
+    )
+
+
+class Kept:
+    """A tensor kept as it is (:func:`as_is` of the saved tensor: itself, or an alias sharing its version
+    counter) and the version it had when saved: unpacked after an in-place change, it raises as autograd
+    does."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise modified_in_place(self.tensor, self.version)
+        return self.tensor
+
+
 class Packed:
     """What autograd holds instead of a saved activation: what its rule stored (a ``QuantizedTensor``, its
     ``HostCopy`` in pinned CPU memory, a ``CodedTensor``, an ``Unused``, or a tensor kept as it is) and its
@@ -56,10 +84,13 @@ class Packed:
     A tensor that is still alive and unchanged when backward unpacks it (a batch the training loop holds,
     a graph's features, a tensor another op keeps as it is) is read from where it lives: its values cost
     nothing there, and backward then computes exactly what plain PyTorch computes. Unchanged: the same
-    storage and version counter as at the save; an in-place change after it falls back to what was stored.
+    storage and version counter as at the save. The saved tensor itself changed in place since (its version
+    counter moved, through it or a view sharing the counter): unpacking raises autograd's own error.
+    Another storage swapped in (``.data = ...``, no version change), or a change to a base whose counter the
+    saved tensor does not share: what was stored is decoded.
     """
 
-    __slots__ = ("stored", "key", "source", "backend", "view", "__weakref__")
+    __slots__ = ("stored", "key", "source", "saved", "version", "through_base", "backend", "view", "__weakref__")
 
     def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None) -> None:
         """``ptr``: the address of ``source``'s storage, where the caller has it already."""
@@ -67,11 +98,17 @@ class Packed:
         self.stored = stored
         self.key = key
         self.source = weakref.ref(owner)  # dedupe is valid only while the storage lives
+        # The saved tensor's version counter, as autograd checks it: read from the tensor while it lives (its
+        # Python object lives as long as the tensor does), else from its base if it was a view (a view shares
+        # its base's counter); once both are gone nothing can change it.
+        self.saved, self.version = weakref.ref(source), source._version
+        self.through_base = source._base is not None
         self.backend = backend
         ptr = storage_ptr(owner) if ptr is None else ptr
         self.view = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
 
     def unpack(self) -> torch.Tensor:
+        self._check_version()
         s = self.stored
         if isinstance(s, torch.Tensor):
             return s
@@ -85,6 +122,16 @@ class Packed:
         if isinstance(s, CodedTensor):
             return decode_codes(s)
         return s.decode()
+
+    def _check_version(self) -> None:
+        saved = self.saved()
+        if saved is not None:
+            if saved._version != self.version:
+                raise modified_in_place(saved, self.version)
+            return
+        base = self.source() if self.through_base else None
+        if base is not None and base._version != self.view[4]:
+            raise modified_in_place(base, self.view[4])
 
     def _still_alive(self) -> torch.Tensor | None:
         """The saved tensor itself, if something outside gactx still holds it, unchanged since the save."""

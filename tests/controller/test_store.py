@@ -2,11 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
 from gactx.controller.rules import DROPOUT, UNUSED, Site, rule_for
-from gactx.controller.store import Packed, Unused, encode
-from gactx.kernels import dequantize
+from gactx.controller.store import Kept, Packed, Unused, encode
 from gactx.kernels.codes import CodedTensor
 from gactx.kernels.fewbit import fewbit_table
 
@@ -93,16 +93,69 @@ def test_a_saved_tensor_still_alive_and_unchanged_is_read_where_it_lives():
     assert not torch.equal(two_bits[1], full[1]), "the first layer's output dies after the forward: decoded"
 
 
-def test_a_tensor_changed_in_place_after_its_save_is_decoded():
+def test_a_tensor_changed_in_place_after_its_save_raises_as_autograd_does():
     x = torch.randn(256, 64)
     stored = _encode(x, rule_for(Site("addmm", role="mat1")), bits=2)
     handle = Packed(stored, None, x, "torch")
     view = Packed(stored, None, x[:, :32], "torch")
     assert torch.equal(handle.unpack(), x) and torch.equal(view.unpack(), x[:, :32])
-    decoded = dequantize(stored, backend="torch")
     x.mul_(2)
-    assert torch.equal(handle.unpack(), decoded), "the values of the save, not the changed ones"
+    for h in (handle, view):  # a view shares its base's version counter
+        with pytest.raises(RuntimeError, match="modified by an inplace operation: .* at version 1; expected version 0"):
+            h.unpack()
     y = torch.randn(256, 64)
     handle = Packed(_encode(y, rule_for(Site("addmm", role="mat1")), bits=2), None, y, "torch")
-    y.data = torch.zeros(256, 64)  # another storage, the version counter untouched
+    y.data = torch.zeros(256, 64)  # another storage, the version counter untouched: the save is decoded
     assert not torch.equal(handle.unpack(), y)
+    z = torch.randn(64)
+    kept = Kept(z.detach(), z._version)
+    assert kept.unpack() is kept.tensor
+    z.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        kept.unpack()
+
+
+@pytest.mark.parametrize("level", ["L0", "L1.1", "L1.2"])
+@pytest.mark.parametrize("change", ["input", "relu output", "weight"])
+def test_in_place_changes_before_backward_raise_at_every_level_as_without_gactx(level, change):
+    import gactx
+
+    def step(with_gactx: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        x = torch.randn(128, 64)
+        controller = gactx.Controller(model, level=level, min_numel=0).install_hook() if with_gactx else None
+        h = model[1](model[0](x))
+        out = model[2](h)
+        if controller is not None:
+            controller.uninstall_hook()
+        changed = {"input": x, "relu output": h, "weight": model[2].weight}[change]
+        with torch.no_grad():
+            changed.add_(1)
+        return out.sum(), changed  # the caller holds the changed tensor
+
+    loss, changed = step(False)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        loss.backward()
+    loss, changed = step(True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as ours:
+        loss.backward()
+    assert str(ours.value).split(":")[0] == str(plain.value).split(":")[0]
+
+
+def test_a_compressed_tensor_changed_and_gone_before_backward_is_decoded_as_saved():
+    """The documented limit: a compressed tensor that nothing holds any more at backward cannot be asked for its
+    version (autograd keeps the counter; a hook can keep only the tensor, which is what compression frees),
+    so a change made to it before it went is not seen: backward uses the values it had when saved."""
+    import gactx
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    with gactx.Controller(lin, level="L1.1", min_numel=0):
+        h = torch.randn(128, 64) * 1.0
+        out = lin(h)
+    with torch.no_grad():
+        h.add_(1)
+    del h
+    out.sum().backward()  # plain PyTorch would raise here
+    assert torch.isfinite(lin.weight.grad).all()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import gactx
 from gactx.controller import Packed
+from gactx.controller.store import Kept
 from gactx.kernels import QuantizedTensor
 from gactx.kernels.codes import CodedTensor
 from tests.controller.zoo import ZOO, build
@@ -87,7 +88,7 @@ def held_bytes(model, controller, run, seed=0):
         run()
     objects, storages = {}, {}
     for r in returned:
-        stored = r.stored if isinstance(r, Packed) else r
+        stored = r.stored if isinstance(r, Packed) else r.tensor if isinstance(r, Kept) else r
         if isinstance(stored, torch.Tensor):
             ptr = stored.untyped_storage().data_ptr()
             if ptr not in model_ptrs:
