@@ -41,27 +41,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"activations: bytes held between forward and backward, from the {memory}")
     print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)\n")
     start = time.perf_counter()
-    rows = [run_one(model, method, "fp32", run_args) for model in MODELS for method in METHODS]
-    rows += [run_one(COMPILED[0], method, "fp32", run_args, compiled=True) for method in COMPILED[1]]
-    compare(rows)
     header = (
         f"{'model':<11}{'method':<12}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
         f"{'step':>10}"
     )
     print(header)
-    print("-" * len(header))
-    for r in rows:
-        saved = f"{r.get('activation_ratio', 1.0):.1f}x"
-        suffix = r["method"][r["method"].find("+") :] if "+" in r["method"] else ""
-        full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp" + suffix)
-        lower = f"{full['peak_mib'] / r['peak_mib']:.1f}x"
-        print(
-            f"{r['model']:<11}{r['method']:<12}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
-            f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms"
-        )
+    print("-" * len(header), flush=True)
+    runs = [(model, method, False) for model in MODELS for method in METHODS]
+    runs += [(COMPILED[0], method, True) for method in COMPILED[1]]
+    rows = []
+    for model, method, compiled in runs:  # each row as soon as its run ends (full precision runs first)
+        rows.append(run_one(model, method, "fp32", run_args, compiled=compiled))
+        compare(rows)
+        _print_row(rows[-1], rows)
     print(f"\n{time.perf_counter() - start:.0f} s in all. gactx compresses on a CPU with its C++ kernels and on a")
     print("GPU with its Triton kernels; the activation bytes are what any device would hold.")
     return rows
+
+
+def _print_row(r: dict, rows: list[dict]) -> None:
+    saved = f"{r.get('activation_ratio', 1.0):.1f}x"
+    suffix = r["method"][r["method"].find("+") :] if "+" in r["method"] else ""
+    full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp" + suffix)
+    lower = f"{full['peak_mib'] / r['peak_mib']:.1f}x"
+    print(
+        f"{r['model']:<11}{r['method']:<12}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
+        f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
