@@ -38,7 +38,7 @@ from gactx.controller.rules import (
     rule_for,
 )
 from gactx.controller.stats import KeyRecord, PassStats
-from gactx.controller.store import Kept, Packed, as_is, encode
+from gactx.controller.store import Kept, Packed, encode
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
 
@@ -134,15 +134,15 @@ class PackPath:
         ptr = storage_ptr(t)
         reason = keep_reason(t, ptr, cfg.min_numel, self._ptrs)
         if reason == KEEP_PARAMETER:
-            return Kept(as_is(t), t._version)
+            return Kept.of(t)
         key = self.tracker.key(t)
         ptr = ptr or 0
         if cfg.dedupe and stats.holds(ptr):
             stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
-            return Kept(as_is(t), t._version)
+            return Kept.of(t)
         if reason is not None or cfg.bits is None:
             self._record(t, key, ptr, None, None, reason or "L0", None)
-            return Kept(as_is(t), t._version)
+            return Kept.of(t)
         if self.watching:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input

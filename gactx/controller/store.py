@@ -69,6 +69,11 @@ class Kept:
     def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor, self.version = tensor, version
 
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Kept:
+        """``t`` kept as it is (:func:`as_is`), at its version now."""
+        return cls(as_is(t), t._version)
+
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
             raise modified_in_place(self.tensor, self.version)

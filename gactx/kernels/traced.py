@@ -196,15 +196,27 @@ def dequantize(
 _DRAWS = itertools.count(1)
 
 
+def _kernel_codes(flat, bits, group_size, stochastic, salt, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    seed = ((next(_DRAWS) * 0x9E3779B97F4A7C15) ^ (salt * 0xC2B2AE3D27D4EB4F)) & ((1 << 62) - 1)
+    q = _quantize(flat, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
+    return q.data, q.meta
+
+
+def _kernel_bits(flat: torch.Tensor, backend: str) -> torch.Tensor:
+    return _quantize(flat, 1, backend=backend).data
+
+
+def _bits_like(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(-(-t.numel() // 8), dtype=torch.uint8)
+
+
 @torch.library.custom_op("gactx::quantize", mutates_args=())
 def kernel_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, salt: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, meta)`` of a contiguous 1-D float tensor by the format's kernel for ``backend``; a new noise
     seed at every call (``salt`` tells callers apart)."""
-    seed = ((next(_DRAWS) * 0x9E3779B97F4A7C15) ^ (salt * 0xC2B2AE3D27D4EB4F)) & ((1 << 62) - 1)
-    q = _quantize(flat, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
-    return q.data, q.meta
+    return _kernel_codes(flat, bits, group_size, stochastic, salt, backend)
 
 
 @kernel_quantize.register_fake
@@ -235,7 +247,7 @@ def kernel_quantize_saved(
     count)``. One op reading the saved value: Inductor copies a view of a value it has not stored yet into a
     buffer of its own for each opaque op that reads it, so two ops held two full-size copies at once."""
     count = _tick(t, token)
-    codes, meta = kernel_quantize(t.reshape(-1), bits, group_size, stochastic, salt, backend)
+    codes, meta = _kernel_codes(t.reshape(-1), bits, group_size, stochastic, salt, backend)
     return codes, meta, count
 
 
@@ -250,13 +262,12 @@ def kernel_pack_bool_saved(t: torch.Tensor, backend: str, token: int) -> tuple[t
     """:func:`tick` and :func:`kernel_pack_bool` of a bool ``t`` (any shape, flattened) in one op:
     ``(packed, count)``."""
     count = _tick(t, token)
-    return kernel_pack_bool(t.reshape(-1), backend), count
+    return _kernel_bits(t.reshape(-1), backend), count
 
 
 @kernel_pack_bool_saved.register_fake
 def _(t, backend, token):
-    packed = t.new_empty(-(-t.numel() // 8), dtype=torch.uint8)
-    return packed, torch.empty((), dtype=torch.int64, device=t.device)
+    return _bits_like(t), torch.empty((), dtype=torch.int64, device=t.device)
 
 
 @torch.library.custom_op("gactx::pack_bool", mutates_args=())
@@ -264,12 +275,12 @@ def kernel_pack_bool(flat: torch.Tensor, backend: str) -> torch.Tensor:
     """A contiguous 1-D bool tensor packed 8 to a byte by the format's kernel for ``backend``. Opaque to
     Inductor, so the mask is made once: traced (:func:`pack_bool`), a mask no other output holds (a dropout's)
     is recomputed, random draws included, in each kernel that reads it."""
-    return _quantize(flat, 1, backend=backend).data
+    return _kernel_bits(flat, backend)
 
 
 @kernel_pack_bool.register_fake
 def _(flat, backend):
-    return flat.new_empty(-(-flat.numel() // 8), dtype=torch.uint8)
+    return _bits_like(flat)
 
 
 @torch.library.custom_op("gactx::unpack_bool", mutates_args=())
