@@ -62,7 +62,7 @@ from gactx.controller.stats import KeyRecord
 from gactx.kernels import traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 
-__all__ = ["HookGraph", "CompiledPath", "GraphSave", "in_compiled_graph"]
+__all__ = ["HookGraph", "CompiledPath", "GraphSave", "dynamo_active", "in_compiled_graph"]
 
 # Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
 # backward graph).
@@ -81,6 +81,21 @@ except ImportError:  # a torch without graph hooks' context: every call is eager
 def in_compiled_graph() -> bool:
     """Whether a saved-tensor hook is being traced into a compiled graph now."""
     return _hook_context() is not None
+
+
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_callback
+except ImportError:  # a torch without it: every eager call goes through torch.compiler.disable
+
+    def _frame_callback() -> object:
+        return True
+
+
+def dynamo_active() -> bool:
+    """Whether TorchDynamo intercepts Python frames now: inside a function compiled by ``torch.compile``,
+    between its graphs. Outside one (plain eager code) nothing would trace a hook, so the hooks skip
+    ``torch.compiler.disable``'s wrapper, which costs a few microseconds a call."""
+    return _frame_callback() is not None
 
 
 def _uncached(x):

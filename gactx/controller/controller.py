@@ -18,7 +18,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.compiled import CompiledPath, HookGraph, in_compiled_graph
+from gactx.controller.compiled import CompiledPath, HookGraph, dynamo_active, in_compiled_graph
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
@@ -120,16 +120,22 @@ class Controller:
         """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
         that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
         hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
-        # Eagerly, compression is data movement outside any graph: marked so, torch.compile does not try to
-        # trace it (and break the graph on storage addresses).
-        pack, unpack = torch.compiler.disable(self._path.pack), torch.compiler.disable(self._unpack)
+        # Eagerly, compression is data movement outside any graph: where TorchDynamo is active (the eager
+        # parts of a compiled function), it is marked so, and torch.compile does not try to trace it (and
+        # break the graph on storage addresses).
+        eager_pack, eager_unpack = self._path.pack, self._unpack
+        pack, unpack = torch.compiler.disable(eager_pack), torch.compiler.disable(eager_unpack)
         compiled = self._compiled
 
         def pack_hook(t):
-            return compiled.pack(t) if in_compiled_graph() else pack(t)
+            if in_compiled_graph():
+                return compiled.pack(t)
+            return pack(t) if dynamo_active() else eager_pack(t)
 
         def unpack_hook(packed):
-            return compiled.unpack(packed) if in_compiled_graph() else unpack(packed)
+            if in_compiled_graph():
+                return compiled.unpack(packed)
+            return unpack(packed) if dynamo_active() else eager_unpack(packed)
 
         return HookGraph(pack_hook), HookGraph(unpack_hook)
 
@@ -353,8 +359,15 @@ class Controller:
             self._warned_offload = True
 
     def _model_ptrs(self) -> frozenset[int]:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return frozenset(p for p in map(storage_ptr, tensors) if p is not None)
+        """The storages of the model's parameters and buffers, read once a pass (one walk of the modules)."""
+        ptrs = set()
+        for module in self.model.modules():
+            for tensors in (module._parameters, module._buffers):
+                for t in tensors.values():
+                    if t is not None:
+                        ptrs.add(storage_ptr(t))
+        ptrs.discard(None)
+        return frozenset(ptrs)
 
     @staticmethod
     def _unpack(packed):

@@ -18,7 +18,7 @@ from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_owner, storage_ptr
 from gactx.controller.rules import Rule
 from gactx.kernels import QuantizedTensor, dequantize, quantize
-from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes
+from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes, encode_compare
 from gactx.kernels.fewbit import fewbit_table
 
 __all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place"]
@@ -202,6 +202,16 @@ def _predicate(t: torch.Tensor, pred: tuple) -> torch.Tensor:
     return t >= lo if lo is not None else t <= hi
 
 
+def _compare_args(pred: tuple) -> tuple[str, float, float]:
+    """:func:`_predicate`'s test as the C++ kernel's ``(kind, lo, hi)``."""
+    kind, lo, hi = pred[0], pred[1], pred[2] if len(pred) > 2 else None
+    if kind in ("between", "open"):
+        kind = "open"
+    elif kind == "closed" and (lo is None or hi is None):
+        kind = "le" if lo is None else "ge"
+    return kind, (0.0 if lo is None else lo), (0.0 if hi is None else hi)
+
+
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
@@ -226,7 +236,9 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
         values = mask_values(rule, t.dtype)
         if values is None:
             return as_is(t)
-        return encode_codes(_predicate(t, rule.pred), 1, _table(values, t.dtype, t.device), backend)
+        table = _table(values, t.dtype, t.device)
+        coded = encode_compare(t, *_compare_args(rule.pred), table, backend)  # C++: no bool tensor between
+        return coded if coded is not None else encode_codes(_predicate(t, rule.pred), 1, table, backend)
     if kind == "sign":
         code = (t > 0).to(torch.uint8) + 2 * (t < 0).to(torch.uint8) + 3 * t.isnan().to(torch.uint8)
         return encode_codes(code, 2, _table((0.0, 1.0, -1.0, math.nan), t.dtype, t.device), backend)

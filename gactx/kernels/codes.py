@@ -24,10 +24,10 @@ from typing import NamedTuple
 import torch
 
 from gactx.kernels import cpu
-from gactx.kernels.format import memory_order, restore_order
+from gactx.kernels.format import QuantizedTensor, memory_order, restore_order
 from gactx.kernels.functional import choose_backend, dequantize, quantize
 
-__all__ = ["CodedTensor", "encode_codes", "encode_bins", "decode_codes", "coded_nbytes"]
+__all__ = ["CodedTensor", "encode_codes", "encode_compare", "encode_bins", "decode_codes", "coded_nbytes"]
 
 CODE_WIDTHS = (1, 2, 4, 8)
 
@@ -88,6 +88,19 @@ def encode_codes(codes: torch.Tensor, bits: int, table: torch.Tensor, backend: s
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=c.device)
         packed = (c.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
     return CodedTensor(packed, table, bits, codes.shape, table.dtype, dense_shape, perm, backend)
+
+
+def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torch.Tensor, backend: str = "auto"):
+    """What ``encode_codes(test, 1, table)`` stores for the bool ``test`` of ``t`` against its bounds (the kinds
+    of :func:`gactx.kernels.cpu.pack_compare`), made in one pass by the C++ kernel, no bool tensor between;
+    ``None`` where that kernel does not run (not a CPU tensor, not ``"cpp"`` or ``"auto"``, not built): then
+    the caller tests with torch ops and calls :func:`encode_codes`."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or choose_backend(t, backend) != "cpp":
+        return None
+    flat, dense_shape, perm = memory_order(t)
+    packed = cpu.pack_compare(flat.contiguous(), kind, lo, hi)
+    mask = QuantizedTensor(packed, None, 1, 256, flat.shape, torch.bool, flat.shape, None)
+    return CodedTensor(mask, table, 1, t.shape, table.dtype, dense_shape, perm, backend)
 
 
 def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):

@@ -32,7 +32,8 @@ import torch
 from gactx.kernels.quantize import _allocate, step_factor
 
 __all__ = [
-    "available", "extension", "quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "unpack_bool",
+    "available", "extension", "quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "pack_compare",
+    "unpack_bool",
 ]  # fmt: skip
 
 log = logging.getLogger("gactx")
@@ -262,18 +263,23 @@ void encode_bins_impl(const T* x, int64_t n, const T* edges, int64_t count, uint
   });
 }
 
-// BITS a constant: the divisions become shifts, and whole bytes decode in an unrolled loop.
+// BITS a constant: the divisions become shifts. Below 8 bits each of the 256 bytes' P values are looked up
+// once (at most 8 KiB), and a whole byte decodes as one copy of P values.
 template <typename T, int BITS>
 void decode_table_bits(const uint8_t* __restrict packed, const T* table, T* __restrict out, int64_t n) {
   constexpr int P = 8 / BITS, M = (1 << BITS) - 1;
   T lut[1 << BITS];
   for (int c = 0; c <= M; ++c) lut[c] = table[c];
+  std::vector<T> wide(P > 1 ? 256 * P : 0);
+  for (int byte = 0; P > 1 && byte < 256; ++byte)
+    for (int k = 0; k < P; ++k) wide[byte * P + k] = lut[(byte >> (k * BITS)) & M];
   const int64_t whole = n / P;  // bytes all of whose codes are elements
   at::parallel_for(0, whole, kGrainBytes / int64_t(P * sizeof(T)), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const unsigned byte = packed[b];
-      T* o = out + b * P;
-      for (int k = 0; k < P; ++k) o[k] = lut[(byte >> (k * BITS)) & M];
+    if (P == 1) {
+      for (int64_t b = b0; b < b1; ++b) out[b] = lut[packed[b]];
+    } else {
+      const T* w = wide.data();
+      for (int64_t b = b0; b < b1; ++b) std::memcpy(out + b * P, w + packed[b] * P, P * sizeof(T));
     }
   });
   for (int64_t i = whole * P; i < n; ++i) out[i] = lut[(packed[i / P] >> ((i % P) * BITS)) & M];
@@ -289,20 +295,69 @@ void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n,
   }
 }
 
+// Eight 0/1 bytes (element i in byte i) as one byte, element i in bit i: the multiply moves byte i's bit to
+// bit 56 + i, with no two partial products on one bit (no carries).
+inline uint8_t pack8(const uint8_t* b) {
+  uint64_t v;
+  std::memcpy(&v, b, 8);
+  return uint8_t((v * 0x0102040810204080ull) >> 56);
+}
+
 void pack_bool_impl(const uint8_t* __restrict mask, int64_t n, uint8_t* __restrict packed) {
   const int64_t whole = n / 8;  // bytes of 8 elements
   at::parallel_for(0, whole, kGrainBytes / 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* m = mask + b * 8;
-      uint8_t byte = 0;
-      for (int i = 0; i < 8; ++i) byte |= uint8_t((m[i] & 1) << i);
-      packed[b] = byte;
-    }
+    for (int64_t b = b0; b < b1; ++b) packed[b] = pack8(mask + b * 8);  // a bool's byte is 0 or 1
   });
   if (whole * 8 < n) {
     uint8_t byte = 0;
     for (int64_t i = whole * 8; i < n; ++i) byte |= uint8_t((mask[i] & 1) << (i - whole * 8));
     packed[whole] = byte;
+  }
+}
+
+// The op's own test of an element against its bounds (float32 bounds; a 16-bit tensor's bounds are exact in
+// its dtype, so comparing in float32 is comparing in it): KIND 0 v > lo, 1 lo < v < hi, 2 not lo <= v <= hi,
+// 3 lo <= v <= hi, 4 v >= lo, 5 v <= hi. NaN fails every test but 2's, as in torch.
+template <int KIND>
+inline bool compare(float v, float lo, float hi) {
+  if (KIND == 0) return v > lo;
+  if (KIND == 1) return (v > lo) & (v < hi);
+  if (KIND == 2) return !((v >= lo) & (v <= hi));
+  if (KIND == 3) return (v >= lo) & (v <= hi);
+  if (KIND == 4) return v >= lo;
+  return v <= hi;
+}
+
+// The test's result packed 8 to a byte (pack_bool's layout), with no bool tensor between: tested a block at a
+// time into bytes (a loop the compiler vectorizes), then packed.
+template <typename T, int KIND>
+void pack_compare_kind(const T* __restrict x, int64_t n, uint8_t* __restrict packed, float lo, float hi) {
+  constexpr int64_t kBlock = 512;  // elements a block: 64 packed bytes
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / int64_t(kBlock * sizeof(T)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) uint8_t q[kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * kBlock, m = std::min(kBlock, n - start);
+      const T* xb = x + start;
+      for (int64_t k = 0; k < m; ++k) q[k] = uint8_t(compare<KIND>(to_float(xb[k]), lo, hi));
+      for (int64_t k = m; k < kBlock; ++k) q[k] = 0;
+      uint8_t* out = packed + start / 8;
+      const int64_t bytes = (m + 7) / 8;
+      for (int64_t j = 0; j < bytes; ++j) out[j] = pack8(q + 8 * j);
+    }
+  });
+}
+
+template <typename T>
+void pack_compare_impl(const T* x, int64_t n, uint8_t* packed, int kind, float lo, float hi) {
+  switch (kind) {
+    case 0: pack_compare_kind<T, 0>(x, n, packed, lo, hi); break;
+    case 1: pack_compare_kind<T, 1>(x, n, packed, lo, hi); break;
+    case 2: pack_compare_kind<T, 2>(x, n, packed, lo, hi); break;
+    case 3: pack_compare_kind<T, 3>(x, n, packed, lo, hi); break;
+    case 4: pack_compare_kind<T, 4>(x, n, packed, lo, hi); break;
+    default: pack_compare_kind<T, 5>(x, n, packed, lo, hi); break;
   }
 }
 
@@ -348,6 +403,12 @@ void pack_bool(at::Tensor mask, at::Tensor packed) {
   pack_bool_impl(reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()), mask.numel(), packed.data_ptr<uint8_t>());
 }
 
+void pack_compare(at::Tensor x, at::Tensor packed, int64_t kind, double lo, double hi) {
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && kind >= 0 && kind <= 5);
+  GACTX_DISPATCH(x.scalar_type(), pack_compare_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
+                 packed.data_ptr<uint8_t>(), int(kind), float(lo), float(hi)));
+}
+
 void unpack_bool(at::Tensor packed, at::Tensor mask) {
   TORCH_CHECK(mask.is_contiguous() && packed.is_contiguous() && mask.scalar_type() == at::kBool);
   advise_huge_pages(mask.data_ptr(), mask.nbytes());
@@ -363,7 +424,7 @@ void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t b
 }
 """
 
-_FUNCTIONS = ["quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "unpack_bool"]
+_FUNCTIONS = ["quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "pack_compare", "unpack_bool"]
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -444,6 +505,20 @@ def pack_bool(flat: torch.Tensor) -> torch.Tensor:
     ``bitmask.py``)."""
     packed = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
     extension().pack_bool(flat, packed)
+    return packed
+
+
+# The tests of :func:`pack_compare`, by name: ``(kind, lo, hi)`` -> the kernel's KIND.
+COMPARE_KINDS = {"gt": 0, "open": 1, "outside": 2, "closed": 3, "ge": 4, "le": 5}
+
+
+def pack_compare(flat: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
+    """A contiguous float tensor's test against its bounds (``COMPARE_KINDS``: ``gt`` is ``flat > lo``,
+    ``open`` ``lo < flat < hi``, ``outside`` not ``lo <= flat <= hi``, ``closed`` ``lo <= flat <= hi``, ``ge``
+    and ``le`` one bound), packed as :func:`pack_bool` packs the bool result, without the bool tensor. The bounds
+    are compared in float32: a float16 or bfloat16 tensor's must be exact in its dtype."""
+    packed = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
+    extension().pack_compare(flat, packed, COMPARE_KINDS[kind], lo, hi)
     return packed
 
 

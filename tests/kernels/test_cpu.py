@@ -130,3 +130,46 @@ def test_one_bit_codes_decode_through_the_table_without_a_mask():
     coded = encode_codes(t > 0, 1, table, backend="cpp")
     assert torch.equal(decode_codes(coded), torch.where(t > 0, 2.5, -1.5))
     assert decode_codes(coded).stride() == t.stride()
+
+
+COMPARES = {
+    "gt": lambda t, lo, hi: t > lo,
+    "open": lambda t, lo, hi: (t > lo) & (t < hi),
+    "outside": lambda t, lo, hi: ~((t >= lo) & (t <= hi)),
+    "closed": lambda t, lo, hi: (t >= lo) & (t <= hi),
+    "ge": lambda t, lo, hi: t >= lo,
+    "le": lambda t, lo, hi: t <= hi,
+}
+
+
+@pytest.mark.parametrize("kind", list(COMPARES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 9, 4099])
+def test_a_comparison_packs_as_torch_compares_then_packs(kind, dtype, n):
+    """Bounds of float32 tensors round to float32 as torch's scalar does (0.1 is not a float32); 16-bit
+    tensors' bounds are exact in their dtype (mask_values keeps the others as they are); NaN and the
+    bounds themselves included."""
+    from gactx.kernels.bitmask import torch_pack_bool
+
+    lo, hi = (0.1, 0.7) if dtype == torch.float32 else (0.125, 0.75)
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x[::5] = lo
+    x[1::7] = hi
+    x[2::11] = float("nan")
+    x[3::13] = float("inf")
+    expected = COMPARES[kind](x, lo, hi)
+    assert torch.equal(cpu.pack_compare(x, kind, lo, hi), torch_pack_bool(expected))
+
+
+def test_a_mask_is_made_in_one_pass_and_decodes_as_the_tested_one():
+    from gactx.kernels.codes import encode_codes, encode_compare
+
+    t = torch.randn(64, 47).t()  # transposed: tested in memory order, back in the layout
+    table = torch.tensor([0.0, 1.0])
+    coded = encode_compare(t, "gt", 0.0, 0.0, table, backend="auto")
+    reference = encode_codes(t > 0, 1, table, backend="torch")
+    assert torch.equal(coded.codes.data, reference.codes.data)
+    assert torch.equal(decode_codes(coded), decode_codes(reference))
+    assert decode_codes(coded).stride() == t.stride()
+    assert encode_compare(t, "gt", 0.0, 0.0, table, backend="torch") is None
+    assert encode_compare(t.double(), "gt", 0.0, 0.0, table.double()) is None
