@@ -9,6 +9,8 @@ freed by hand. Neither hook synchronizes the GPU: every decision uses shapes, dt
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import warnings
 import zlib
 from collections.abc import Callable
@@ -29,6 +31,33 @@ from gactx.controller.stats import MemoryStats, PassStats
 from gactx.controller.store import Kept, Packed
 
 __all__ = ["Controller", "Packed"]
+
+
+def _top_hooks() -> tuple | None:
+    """The saved-tensor hooks acting in this thread (the last installed), or ``None`` where this torch cannot
+    say (then removal order is not checked)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False) or (None, None)
+
+
+def _slots(state: dict, field: str, kind: type) -> dict:
+    """``state[field]``: rows ``[module, call, index, value]`` as ``{(module, call, index): value}``, or a
+    ValueError naming the field and the first bad row."""
+    rows = state[field]
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"gactx Controller state: {field!r} must be a list of [module, call, index, value] rows")
+    out = {}
+    for row in rows:
+        ok = isinstance(row, (list, tuple)) and len(row) == 4 and isinstance(row[0], str)
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:3])
+        ok = ok and isinstance(row[3], (int, float)) and not isinstance(row[3], bool)
+        if ok and kind is int:
+            ok = isinstance(row[3], int) or float(row[3]).is_integer()
+        if not ok or not math.isfinite(row[3]):
+            raise ValueError(f"gactx Controller state: {field!r} has a malformed row {row!r}")
+        out[(row[0], row[1], row[2])] = kind(row[3])
+    return out
+
 
 logger = logging.getLogger(__name__)
 _MASK62 = (1 << 62) - 1
@@ -101,9 +130,12 @@ class Controller:
         return self._hooks is not None
 
     def install_hook(self) -> Controller:
-        """Start compressing saved tensors (in this thread). Raises if already installed."""
+        """Start compressing saved tensors (in this thread: saved-tensor hooks are per thread). Raises if
+        already installed. Hooks nest: of several installed in one thread (other controllers, PyTorch's
+        ``saved_tensors_hooks`` or ``save_on_cpu``), the last installed acts and is the first to remove."""
         if self.installed:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
+        self._thread = threading.get_ident()
         self._tracker.attach()
         if self._graph_hooks is None:
             self._graph_hooks = self._make_graph_hooks()
@@ -143,6 +175,17 @@ class Controller:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""
         if not self.installed:
             raise RuntimeError("this Controller's hooks are not installed")
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "this Controller was installed in another thread; saved-tensor hooks belong to the thread that "
+                "installed them: call uninstall_hook() there"
+            )
+        top = _top_hooks()
+        if top is not None and top[0] is not self._graph_hooks[0]:
+            raise RuntimeError(
+                "saved-tensor hooks installed after this Controller's are still installed (another Controller, "
+                "torch.autograd.graph.saved_tensors_hooks or save_on_cpu): hooks nest, so remove those first"
+            )
         hooks, self._hooks = self._hooks, None
         self._filtering.__exit__(None, None, None)
         hooks.__exit__(None, None, None)
@@ -248,11 +291,17 @@ class Controller:
         budget."""
         if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
             raise ValueError(f"not a gactx Controller state (version {self.STATE_VERSION}): {type(state).__name__}")
+        missing = [f for f in ("level", "step", "sensitivity", "bits") if f not in state]
+        if missing:
+            raise ValueError(f"gactx Controller state: missing {', '.join(map(repr, missing))}")
         if state["level"] != self.config.level:
             raise ValueError(f"state saved at level {state['level']!r} cannot load into level {self.config.level!r}")
-        self.step = int(state["step"])
-        self.sensitivity = {(m, int(c), int(i)): float(v) for m, c, i, v in state["sensitivity"]}
-        self._slot_bits = {(m, int(c), int(i)): int(b) for m, c, i, b in state["bits"]}
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"gactx Controller state: 'step' must be an int >= 0, got {step!r}")
+        sensitivity = _slots(state, "sensitivity", float)
+        bits = _slots(state, "bits", int)
+        self.step, self.sensitivity, self._slot_bits = step, sensitivity, bits
 
     def _renew_graph_hooks(self) -> None:
         """New hooks, so that compiled graphs are traced again with the new allocation."""

@@ -8,6 +8,7 @@ never depend on a global save counter, so recomputation and dynamic graphs canno
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -17,6 +18,7 @@ from torch import nn
 
 __all__ = ["Key", "ModuleTracker", "OUTSIDE"]
 
+_CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, hooks included
 OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code, backward)
 
 
@@ -35,8 +37,14 @@ class Key(NamedTuple):
 class ModuleTracker:
     """Follows module calls of one model with forward pre- and post-hooks and hands out keys.
 
-    ``on_new_pass`` runs when the model itself is called while none of its modules runs: the start of a
-    forward pass; ``on_pass_end`` when that call returns (or raises).
+    ``on_new_pass`` runs when a forward pass starts: the model itself called while none of its modules runs,
+    or a submodule called alone (``model.body(x)``) a second time since the last start; ``on_pass_end`` when
+    the model's call returns (or raises).
+
+    ``nn.Module`` runs its ``always_call`` post-hooks on an ``Exception`` only: a ``KeyboardInterrupt`` (or
+    any other ``BaseException``) inside a forward leaves its modules on the tracker's stack. That is found
+    when a module on the stack is called again and no call of it is running any more (the Python stack says
+    so): the stale frames are dropped, the interrupted pass ends, and the call starts a pass of its own.
     """
 
     def __init__(
@@ -46,8 +54,9 @@ class ModuleTracker:
         self.on_new_pass = on_new_pass
         self.on_pass_end = on_pass_end
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._stack: list[list] = []  # [name, call number, saves so far]
+        self._stack: list[list] = []  # [name, call number, saves so far, module]
         self._calls: dict[str, int] = {}
+        self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
         self._outside = 0
 
     def attach(self) -> None:
@@ -64,12 +73,30 @@ class ModuleTracker:
     def _enter(self, name: str, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():  # a compiled region's saves are named by its graph (compiled.py)
             return
-        if not self._stack and module is self.model:
-            self._calls.clear()
-            self._outside = 0
-            self.on_new_pass()
+        if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
+            del self._stack[:]
+            self.on_pass_end()
+        if not self._stack:
+            if module is self.model or name in self._entered:
+                self._calls.clear()
+                self._entered.clear()
+                self._outside = 0
+                self.on_new_pass()
+            self._entered.add(name)
         call = self._calls[name] = self._calls.get(name, 0) + 1
-        self._stack.append([name, call, 0])
+        self._stack.append([name, call, 0, module])
+
+    def _interrupted(self, entering: nn.Module) -> bool:
+        """Whether the outermost module on the stack is no longer running: no frame of ``nn.Module``'s call
+        has it as ``self`` (``entering``'s own call, of this pre-hook, aside). Read only where the model or
+        the outermost module is entered again with modules on the stack: a recursive call, or a forward that
+        was interrupted."""
+        bottom, frame, running = self._stack[0][3], sys._getframe(1), 0
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is bottom:
+                running += 1
+            frame = frame.f_back
+        return running <= (1 if entering is bottom else 0)
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
         if torch.compiler.is_compiling():

@@ -1,5 +1,7 @@
 """gactx/controller/controller.py: installation, the pack policy, dedupe, keys, stats, no synchronization."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,40 @@ def test_bad_model_and_double_install():
         gactx.Controller(_linear_model(), level="fast")
     with pytest.raises(TypeError, match="backprop must be callable"):
         controller.iterate(3)
+
+
+def test_hooks_come_off_in_the_order_they_went_on():
+    model, x = _linear_model(), torch.randn(4, 64)
+    first, second = gactx.Controller(model, level="L1"), gactx.Controller(model, level="L1.2")
+    first.install_hook()
+    second.install_hook()
+    with pytest.raises(RuntimeError, match="installed after this Controller"):
+        first.uninstall_hook()
+    assert first.installed and second.installed
+    model(x).sum().backward()
+    assert second.memory_stats().original_bytes > 0, "the last installed acts"
+    second.uninstall_hook()
+    first.uninstall_hook()
+    assert not first.installed and not second.installed
+
+
+def test_uninstalling_from_another_thread_is_refused():
+    model = _linear_model()
+    controller = gactx.Controller(model).install_hook()
+    errors = []
+
+    def other():
+        try:
+            controller.uninstall_hook()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert errors and "another thread" in errors[0]
+    assert controller.installed
+    controller.uninstall_hook()
 
 
 def test_context_manager_installs_and_removes_hooks():

@@ -1,0 +1,117 @@
+"""gactx/controller/identity.py: pass boundaries survive interrupts and submodules called alone; keys stay
+the same from step to step."""
+
+import pytest
+import torch
+from torch import nn
+
+import gactx
+
+
+class Body(nn.Module):
+    def __init__(self, interrupt: list[bool]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.interrupt = interrupt
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        if self.interrupt and self.interrupt.pop():
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a forward
+        return self.b(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupt: list[bool] = []
+        self.body, self.head = Body(self.interrupt), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _keys(controller) -> list[str]:
+    return [str(r.key) for r in controller._pass.records]
+
+
+@pytest.mark.parametrize("entry", ["model", "submodule"])
+def test_an_interrupted_forward_leaves_keys_and_stats_as_before(entry):
+    """nn.Module skips its always_call hooks on a BaseException: the next call finds the stale frames."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(16, 32)
+    run = model if entry == "model" else model.body
+    with gactx.Controller(model, level="L1") as controller:
+        run(x).sum().backward()
+        keys, stats = _keys(controller), controller.memory_stats()
+        for _ in range(3):
+            model.interrupt.append(True)
+            with pytest.raises(KeyboardInterrupt):
+                run(x)
+            run(x).sum().backward()
+            assert _keys(controller) == keys
+            assert controller.memory_stats() == stats
+        assert not controller._tracker.inside
+
+
+def test_a_submodule_called_alone_starts_a_pass_each_step():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(16, 32)
+    with gactx.Controller(model, level="L1") as controller:
+        model.body(x).sum().backward()
+        keys = _keys(controller)
+        assert keys and all(k.startswith("body") for k in keys) and not any("#" in k for k in keys)
+        for _ in range(3):
+            model.body(x).sum().backward()
+            assert _keys(controller) == keys, "a second call of the same submodule is the next step"
+        # Two submodules called one after the other, both alone, are one pass.
+        model.head(model.body(x)).sum().backward()
+        both = _keys(controller)
+        assert both[: len(keys)] == keys and any(k.startswith("head") for k in both)
+
+
+def test_a_recursive_call_of_the_model_is_not_an_interrupt():
+    class Recursive(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, depth=2):
+            x = self.lin(x).relu()
+            return self(x, depth - 1) if depth else x
+
+    model, x = Recursive(), torch.randn(4, 8)
+    with gactx.Controller(model, level="L1") as controller:
+        model(x).sum().backward()
+        keys = _keys(controller)
+        assert keys[0] == "lin[0]" and "(root)#2[0]" in keys and "(root)#3[0]" in keys  # one pass, three calls
+
+
+def test_interrupts_evaluation_and_training_mixed_stay_flat():
+    """2,000 steps: training, an interrupted forward, evaluation under no_grad, in turn. Nothing grows."""
+    import gc
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(8, 32)
+    with gactx.Controller(model, level="L1") as controller:
+        counts = []
+        for step in range(2000):
+            kind = step % 3
+            if kind == 0:
+                model(x).sum().backward()
+            elif kind == 1:
+                model.interrupt.append(True)
+                try:
+                    model(x)
+                except KeyboardInterrupt:
+                    pass
+            else:
+                with torch.no_grad():
+                    model(x)
+            if step in (300, 1999):
+                gc.collect()
+                counts.append(len(gc.get_objects()))
+        model(x).sum().backward()
+        assert set(controller._tracker._calls.values()) == {1} and not controller._tracker.inside
+        assert counts[1] - counts[0] < 200, counts
+        assert len(controller._path.sites) <= len(_keys(controller)) + 4
