@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks.device import device_name
-from benchmarks.run import compare, run_one
+from benchmarks.run import alternated_step_ms, compare, run_one
 
 MODELS = ("sage", "bert-base", "resnet50")
 METHODS = ("fp", "L1", "L2.2")
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"gactx demo on {device_name(device)}, torch {torch.__version__}: {args.steps} steps each, size {args.size}")
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
     print(f"activations: bytes held between forward and backward, from the {memory}")
-    print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)\n")
+    print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)")
+    print("step: median time of a training step, a model's methods timed in turns (5 rounds of 2 steps each);")
+    print("      compiled rows 5 steps in a row (gactx's hooks off and on again would recompile the graphs)\n")
     start = time.perf_counter()
     header = (
         f"{'model':<11}{'method':<12}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
@@ -47,13 +49,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(header)
     print("-" * len(header), flush=True)
-    runs = [(model, method, False) for model in MODELS for method in METHODS]
-    runs += [(COMPILED[0], method, True) for method in COMPILED[1]]
+    groups = [(model, METHODS, False) for model in MODELS] + [(COMPILED[0], COMPILED[1], True)]
     rows = []
-    for model, method, compiled in runs:  # each row as soon as its run ends (full precision runs first)
-        rows.append(run_one(model, method, "fp32", run_args, compiled=compiled))
+    for model, methods, compiled in groups:  # a model's rows as soon as its runs end
+        timed = argparse.Namespace(**{**vars(run_args), "timed": 5 if compiled else 1})
+        group = [run_one(model, method, "fp32", timed, compiled=compiled) for method in methods]
+        if not compiled:  # step times of the methods in turns: other load on the machine falls on each alike
+            step_ms = alternated_step_ms(model, list(methods), "fp32", run_args)
+            for row, method in zip(group, methods, strict=True):
+                row["step_ms"] = step_ms[method]
+                row["samples_per_s"] = row["batch"] / (step_ms[method] / 1e3)
+        rows += group
         compare(rows)
-        _print_row(rows[-1], rows)
+        for row in group:
+            _print_row(row, rows)
     print(f"\n{time.perf_counter() - start:.0f} s in all. gactx compresses on a CPU with its C++ kernels and on a")
     print("GPU with its Triton kernels; the activation bytes are what any device would hold.")
     return rows

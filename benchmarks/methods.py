@@ -73,6 +73,23 @@ class Method:
         if self.controller is not None and self.controller.installed:
             self.controller.uninstall_hook()
 
+    def suspend(self) -> None:
+        """Take gactx's hooks off until :meth:`active` (another method's run in between)."""
+        if self.controller is not None and self.controller.installed:
+            self.controller.uninstall_hook()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The method's hooks on for the block (after :meth:`suspend`), off again after it."""
+        installed = self.controller is not None and not self.controller.installed
+        if installed:
+            self.controller.install_hook()
+        try:
+            yield
+        finally:
+            if installed:
+                self.controller.uninstall_hook()
+
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Around one forward pass."""

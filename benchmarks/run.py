@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -137,6 +139,37 @@ def run_one(name: str, method_name: str, precision: str, args: argparse.Namespac
     finally:
         method.close()
     return row
+
+
+def alternated_step_ms(
+    name: str, method_names: list[str], precision: str, args: argparse.Namespace, compiled: bool = False,
+    rounds: int = 5, steps: int = 2,
+) -> dict[str, float]:  # fmt: skip
+    """Median step time (ms) of each method, timed in turns: a fresh model each, ``args.warmup`` steps each
+    (gactx's first adaptation among them), then ``rounds`` rounds of ``steps`` steps of every method in turn,
+    so that whatever else the machine does falls on each method alike. One method's gactx hooks are installed
+    at a time (saved-tensor hooks act on every model of the thread)."""
+    runs = []
+    try:
+        for method_name in method_names:
+            w = workloads.build(name, args.size, args.device)
+            method = Method(method_name, w, precision, compiled)
+            method.suspend()
+            optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
+            inputs, target = w.make_batch(args.batch or w.default_batch, torch.Generator().manual_seed(0))
+            runs.append((method, functools.partial(train_step, method, optimizer, inputs, target), []))
+        for method, step, _ in runs:  # after every Method is made: each compiled one resets TorchDynamo
+            with method.active():
+                for _ in range(max(1, args.warmup)):
+                    step()
+        for _ in range(rounds):
+            for method, step, times in runs:
+                with method.active():
+                    times.append(median_step_seconds(step, steps, 0, args.device == "cuda"))
+    finally:
+        for method, _, _ in runs:
+            method.close()
+    return {method.name: statistics.median(times) * 1e3 for method, _, times in runs}
 
 
 def _fits(

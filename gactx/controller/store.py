@@ -20,6 +20,8 @@ from gactx.controller.rules import Rule
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes, encode_compare
 from gactx.kernels.fewbit import fewbit_table
+from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
+from gactx.kernels.functional import choose_backend, quantize_checked
 
 __all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place"]
 
@@ -254,4 +256,6 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
         return encode_bins(t, edges, bits, points, backend)
     if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
         return as_is(t)
-    return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
+    if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
+        return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
+    return quantize_checked(t.detach(), bits, group_size, stochastic, seed, choose_backend(t, backend))

@@ -68,11 +68,17 @@ def quantize(
     """
     check_args(x, bits, group_size)
     chosen = choose_backend(x, backend)
-    use_triton = chosen == "triton"
     if seed is None:
         seed = _draw_seed() if stochastic else 0
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed={seed!r} must be None or an int in [0, 2**62)")
+    return quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+
+
+def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
+    """:func:`quantize` of arguments already checked, ``chosen`` the backend :func:`choose_backend` gave: what
+    gactx's pack hook calls for every compressed tensor (the checks cost as much as a small tensor's kernel)."""
+    use_triton = chosen == "triton"
     interpret = _triton.INTERPRET and x.device.type == "cpu"
 
     def wrap(data: torch.Tensor, meta: torch.Tensor | None, stored_bits: int, dense_shape, perm) -> QuantizedTensor:

@@ -40,6 +40,7 @@ GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -91,6 +92,7 @@ def program_rows(group_size: int, bits: int, itemsize: int, interpret: bool, mas
     return max(1, elements // group_size)
 
 
+@functools.cache
 def step_factor(intervals: int) -> float:
     """``(1 + 2**-20) / intervals`` rounded to float32 (0 for no interval): ``step = span * factor``, one
     multiplication a group instead of a division; the margin covers the rounding of the factor."""
