@@ -15,24 +15,30 @@ from collections.abc import Callable
 
 import torch
 
+from gactx.controller.stats import counted_range, cover
+
 __all__ = ["StepMemory", "count_saved_bytes", "cuda_step_memory", "median_step_seconds", "max_batch"]
 
 
 def count_saved_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """Bytes plain PyTorch saves for backward during ``forward()`` (unique storages, parameters and buffers
-    left out), and its result. Any hooks installed inside ``forward`` (checkpointing) hide what they save."""
+    """Bytes plain PyTorch saves for backward during ``forward()``: each saved storage once, and of a view of
+    data that lives anyway (a batch sliced from a dataset) the bytes it covers, parameters and buffers left
+    out, as gactx counts (``counted_range``). And the result. Hooks installed inside ``forward``
+    (checkpointing) hide what they save."""
     model_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages: dict[int, int] = {}
+    ranges: dict[int, list] = {}
+    total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
         ptr = t.untyped_storage().data_ptr()
         if ptr not in model_ptrs:
-            storages[ptr] = t.untyped_storage().nbytes()
+            total += cover(ranges.setdefault(ptr, []), *counted_range(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
-    return sum(storages.values()), out
+    return total, out
 
 
 class StepMemory:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES
@@ -87,6 +88,13 @@ class Config:
     prefetch: int = 2
     op_rules: str = "learn"
 
+    @classmethod
+    def for_level(cls, level: str | None = None, **options) -> Config:
+        """The settings of ``level`` (``None``: the level set with :func:`set_optimization_level`), with
+        ``options`` on top: what ``Controller(model, level, **options)`` uses. (``Config(...)`` itself takes
+        every field as given: its defaults are L1's.)"""
+        return make_config(level, **options)
+
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is not available; available levels are {tuple(LEVELS)}")
@@ -99,15 +107,15 @@ class Config:
             if self.budget is not None:
                 parse_bytes(self.budget)
         else:
-            if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in ALLOWED_BITS):
+            if self.bits is not None and (not _is_int(self.bits) or self.bits not in ALLOWED_BITS):
                 raise ValueError(f"bits={self.bits!r} is not allowed; allowed values are None or {ALLOWED_BITS}")
             if self.budget is not None:
                 raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2, L3)")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
-        if self.probe_bits not in (1, 2, 4, 8) or isinstance(self.probe_bits, bool):
+        if not _is_int(self.probe_bits) or self.probe_bits not in (1, 2, 4, 8):
             raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")
-        if self.group_size not in GROUP_SIZES:
+        if not _is_int(self.group_size) or self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not allowed; allowed values are {GROUP_SIZES}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel={self.min_numel!r} must be a non-negative int")
@@ -119,6 +127,11 @@ class Config:
             raise ValueError(f"op_rules={self.op_rules!r} is not allowed; allowed values are {OP_RULES}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r} must be a non-negative int")
+
+
+def _is_int(value) -> bool:
+    """An int, not a bool (True == 1) nor a float that equals one (2.0 == 2)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_bytes(budget: int | str) -> int:
@@ -135,7 +148,7 @@ def parse_bytes(budget: int | str) -> int:
                     value = float(text[: -len(unit)])
                 except ValueError:
                     break
-                if value >= 0:
+                if math.isfinite(value) and value >= 0:
                     return int(value * _UNITS[unit])
                 break
     units = ", ".join(u.replace("I", "i") for u in _UNITS)

@@ -47,6 +47,9 @@ def test_l3_is_l2_with_offload():
         ({"budget": "1GiB"}, "budget='1GiB' needs an adaptive level"),
         ({"offload": "yes"}, "offload='yes' must be True or False"),
         ({"prefetch": -1}, "prefetch=-1 must be a non-negative int"),
+        ({"bits": 2.0}, r"bits=2.0 is not allowed"),  # a float that equals an allowed int is still a float
+        ({"bits": True}, r"bits=True is not allowed"),
+        ({"group_size": 256.0}, r"group_size=256.0 is not allowed"),
     ],
 )
 def test_bad_option_values_name_the_field(options, match):
@@ -63,6 +66,12 @@ def test_bad_option_values_name_the_field(options, match):
         ({"adapt_interval": 0}, "adapt_interval=0"),
         ({"probe_bits": 3}, r"probe_bits=3 is not allowed; allowed values are \(1, 2, 4, 8\)"),
         ({"strict": 1}, "strict=1 must be True or False"),
+        ({"probe_bits": 2.0}, r"probe_bits=2.0 is not allowed"),
+        ({"bits": float("inf")}, "average width from 1 to 32"),
+        ({"bits": float("nan")}, "average width from 1 to 32"),
+        ({"budget": "infGiB"}, "not a byte count"),
+        ({"budget": "nanMB"}, "not a byte count"),
+        ({"budget": 1.5e9}, "not a byte count"),
     ],
 )
 def test_bad_adaptive_options_name_the_field(options, match):

@@ -62,15 +62,19 @@ def reduce_across_ranks(sensitivity: dict) -> dict:
     return dict(zip(slots, values.tolist(), strict=True))
 
 
-def plan(config: Config, last_pass: PassStats, sensitivity: dict) -> tuple[Allocation, int]:
+def plan(
+    config: Config, last_pass: PassStats, sensitivity: dict, settled: frozenset = frozenset()
+) -> tuple[Allocation, int]:
     """Allocate widths to the tensors compressed in ``last_pass`` (the training forward), by slot.
-    Returns the allocation and the bytes it was allowed for compressed tensors."""
+    ``settled``: slots the estimator's passes stored with a fixed width or not at all (a mask, a pooling
+    input whose op the training forward did not know yet): not allocated. Returns the allocation and the
+    bytes it was allowed for compressed tensors."""
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
     fixed = sum(n for n, _ in last_pass.kept_storages.values())
     for record in last_pass.records:
-        if record.cls in ALLOCATED and isinstance(record.bits, int):
+        if record.cls in ALLOCATED and isinstance(record.bits, int) and record.key[:3] not in settled:
             slot = record.key[:3]
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)

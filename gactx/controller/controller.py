@@ -8,6 +8,7 @@ freed by hand. Neither hook synchronizes the GPU: every decision uses shapes, dt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -27,7 +28,7 @@ from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import ALLOCATED
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
-from gactx.controller.stats import MemoryStats, PassStats
+from gactx.controller.stats import KeyRecord, MemoryStats, PassStats
 from gactx.controller.store import Kept, Packed
 
 __all__ = ["Controller", "Packed"]
@@ -91,11 +92,16 @@ class Controller:
     tensors) to measure sensitivities, then allocates bits under the budget.
     """
 
-    def __init__(self, model: nn.Module, level: str | None = None, **options) -> None:
+    def __init__(self, model: nn.Module, level: str | None = None, *, config: Config | None = None, **options) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Controller expects a torch.nn.Module, got {type(model).__name__}")
+        if config is not None:
+            if not isinstance(config, Config):
+                raise TypeError(f"config must be a gactx.Config, got {type(config).__name__}")
+            if level is not None or options:
+                raise TypeError("give either config= or a level and options, not both")
         self.model = model
-        self.config: Config = make_config(level, **options)
+        self.config: Config = config if config is not None else make_config(level, **options)
         self.step = 0
         self._tracker = ModuleTracker(model, on_new_pass=self._new_pass, on_pass_end=self._pass_end)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -253,7 +259,12 @@ class Controller:
         # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
         # compiled saves take widths from it by module, shape and dtype (_compiled_width).
         eager = training_pass if not training_pass.graph_runs else discovered
-        allocation, budget = plan(cfg, eager, self.sensitivity)
+        # A training forward that met an op for the first time stored its tensors as linear inputs; the
+        # estimator's passes, watched, know better where they stored one at a fixed width.
+        settled = frozenset(
+            r.key[:3] for r in discovered.records if not (r.cls in ALLOCATED and isinstance(r.bits, int))
+        )
+        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity))
         if allocation.bits != self._slot_bits and self._compiled.saves:
             self._renew_graph_hooks()
         self._slot_bits = dict(allocation.bits)
@@ -339,6 +350,19 @@ class Controller:
         return self._slot_bits.get(key[:3], default_width(cfg.bits))
 
     @property
+    def records(self) -> list[KeyRecord]:
+        """One record a saved tensor of the most recent forward pass that saved anything, in save order: its
+        key, dtype, bits (or why it was kept), bytes before and after, op and class (a copy: it does not
+        change as training goes on)."""
+        return [dataclasses.replace(r) for r in self._pass.records]
+
+    @property
+    def allocation(self) -> dict[tuple[str, int, int], int]:
+        """The adaptive levels' bits by slot ``(module, call, index)`` (a copy; empty before the first
+        adaptation and at fixed levels, where every compressed tensor gets ``config.bits``)."""
+        return dict(self._slot_bits)
+
+    @property
     def _pass(self) -> PassStats:
         """The most recent forward pass that saved anything."""
         return self._path.stats
@@ -392,7 +416,11 @@ class Controller:
     def _new_pass(self) -> None:
         # Cheap bookkeeping only: torch.compile traces module hooks, so the parameter addresses are read
         # again in the first pack of the pass (an eager hook), not here; the op watcher starts only eagerly.
-        self._path.begin_forward()
+        # A controller whose hooks another's shadow (installed later, on the same thread) does nothing: the
+        # hooks on top see the saves, and two op watchers would leave each other's state behind.
+        top = _top_hooks()
+        if top is None or top[0] is self._graph_hooks[0]:
+            self._path.begin_forward()
 
     def _pass_end(self) -> None:
         self._path.end_forward()

@@ -9,6 +9,7 @@ never depend on a global save counter, so recomputation and dynamic graphs canno
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -58,8 +59,12 @@ class ModuleTracker:
         self._calls: dict[str, int] = {}
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
         self._outside = 0
+        self._thread = threading.get_ident()
 
     def attach(self) -> None:
+        """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
+        calls from other threads, an evaluation say, run as plain PyTorch and are not followed)."""
+        self._thread = threading.get_ident()
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, name)))
             self._handles.append(module.register_forward_hook(partial(self._exit, name), always_call=True))
@@ -71,7 +76,8 @@ class ModuleTracker:
         self._stack.clear()
 
     def _enter(self, name: str, module: nn.Module, args) -> None:
-        if torch.compiler.is_compiling():  # a compiled region's saves are named by its graph (compiled.py)
+        # A compiled region's saves are named by its graph (compiled.py).
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
             return
         if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
             del self._stack[:]
@@ -99,7 +105,7 @@ class ModuleTracker:
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
             return
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()

@@ -37,7 +37,7 @@ from gactx.controller.rules import (
     output_rule,
     rule_for,
 )
-from gactx.controller.stats import KeyRecord, PassStats
+from gactx.controller.stats import KeyRecord, PassStats, counted_range
 from gactx.controller.store import Kept, Packed, encode
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
@@ -138,7 +138,8 @@ class PackPath:
         key = self.tracker.key(t)
         ptr = ptr or 0
         if cfg.dedupe and stats.holds(ptr):
-            stats.deduplicated += 1  # its storage is already kept as is: another view of it is free
+            stats.deduplicated += 1  # its storage is already kept as is: another view of it costs no copy
+            stats.extend(t, ptr)
             return Kept.of(t)
         if reason is not None or cfg.bits is None:
             self._record(t, key, ptr, None, None, reason or "L0", None)
@@ -237,10 +238,8 @@ class PackPath:
     def _record(self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False):
         """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
         nbytes = t.numel() * t.element_size()
-        try:
-            storage_bytes = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError, TypeError):
-            storage_bytes = nbytes
+        start, end = counted_range(t)
+        storage_bytes = end - start
         kept = packed is None
         packed = nbytes if kept else packed
         op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)

@@ -61,7 +61,7 @@ class KeyRecord:
     bits: int | str  # the width used, or why the tensor was kept
     original_bytes: int  # the tensor's own bytes
     packed_bytes: int
-    storage_bytes: int  # its storage's bytes: what keeping it as is costs
+    storage_bytes: int  # bytes of its storage that keeping it holds (see counted_range)
     op: str = ""  # the aten op that saved it, and the argument or result when not self/result
     cls: str = ""  # its rule's class (see rules.py)
 
@@ -70,9 +70,11 @@ class KeyRecord:
 class PassStats:
     """Accumulates one forward pass. Holds integers and keys only, never tensors."""
 
-    # storage address -> a tensor on it. An address names one storage only while that storage lives: once a
-    # compressed original is freed, the allocator hands its address to new tensors, which are new storages.
-    live: dict[int, weakref.ref] = field(default_factory=dict)
+    # storage address -> (a tensor on it, the byte ranges of it that saved tensors cover). An address names
+    # one storage only while that storage lives: once a compressed original is freed, the allocator hands
+    # its address to new tensors, which are new storages.
+    live: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
+    kept_ranges: dict[int, list] = field(default_factory=dict)  # address -> byte ranges of kept views
     original_bytes: int = 0
     kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # address -> (bytes, why kept)
     packed_bytes: int = 0
@@ -85,13 +87,31 @@ class PassStats:
     graph_runs: dict = field(default_factory=dict)  # compiled forward graph -> its run under way (compiled.py)
 
     def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False) -> None:
+        """A save of ``t`` (its storage at ``ptr``). Before and after count each storage once, and of a view of
+        data that lives anyway (a batch sliced from a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
         seen = self.live.get(ptr)
-        if seen is None or seen() is None:
-            self.live[ptr] = weakref.ref(storage_owner(t))
-            self.original_bytes += record.storage_bytes
-        self._count(record, compressed, offloaded, ptr, record.storage_bytes)
+        if seen is None or seen[0]() is None:
+            seen = self.live[ptr] = (weakref.ref(storage_owner(t)), [])
+            self.kept_ranges.pop(ptr, None)
+        start, end = counted_range(t)
+        self.original_bytes += cover(seen[1], start, end)
+        kept_bytes = 0 if compressed else cover(self.kept_ranges.setdefault(ptr, []), start, end)
+        self._count(record, compressed, offloaded, ptr, kept_bytes)
         if not compressed:
             self.held[ptr] = weakref.ref(storage_owner(t))
+
+    def extend(self, t: torch.Tensor, ptr: int) -> None:
+        """Another view of a storage this pass keeps as it is (no record of its own): the bytes it covers that
+        no saved view covered yet."""
+        seen = self.live.get(ptr)
+        if seen is None:
+            return
+        start, end = counted_range(t)
+        self.original_bytes += cover(seen[1], start, end)
+        added = cover(self.kept_ranges.setdefault(ptr, []), start, end)
+        if added:
+            held, why = self.kept_storages.get(ptr, (0, "kept"))
+            self.kept_storages[ptr] = (held + added, why)
 
     def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
         """A save of a compiled graph: a value the graph made, its own storage (no other save shares it, and it
@@ -109,7 +129,8 @@ class PassStats:
         else:
             self.kept += 1
             why = record.cls if record.bits == "kept" else str(record.bits)
-            self.kept_storages.setdefault(storage, (kept_bytes, why))
+            held, why = self.kept_storages.get(storage, (0, why))
+            self.kept_storages[storage] = (held + kept_bytes, why)
 
     def holds(self, ptr: int) -> bool:
         """Whether a storage at ``ptr`` is kept as is in this pass (then more views of it cost nothing)."""
@@ -167,6 +188,42 @@ class PassStats:
         if kept:
             lines.append(f"kept as is (each storage once): {kept}")
         return "\n".join(lines)
+
+
+def counted_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that saving ``t`` holds, as ``(start, end)``: the whole storage (a view of an
+    op's result keeps all of it alive), except for a view of data that lives anyway (a leaf that does not
+    require grad: a batch sliced from a dataset, ``X[:64]``), which holds the bytes it covers, from its first
+    element to its last."""
+    try:
+        storage = t.untyped_storage().nbytes()
+        base = t if t._base is None else t._base
+        if t._base is None or base.grad_fn is not None or base.requires_grad:
+            return 0, storage
+        item = t.element_size()
+        start = t.storage_offset() * item
+        if t.numel() == 0:
+            return start, start
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        return start, min(start + (last + 1) * item, storage)
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (nested, functional wrappers)
+        return 0, t.numel() * t.element_size()
+
+
+def cover(ranges: list, start: int, end: int) -> int:
+    """Add the byte range ``[start, end)`` to ``ranges`` (disjoint, kept so); return the bytes it adds."""
+    if end <= start:
+        return 0
+    added, lo, hi, rest = end - start, start, end, []
+    for a, b in ranges:
+        if b <= start or a >= end:
+            rest.append((a, b))
+        else:
+            added -= min(b, end) - max(a, start)
+            lo, hi = min(lo, a), max(hi, b)
+    rest.append((lo, hi))
+    ranges[:] = rest
+    return added
 
 
 def format_bytes(n: int) -> str:

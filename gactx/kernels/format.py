@@ -111,12 +111,20 @@ def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
     """Raise ``TypeError``/``ValueError`` naming the bad argument and what is allowed."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
-    if isinstance(bits, bool) or bits not in ALLOWED_BITS:
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ALLOWED_BITS:
         raise ValueError(f"bits={bits!r} is not allowed; allowed values are {ALLOWED_BITS}")
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size!r} is not allowed; allowed values are {GROUP_SIZES}")
-    if x.layout != torch.strided:
-        raise ValueError(f"quantize takes dense (strided) tensors, got layout {x.layout}")
+    if x.layout != torch.strided or x.is_nested:
+        got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
+        raise ValueError(f"quantize takes dense (strided) tensors, got {got}")
+    if type(x) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(
+            f"quantize takes plain tensors, not the subclass {type(x).__name__}: its data lives in other "
+            "tensors, which a QuantizedTensor would not hold (quantize those)"
+        )
+    if x.device.type == "meta":
+        raise ValueError("quantize needs a tensor's values: a meta tensor has none")
     if x.dtype not in (*FLOAT_DTYPES, torch.bool):
         allowed = ", ".join(str(d) for d in (*FLOAT_DTYPES, torch.bool))
         raise ValueError(f"dtype {x.dtype} is not supported; allowed dtypes are {allowed}")

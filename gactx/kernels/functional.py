@@ -55,7 +55,9 @@ def quantize(
     """Compress ``x`` to ``bits`` per element; :func:`dequantize` gives it back.
 
     Args:
-        x: a float32, float16, bfloat16 or bool tensor of any shape, layout and device.
+        x: a float32, float16, bfloat16 or bool tensor of any shape, strides and device (dense: not sparse,
+            nested, meta, or a subclass that keeps its data in other tensors). Its values are stored, not
+            its autograd history: ``dequantize`` returns a tensor that does not require grad.
         bits: 1, 2, 4 or 8 for packed codes with a per-group ``(lo, step)``; 16 stores float32 as
             bfloat16 (fp16/bf16 as they are); 32 keeps ``x`` itself. Bool tensors are always packed
             losslessly to one bit an element, whatever ``bits`` says.
@@ -67,6 +69,8 @@ def quantize(
             ``"cpp"`` or ``"torch"`` (the reference twins).
     """
     check_args(x, bits, group_size)
+    if x.requires_grad:  # what is stored are values: decoding gives a tensor without autograd history
+        x = x.detach()
     chosen = choose_backend(x, backend)
     if seed is None:
         seed = _draw_seed() if stochastic else 0

@@ -1,4 +1,5 @@
-"""benchmarks/demo.py at tiny sizes: every model and method, a row printed as soon as its run ends."""
+"""benchmarks/demo.py at tiny sizes: every model and method, a model's rows printed as soon as its runs end,
+its step times taken in turns."""
 
 import pytest
 
@@ -6,22 +7,31 @@ from benchmarks import demo
 
 
 @pytest.mark.slow  # the compiled rows compile BERT with Inductor
-def test_every_row_is_printed_as_its_run_ends(capsys, monkeypatch):
-    printed_before = []
-    run_one = demo.run_one
+def test_a_models_rows_are_printed_as_its_runs_end(capsys, monkeypatch):
+    printed = []  # (the run about to start, what was printed since the last run began)
+    run_one, timed = demo.run_one, []
 
-    def recording(*args, **kwargs):  # what was printed when each run began
-        printed_before.append(capsys.readouterr().out)
-        return run_one(*args, **kwargs)
+    def recording(model, method, *args, **kwargs):
+        printed.append(((model, method), capsys.readouterr().out))
+        return run_one(model, method, *args, **kwargs)
+
+    def alternated(model, methods, *args, **kwargs):
+        timed.append((model, tuple(methods)))
+        return {m: 1.0 + i for i, m in enumerate(methods)}
 
     monkeypatch.setattr(demo, "run_one", recording)
-    rows = demo.main(["--size", "tiny", "--steps", "2"])
+    monkeypatch.setattr(demo, "alternated_step_ms", alternated)
+    rows = demo.main(["--size", "tiny", "--steps", "3", "--threads", "1"])
     expected = [(m, k) for m in demo.MODELS for k in demo.METHODS] + [
         (demo.COMPILED[0], k + "+compile") for k in demo.COMPILED[1]
     ]
     assert [(r["model"], r["method"]) for r in rows] == expected
-    assert "model" in printed_before[0]  # the header first
-    for i, (model, method) in enumerate(expected[:-1]):
-        shown = printed_before[i + 1]  # printed between run i and run i + 1
-        assert shown.startswith(model) and method in shown.split()[:2], shown
+    assert "model" in printed[0][1] and "1 torch threads" in printed[0][1]  # the header first
+    assert timed == [(m, demo.METHODS) for m in demo.MODELS]  # eager groups timed in turns, compiled not
+    for g, model in enumerate(demo.MODELS[:-1]):  # when the next model's first run starts, this one's rows are out
+        start = (g + 1) * len(demo.METHODS)
+        shown = printed[start][1].splitlines()
+        assert [line.split()[:2] for line in shown if line.startswith(model)] == [[model, k] for k in demo.METHODS]
+    eager = [r for r in rows if "+" not in r["method"]]
+    assert [r["step_ms"] for r in eager] == [1.0, 2.0, 3.0] * len(demo.MODELS)
     assert all(r["activation_mib"] > 0 and r["step_ms"] > 0 for r in rows)

@@ -49,3 +49,16 @@ def test_compiled_runs_are_measured_beside_eager(tmp_path):
     assert compiled["activation_ratio"] > 1.5, compiled  # against fp+compile: compressed inside the graphs
     assert compiled["peak_mib"] < rows["fp+compile"]["peak_mib"]
     assert 0 <= compiled["accuracy"] <= 1
+
+
+def test_step_times_in_turns_leave_no_hooks_installed():
+    import argparse
+
+    import torch
+
+    from benchmarks.run import alternated_step_ms
+
+    args = argparse.Namespace(size="tiny", device="cpu", batch=None, warmup=1)
+    times = alternated_step_ms("resnet50", ["fp", "L1", "checkpoint"], "fp32", args, rounds=2, steps=1)
+    assert list(times) == ["fp", "L1", "checkpoint"] and all(t > 0 for t in times.values())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

@@ -290,3 +290,56 @@ def test_a_forward_never_run_backward_is_freed(level):
     del logp, loss
     assert ref() is None  # freed by reference counting alone
     assert live(Packed) == []
+
+
+def test_a_config_object_and_the_public_read_api():
+    model, x = _linear_model(), torch.randn(32, 64)
+    config = gactx.Config.for_level("L1.2", group_size=128)
+    assert (config.bits, config.group_size, config.level) == (2, 128, "L1.2")
+    controller = gactx.Controller(model, config=config)
+    assert controller.config is config
+    with pytest.raises(TypeError, match="either config= or a level"):
+        gactx.Controller(model, "L1", config=config)
+    with pytest.raises(TypeError, match="config must be a gactx.Config"):
+        gactx.Controller(model, config={"bits": 2})
+    assert controller.records == [] and controller.allocation == {}
+    with controller:
+        model(x).sum().backward()
+    records = controller.records
+    assert [str(r.key) for r in records] == [str(r.key) for r in controller._pass.records]
+    assert {r.bits for r in records if r.op.startswith("addmm")} == {2}
+    records[0].bits = 99  # a copy: the controller's own records do not change
+    assert controller._pass.records[0].bits != 99
+    adaptive = gactx.Controller(model, level="L2.2")
+    with adaptive:
+        model(x).sum().backward()
+        adaptive.iterate(lambda: model(x[:8]).sum().backward())
+    allocation = adaptive.allocation
+    assert allocation and all(b in (1, 2, 4, 8, 16, 32) for b in allocation.values())
+    allocation.clear()
+    assert adaptive.allocation
+
+
+def test_a_batch_sliced_from_a_dataset_counts_its_rows_not_the_dataset():
+    """X[:64] keeps X's storage alive, but X lives anyway (the dataset): the bytes a view covers are what it
+    adds, in rows and totals alike, as for X[:64].clone()."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    data, labels = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
+    stats = []
+    for x, y in ((data[:64], labels[:64]), (data[:64].clone(), labels[:64].clone())):
+        with gactx.Controller(model, level="L1", min_numel=1) as controller:
+            F.cross_entropy(model(x), y).backward()
+        stats.append(controller.memory_stats())
+        records = controller.records
+    assert stats[0] == stats[1] and stats[0].original_bytes < 100_000  # the dataset is 1 MiB
+    target = [r for r in records if r.dtype == torch.int64]
+    assert [r.storage_bytes for r in target] == [64 * 8]
+
+
+def test_views_of_one_storage_count_each_byte_once():
+    from gactx.controller.stats import cover
+
+    ranges = []
+    assert cover(ranges, 0, 100) == 100 and cover(ranges, 50, 150) == 50 and cover(ranges, 0, 150) == 0
+    assert cover(ranges, 200, 300) == 100 and cover(ranges, 140, 210) == 50 and ranges == [(0, 300)]
+    assert cover(ranges, 10, 10) == 0

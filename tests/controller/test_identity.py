@@ -115,3 +115,34 @@ def test_interrupts_evaluation_and_training_mixed_stay_flat():
         assert set(controller._tracker._calls.values()) == {1} and not controller._tracker.inside
         assert counts[1] - counts[0] < 200, counts
         assert len(controller._path.sites) <= len(_keys(controller)) + 4
+
+
+def test_a_forward_in_another_thread_leaves_this_threads_keys_alone():
+    """The other thread's forward runs in the middle of this thread's (made so by a module that waits for
+    it): its module calls are not this controller's, and its tensors are not compressed (saved-tensor hooks
+    act in the thread that installed them)."""
+    import threading
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(16, 32)
+    outputs = []
+
+    def evaluate():
+        with torch.no_grad():
+            outputs.append(model(x))
+
+    def gate(module, args):
+        if threading.current_thread() is threading.main_thread() and gated:
+            thread = threading.Thread(target=evaluate)
+            thread.start()
+            thread.join()
+
+    handle = model.head.register_forward_pre_hook(gate)
+    with gactx.Controller(model, level="L1") as controller:
+        gated = False
+        model(x).sum().backward()
+        keys, stats = _keys(controller), controller.memory_stats()
+        gated = True
+        model(x).sum().backward()
+        assert outputs and _keys(controller) == keys and controller.memory_stats() == stats
+    handle.remove()

@@ -48,21 +48,34 @@ def test_8_bit_gradients_are_close(name):
 
 
 def saved_storages(model, run, seed=0):
-    """What plain PyTorch saves: the bytes of the unique storages of saved tensors, parameters and buffers
-    left out, counted with a hook of the test's own."""
+    """What plain PyTorch saves: each saved storage once, and of a view of data that does not need a graph (a
+    leaf that does not require grad: a batch sliced from a dataset) the bytes from its first element to its
+    last, each byte once; parameters and buffers left out. Counted with a hook of the test's own."""
     model_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages = {}
+    spans = {}  # storage -> [(first byte, end byte)]
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in model_ptrs:
-            storages[ptr] = t.untyped_storage().nbytes()
+            size = t.untyped_storage().nbytes()
+            if t._base is None or t._base.grad_fn is not None or t._base.requires_grad:
+                spans.setdefault(ptr, []).append((0, size))
+            else:
+                first = t.storage_offset() * t.element_size()
+                last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+                spans.setdefault(ptr, []).append((first, min(first + (last + 1) * t.element_size(), size)))
         return t
 
     torch.manual_seed(seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
-    return sum(storages.values())
+    total = 0
+    for ranges in spans.values():  # the union of each storage's ranges
+        reach = 0
+        for first, end in sorted(ranges):
+            total += max(0, end - max(first, reach))
+            reach = max(reach, end)
+    return total
 
 
 def _object_bytes(stored) -> int:

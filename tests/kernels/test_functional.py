@@ -98,6 +98,8 @@ def test_nbytes_meets_the_compression_targets():
     [
         ({"bits": 3}, ValueError, r"bits=3 is not allowed; allowed values are \(1, 2, 4, 8, 16, 32\)"),
         ({"bits": True}, ValueError, "bits=True"),
+        ({"bits": 2.0}, ValueError, "bits=2.0 is not allowed"),
+        ({"bits": 2, "group_size": 256.0}, ValueError, "group_size=256.0 is not allowed"),
         ({"bits": 2, "group_size": 100}, ValueError, r"allowed values are \(32, 64"),
         ({"bits": 2, "backend": "cuda"}, ValueError, r"allowed values are \('auto', 'triton', 'cpp', 'torch'\)"),
         ({"bits": 2, "seed": -1}, ValueError, "seed=-1"),
@@ -122,6 +124,21 @@ def test_sparse_and_non_tensors_are_refused():
         gactx.quantize(np.ones(3), 4)
     with pytest.raises(TypeError, match="QuantizedTensor"):
         gactx.dequantize(torch.ones(3))
+
+
+def test_nested_meta_and_subclass_tensors_are_refused_and_history_is_dropped():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with pytest.raises(ValueError, match="nested"):
+        gactx.quantize(torch.nested.nested_tensor([torch.randn(3), torch.randn(5)]), 4)
+    with pytest.raises(ValueError, match="meta tensor has none"):
+        gactx.quantize(torch.empty(8, device="meta"), 4)
+    with pytest.raises(ValueError, match="subclass TwoTensor"):
+        gactx.quantize(TwoTensor(torch.randn(4), torch.randn(4)), 4)
+    x = torch.randn(4096, requires_grad=True)
+    y = gactx.dequantize(gactx.quantize(x * 2, 4))
+    assert not y.requires_grad and y.grad_fn is None
+    assert gactx.dequantize(gactx.quantize(torch.nn.Parameter(torch.randn(64)), 8)).shape == (64,)
 
 
 def test_seed_none_follows_torch_manual_seed():
