@@ -1,18 +1,25 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 
-.PHONY: setup test demo bench bench-kernels lint
+.PHONY: torch setup setup-demo test demo bench bench-kernels lint
 
 # torch is installed only when missing: a CPU-only machine takes torch 2.13.0 (its CPU build), and a
 # machine that already has torch (a CUDA build, say) keeps it.
-setup:
+torch:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet torch==2.13.0
+
+# Tests and benchmarks: gactx with its test and benchmark extras.
+setup: torch
 	$(PYTHON) -m pip install --quiet -e ".[test,bench]"
+
+# The demo: gactx with the demo's models and progress bar only.
+setup-demo: torch
+	$(PYTHON) -m pip install --quiet -e ".[demo]"
 
 test: setup
 	$(PYTHON) -m pytest -n 2 --dist worksteal -q
 
-demo: setup
+demo: setup-demo
 	$(PYTHON) -m benchmarks.demo
 
 # The committed CPU results (fp32: every model and method, with sweeps; bf16: three models, four methods).
@@ -28,4 +35,5 @@ bench-kernels: setup
 	$(PYTHON) -m benchmarks.kernels --throughput
 
 lint:
-	ruff check gactx tests benchmarks && ruff format --check gactx tests benchmarks
+	$(PYTHON) -m pip install --quiet "ruff>=0.6"
+	$(PYTHON) -m ruff check gactx tests benchmarks && $(PYTHON) -m ruff format --check gactx tests benchmarks

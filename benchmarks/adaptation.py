@@ -1,7 +1,7 @@
 """What adaptive bits cost: the estimator's passes and seconds against training time at the interval.
 
     python -m benchmarks.adaptation                  # digits CNN and the character-level transformer
-    python -m benchmarks.adaptation --quick          # a few steps each, to check that it runs
+    python -m benchmarks.adaptation --quick --out /tmp/quick   # a few steps each, to check that it runs
 
 Each model trains at level L2.2 with a sub-batch closure for the estimator (16 images; 8 sequences of 64
 characters); one adaptation runs after the first step. The step time excludes that adaptation, and the
@@ -70,9 +70,11 @@ def render(rows: list[dict], env: dict) -> str:
 
 def run(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps each (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="a few steps each: a smoke test (needs --out)")
     parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     args = parser.parse_args(argv)
+    if args.quick and args.out is None:
+        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = {
         "device_name": device_name(device),

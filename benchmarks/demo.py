@@ -13,6 +13,7 @@ ResNet-50, each scaled down ("small") on a CPU and at full size on a GPU. Method
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -27,16 +28,26 @@ COMPILED = ("bert-base", ("fp", "L1"))  # a model and the methods also run compi
 
 def main(argv: list[str] | None = None) -> list[dict]:
     cuda = torch.cuda.is_available()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps per model and method")
     parser.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
+    parser.add_argument(
+        "--threads", type=int, default=cores,
+        help=f"torch threads; default: the cores this process may use ({cores}). Fewer if the machine is busy: "
+        "on a 2-core machine that runs something else, two threads wait on each other",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.steps < 3 or args.threads < 1:
+        parser.error("--steps must be at least 3 and --threads at least 1")
+    torch.set_num_threads(args.threads)
     device = "cuda" if cuda else "cpu"
     run_args = argparse.Namespace(
         size=args.size, device=device, batch=None, train_steps=args.steps, warmup=2, timed=5,
         max_batch=False, sweep=False,
     )  # fmt: skip
-    print(f"gactx demo on {device_name(device)}, torch {torch.__version__}: {args.steps} steps each, size {args.size}")
+    print(f"gactx demo on {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    print(f"{args.steps} training steps a model and method, size {args.size}; " + _expected(cuda, args.size))
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
     print(f"activations: bytes held between forward and backward, from the {memory}")
     print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)")
@@ -50,33 +61,73 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(header)
     print("-" * len(header), flush=True)
     groups = [(model, METHODS, False) for model in MODELS] + [(COMPILED[0], COMPILED[1], True)]
+    progress = _progress(sum(len(methods) + (not compiled) for _, methods, compiled in groups))
     rows = []
     for model, methods, compiled in groups:  # a model's rows as soon as its runs end
         timed = argparse.Namespace(**{**vars(run_args), "timed": 5 if compiled else 1})
-        group = [run_one(model, method, "fp32", timed, compiled=compiled) for method in methods]
+        group = []
+        for method in methods:
+            progress.set_description(f"{model} {method}{'+compile' if compiled else ''}")
+            group.append(run_one(model, method, "fp32", timed, compiled=compiled))
+            progress.update()
         if not compiled:  # step times of the methods in turns: other load on the machine falls on each alike
+            progress.set_description(f"{model} step times")
             step_ms = alternated_step_ms(model, list(methods), "fp32", run_args)
             for row, method in zip(group, methods, strict=True):
                 row["step_ms"] = step_ms[method]
                 row["samples_per_s"] = row["batch"] / (step_ms[method] / 1e3)
+            progress.update()
         rows += group
         compare(rows)
         for row in group:
-            _print_row(row, rows)
+            progress.write(_row(row, rows))
+    progress.close()
     print(f"\n{time.perf_counter() - start:.0f} s in all. gactx compresses on a CPU with its C++ kernels and on a")
     print("GPU with its Triton kernels; the activation bytes are what any device would hold.")
     return rows
 
 
-def _print_row(r: dict, rows: list[dict]) -> None:
+def _expected(cuda: bool, size: str) -> str:
+    if size == "small" and not cuda:
+        return "about 70 s on 2 cores, 2 to 3 minutes the first time (the C++ kernels and Inductor compile)"
+    if size == "tiny":
+        return "under a minute"
+    return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
+
+
+class _Lines:
+    """Progress where tqdm is not installed: each run's name on a line of its own."""
+
+    def set_description(self, text: str) -> None:
+        print(f"  ... {text}", flush=True)
+
+    def update(self) -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int):
+    """A tqdm bar under the table (rows are written above it), or plain lines without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines()
+    return tqdm(total=total, unit="run", leave=False, dynamic_ncols=True)
+
+
+def _row(r: dict, rows: list[dict]) -> str:
     saved = f"{r.get('activation_ratio', 1.0):.1f}x"
     suffix = r["method"][r["method"].find("+") :] if "+" in r["method"] else ""
     full = next(f for f in rows if f["model"] == r["model"] and f["method"] == "fp" + suffix)
     lower = f"{full['peak_mib'] / r['peak_mib']:.1f}x"
-    print(
+    return (
         f"{r['model']:<11}{r['method']:<12}{r['activation_mib']:>9.2f} MiB{saved:>8}{r['peak_mib']:>8.2f} MiB"
-        f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms",
-        flush=True,
+        f"{lower:>7}{r['final_loss']:>8.3f}{r['accuracy']:>10.1%}{r['step_ms']:>8.0f}ms"
     )
 
 

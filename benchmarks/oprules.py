@@ -1,7 +1,7 @@
 """What the op rules buy and cost: FewBit codes against quantized inputs, and the op watcher's time.
 
     python -m benchmarks.oprules             # both parts, results under benchmarks/results/<device>/
-    python -m benchmarks.oprules --quick     # fewer draws and steps, to check that it runs
+    python -m benchmarks.oprules --quick --out /tmp/quick   # fewer draws and steps, to check that it runs
 
 1. Gradient error of smooth activations (GELU, SiLU, tanh) at 2, 3 and 4 bits: the input of the op is
    stored either as FewBit codes (deterministic, the derivative's optimal levels) or quantized per group of
@@ -237,9 +237,11 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--quick", action="store_true", help="fewer draws and steps: a smoke test (needs --out)")
+    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/cpu/")
     args = p.parse_args(argv)
+    if args.quick and args.out is None:
+        p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     torch.set_num_threads(min(2, torch.get_num_threads()))
     draws, steps = (4, 3) if args.quick else (32, 31)
     env = {

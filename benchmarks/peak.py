@@ -386,7 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled table")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU)")
-    p.add_argument("--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test")
+    p.add_argument(
+        "--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test (needs --out)"
+    )
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     args = p.parse_args(argv)
     if args.quick:

@@ -151,9 +151,11 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser.add_argument("--gpu", nargs="+", choices=sorted(DEVICES), default=["h100"], help="default: h100")
     parser.add_argument("--family", nargs="+", choices=aot.FAMILIES, default=list(aot.FAMILIES))
     parser.add_argument("--elements", type=int, default=ELEMENTS, help="tensor size for the times")
-    parser.add_argument("--quick", action="store_true", help="4-bit fp32 (de)quantize only")
+    parser.add_argument("--quick", action="store_true", help="4-bit fp32 (de)quantize only: a smoke test (needs --out)")
     parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<gpu>/")
     args = parser.parse_args(argv)
+    if args.quick and args.out is None:
+        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     if _triton.INTERPRET:
         parser.error("compiling for a GPU needs the real JIT: unset TRITON_INTERPRET")
     here = torch.cuda.get_device_name() if torch.cuda.is_available() else None

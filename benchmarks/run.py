@@ -5,7 +5,7 @@ transformers and CNNs trained at full precision, with gactx, with activation che
     python -m benchmarks.run --help
     python -m benchmarks.run                                   # every model; full size on a GPU, small on a CPU
     python -m benchmarks.run --models bert-large --max-batch --memory-cap-gib 16
-    python -m benchmarks.run --quick                           # tiny sizes, a few steps: checks that it runs
+    python -m benchmarks.run --quick --out /tmp/quick          # tiny sizes, a few steps: checks that it runs
 
 Writes models.csv, models.json and models.md (and batch_throughput.png with --sweep) under
 ``benchmarks/results/<device>/``, naming the device, torch and triton versions and the date.
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-cap-gib", type=float, help="CUDA: cap the memory (as on a smaller GPU)")
     p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test (needs --out)")
     p.add_argument(
         "--compile", action="store_true",
         help="also run full precision and the gactx levels (fp32) with the model's forward under torch.compile",
@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.train_steps, args.warmup, args.timed = "tiny", 4, 1, 2
+        if args.out is None:
+            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if (args.max_batch or args.memory_cap_gib) and args.device != "cuda":

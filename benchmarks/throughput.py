@@ -94,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="cpu: timed runs per op, the median is kept (default 3)")
     parser.add_argument("--rep-ms", type=int, help="cuda: do_bench's time budget per op in ms (default 100)")
     parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 0.0625, 0.25 MiB, bits 2 4, fp32, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 0.0625, 0.25 MiB, bits 2 4, fp32, 1 repeat (needs --out)"
+    )
     args = parser.parse_args(argv)
     check_device(parser, args)
     fill_defaults(args)
@@ -107,6 +109,8 @@ def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--device cuda, but torch sees no CUDA device; CPU numbers are never labelled as GPU ones")
     if args.device == "cuda" and not _triton.HAS_TRITON:
         parser.error("timing on cuda uses triton.testing.do_bench; install triton")
+    if args.quick and args.out is None:
+        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     if args.device == "cpu" and args.backend == "triton" and not _triton.INTERPRET:
         parser.error("--backend triton on cpu needs TRITON_INTERPRET=1 (the interpreter: correct, not fast)")
 
