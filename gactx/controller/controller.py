@@ -28,7 +28,7 @@ from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import ALLOCATED
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
-from gactx.controller.stats import KeyRecord, MemoryStats, PassStats
+from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
 
 __all__ = ["Controller", "Packed"]
@@ -278,7 +278,12 @@ class Controller:
             predicted_variance=allocation.variance,
             feasible=allocation.feasible,
         )
-        logger.info("gactx adaptation at step %d: %s", self.step, self.last_adaptation)
+        a = self.last_adaptation
+        logger.info(
+            "gactx adaptation at step %d: %d passes of the closure in %.2f s; %s allocated of a %s budget%s",
+            a.step, a.passes, a.seconds, format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
+            "" if a.feasible else " (not met: the narrowest widths)",
+        )  # fmt: skip
         return self.last_adaptation
 
     # -- checkpoints ----------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class ModuleTracker:
 
     ``on_new_pass`` runs when a forward pass starts: the model itself called while none of its modules runs,
     or a submodule called alone (``model.body(x)``) a second time since the last start; ``on_pass_end`` when
-    the model's call returns (or raises).
+    the outermost call returns (or raises).
 
     ``nn.Module`` runs its ``always_call`` post-hooks on an ``Exception`` only: a ``KeyboardInterrupt`` (or
     any other ``BaseException``) inside a forward leaves its modules on the tracker's stack. That is found
@@ -109,7 +109,7 @@ class ModuleTracker:
             return
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
-            if not self._stack and module is self.model:
+            if not self._stack:  # the model, or a submodule called alone, returned: its forward ended
                 self.on_pass_end()
 
     @property

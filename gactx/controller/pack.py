@@ -90,6 +90,7 @@ class PackPath:
 
     def begin_forward(self) -> None:
         """The model's forward begins: a new pass, watched if something new was met in the last one."""
+        self.end_forward()  # a forward that never ended (interrupted): its watcher off first
         self.fresh = True
         cfg = self.config
         watch = cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn)

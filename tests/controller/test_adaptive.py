@@ -240,3 +240,16 @@ def test_a_malformed_state_is_refused_naming_the_field(change, field):
     change(state)
     with pytest.raises(ValueError, match=field):
         gactx.Controller(model, level="L2").load_state_dict(state)
+
+
+def test_an_adaptation_logs_one_line_with_its_cost(caplog):
+    import logging
+
+    model, run, probe = _digits_case()
+    controller = gactx.Controller(model, level="L2.2")
+    with caplog.at_level(logging.INFO, logger="gactx"), controller:
+        run().backward()
+        controller.iterate(lambda: probe().backward())
+    lines = [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()]
+    a = controller.last_adaptation
+    assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure in" in lines[0] and "budget" in lines[0]
