@@ -245,8 +245,9 @@ class PackPath:
         packed = nbytes if kept else packed
         op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
         self.stats.add(
-            KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded
-        )
+            KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded,
+            (start, end),
+        )  # fmt: skip
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

@@ -86,14 +86,18 @@ class PassStats:
     offloaded_bytes: int = 0
     graph_runs: dict = field(default_factory=dict)  # compiled forward graph -> its run under way (compiled.py)
 
-    def add(self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False) -> None:
-        """A save of ``t`` (its storage at ``ptr``). Before and after count each storage once, and of a view of
-        data that lives anyway (a batch sliced from a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
+    def add(
+        self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False,
+        span: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """A save of ``t`` (its storage at ``ptr``; ``span``: its :func:`counted_range`, where the caller has it).
+        Before and after count each storage once, and of a view of data that lives anyway (a batch sliced from
+        a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
             seen = self.live[ptr] = (weakref.ref(storage_owner(t)), [])
             self.kept_ranges.pop(ptr, None)
-        start, end = counted_range(t)
+        start, end = counted_range(t) if span is None else span
         self.original_bytes += cover(seen[1], start, end)
         kept_bytes = 0 if compressed else cover(self.kept_ranges.setdefault(ptr, []), start, end)
         self._count(record, compressed, offloaded, ptr, kept_bytes)
