@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.charlm import train_charlm
-from benchmarks.device import device_name, device_slug
+from benchmarks.device import device_name, device_slug, summary
 from benchmarks.digits import train_digits
 from benchmarks.table import markdown_table
 from gactx.config import Config
@@ -69,7 +69,7 @@ def render(rows: list[dict], env: dict) -> str:
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--quick", action="store_true", help="a few steps each: a smoke test (needs --out)")
     parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     args = parser.parse_args(argv)

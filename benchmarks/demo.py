@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.device import device_name
+from benchmarks.device import device_name, summary
 from benchmarks.run import alternated_step_ms, compare, run_one
 
 MODELS = ("sage", "bert-base", "resnet50")
@@ -29,7 +29,7 @@ COMPILED = ("bert-base", ("fp", "L1"))  # a model and the methods also run compi
 def main(argv: list[str] | None = None) -> list[dict]:
     cuda = torch.cuda.is_available()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--steps", type=int, default=30, help="training steps per model and method")
     parser.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
     parser.add_argument(

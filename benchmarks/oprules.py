@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks import workloads
-from benchmarks.device import device_name, device_slug
+from benchmarks.device import device_name, device_slug, summary
 from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.kernels.fewbit import FUNCTIONS, SAVES_RESULT, fewbit_table
@@ -236,7 +236,7 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--quick", action="store_true", help="fewer draws and steps: a smoke test (needs --out)")
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/cpu/")
     args = p.parse_args(argv)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.device import summary
 from gactx.kernels import _triton, aot
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -147,7 +148,7 @@ def render(device: Device, rows: list[dict], env: dict) -> str:
 
 
 def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=summary(__doc__))
     parser.add_argument("--gpu", nargs="+", choices=sorted(DEVICES), default=["h100"], help="default: h100")
     parser.add_argument("--family", nargs="+", choices=aot.FAMILIES, default=list(aot.FAMILIES))
     parser.add_argument("--elements", type=int, default=ELEMENTS, help="tensor size for the times")

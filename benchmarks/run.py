@@ -25,7 +25,7 @@ import torch
 
 import gactx
 from benchmarks import workloads
-from benchmarks.device import device_name, device_slug
+from benchmarks.device import device_name, device_slug, summary
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import COMPILABLE, METHODS, Method
 from gactx.kernels import _triton
@@ -35,7 +35,7 @@ MIB = 1 << 20
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=summary(__doc__), formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", choices=workloads.names(), default=workloads.names())
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])

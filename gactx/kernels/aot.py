@@ -375,7 +375,9 @@ def _table(results: list[Compiled]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gactx.kernels.aot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gactx.kernels.aot", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS))
     parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--bits", type=int, nargs="+", choices=CODE_BITS, help="(de)quantize widths; default all")
