@@ -407,6 +407,12 @@ class Controller:
         """A table of the most recent forward pass: one row a saved tensor (key, shape, dtype, bits, bytes;
         at the adaptive levels also its sensitivity), then the cost of the last adaptation."""
         lines = [f"gactx level {self.config.level}, step {self.step}", self._pass.table(self.sensitivity or None)]
+        b = self._path.backward_stats.summary()
+        if b.tensors:
+            lines.append(
+                f"saved while backward ran (recomputation), not in the pass above: {b.tensors} tensors, "
+                f"{format_bytes(b.original_bytes)} -> {format_bytes(b.packed_bytes)}"
+            )
         a = self.last_adaptation
         if a is not None:
             lines.append(

@@ -17,10 +17,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Key", "ModuleTracker", "OUTSIDE"]
+__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE"]
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, hooks included
-OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code, backward)
+OUTSIDE = "<outside modules>"
+BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_backward() -> bool:
+    return _graph_task() != -1  # saves made while no module of the model runs (functional code, backward)
 
 
 class Key(NamedTuple):
@@ -58,7 +64,7 @@ class ModuleTracker:
         self._stack: list[list] = []  # [name, call number, saves so far, module]
         self._calls: dict[str, int] = {}
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
-        self._outside = 0
+        self._outside = self._backward = 0
         self._thread = threading.get_ident()
 
     def attach(self) -> None:
@@ -76,8 +82,9 @@ class ModuleTracker:
         self._stack.clear()
 
     def _enter(self, name: str, module: nn.Module, args) -> None:
-        # A compiled region's saves are named by its graph (compiled.py).
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+        # A compiled region's saves are named by its graph (compiled.py); calls while backward runs (a
+        # reentrant checkpoint recomputing) belong to no forward pass.
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or _in_backward():
             return
         if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
             del self._stack[:]
@@ -86,7 +93,7 @@ class ModuleTracker:
             if module is self.model or name in self._entered:
                 self._calls.clear()
                 self._entered.clear()
-                self._outside = 0
+                self._outside = self._backward = 0
                 self.on_new_pass()
             self._entered.add(name)
         call = self._calls[name] = self._calls.get(name, 0) + 1
@@ -105,7 +112,7 @@ class ModuleTracker:
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or _in_backward():
             return
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
@@ -123,6 +130,9 @@ class ModuleTracker:
 
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""
+        if _in_backward():
+            self._backward += 1
+            return Key(BACKWARD, 1, self._backward - 1, tuple(t.shape))
         if not self._stack:
             self._outside += 1
             return Key(OUTSIDE, 1, self._outside - 1, tuple(t.shape))

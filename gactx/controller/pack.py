@@ -76,6 +76,7 @@ class PackPath:
         self.offloader = offloader
         self.warn_offload = warn_offload
         self.stats = PassStats()
+        self.backward_stats = PassStats()  # saves made during backward (recomputation), since the last forward
         self.fresh = True  # a new pass began; its first save replaces self.stats
         self.dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.sites: dict[tuple, tuple[Site, str | None, tuple]] = {}  # slot -> (site, origin, signature)
@@ -112,7 +113,7 @@ class PackPath:
 
     def _begin_pass_if_fresh(self) -> PassStats:
         if self.fresh:
-            self.stats = PassStats()
+            self.stats, self.backward_stats = PassStats(), PassStats()
             self.dedupe = weakref.WeakValueDictionary()
             self._claimed = set()
             self._ptrs = self.model_ptrs()
@@ -130,8 +131,18 @@ class PackPath:
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
+        if _current_graph_task() != -1:
+            # Saved while backward runs (a reentrant checkpoint recomputing its segment): compressed alike,
+            # counted apart, no forward pass's.
+            forward, self.stats = self.stats, self.backward_stats
+            try:
+                return self._pack_in(t, self.stats)
+            finally:
+                self.stats = forward
+        return self._pack_in(t, self._begin_pass_if_fresh())
+
+    def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
-        stats = self._begin_pass_if_fresh()
         ptr = storage_ptr(t)
         reason = keep_reason(t, ptr, cfg.min_numel, self._ptrs)
         if reason == KEEP_PARAMETER:
@@ -248,6 +259,9 @@ class PackPath:
             KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded,
             (start, end),
         )  # fmt: skip
+
+
+_current_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

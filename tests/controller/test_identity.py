@@ -146,3 +146,36 @@ def test_a_forward_in_another_thread_leaves_this_threads_keys_alone():
         model(x).sum().backward()
         assert outputs and _keys(controller) == keys and controller.memory_stats() == stats
     handle.remove()
+
+
+def test_a_reentrant_checkpoints_recomputation_is_no_forward_pass():
+    """torch.utils.checkpoint(use_reentrant=True) saves nothing in forward and recomputes in backward: those
+    saves are compressed, counted apart and kept out of the pass's records, keys and adaptation."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)])
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(32, 64, requires_grad=True)
+    plain = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: plain.append(t) or t, lambda t: t):
+        model(x).sum()
+    with gactx.Controller(model, level="L2.2") as controller:
+        model(x).sum().backward()
+        forward = controller.records
+        assert [str(r.key) for r in forward] == [str(r.key) for r in controller.records]
+        assert not any(r.key.module.startswith("blocks") or r.key.module == "<backward>" for r in forward)
+        assert controller.memory_stats().original_bytes <= sum(t.numel() * t.element_size() for t in plain)
+        report = controller.report()
+        assert "saved while backward ran (recomputation)" in report
+        controller.iterate(lambda: model(x[:8]).sum().backward())
+        assert set(controller.sensitivity) <= {r.key[:3] for r in forward}
