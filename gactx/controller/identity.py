@@ -17,16 +17,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE"]
+__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE", "in_backward"]
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, hooks included
-OUTSIDE = "<outside modules>"
+OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code)
 BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
-_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 
 
-def _in_backward() -> bool:
-    return _graph_task() != -1  # saves made while no module of the model runs (functional code, backward)
+def in_backward() -> bool:
+    """Whether autograd's backward is running in this thread (a reentrant checkpoint recomputing, say)."""
+    return _graph_task() != -1
 
 
 class Key(NamedTuple):
@@ -84,7 +85,7 @@ class ModuleTracker:
     def _enter(self, name: str, module: nn.Module, args) -> None:
         # A compiled region's saves are named by its graph (compiled.py); calls while backward runs (a
         # reentrant checkpoint recomputing) belong to no forward pass.
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or _in_backward():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
             return
         if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
             del self._stack[:]
@@ -112,7 +113,7 @@ class ModuleTracker:
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or _in_backward():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
             return
         if self._stack and self._stack[-1][0] == name:
             self._stack.pop()
@@ -130,7 +131,7 @@ class ModuleTracker:
 
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""
-        if _in_backward():
+        if in_backward():
             self._backward += 1
             return Key(BACKWARD, 1, self._backward - 1, tuple(t.shape))
         if not self._stack:

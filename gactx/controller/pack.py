@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from gactx.config import Config
-from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.identity import Key, ModuleTracker, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
 from gactx.controller.rules import (
@@ -131,7 +131,7 @@ class PackPath:
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
-        if _current_graph_task() != -1:
+        if in_backward():
             # Saved while backward runs (a reentrant checkpoint recomputing its segment): compressed alike,
             # counted apart, no forward pass's.
             forward, self.stats = self.stats, self.backward_stats
@@ -259,9 +259,6 @@ class PackPath:
             KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded,
             (start, end),
         )  # fmt: skip
-
-
-_current_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

@@ -95,11 +95,9 @@ class PassStats:
         a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
-            seen = self.live[ptr] = (weakref.ref(storage_owner(t)), [])
+            self.live[ptr] = (weakref.ref(storage_owner(t)), [])
             self.kept_ranges.pop(ptr, None)
-        start, end = counted_range(t) if span is None else span
-        self.original_bytes += cover(seen[1], start, end)
-        kept_bytes = 0 if compressed else cover(self.kept_ranges.setdefault(ptr, []), start, end)
+        kept_bytes = self._cover(t, ptr, not compressed, span)
         self._count(record, compressed, offloaded, ptr, kept_bytes)
         if not compressed:
             self.held[ptr] = weakref.ref(storage_owner(t))
@@ -107,15 +105,17 @@ class PassStats:
     def extend(self, t: torch.Tensor, ptr: int) -> None:
         """Another view of a storage this pass keeps as it is (no record of its own): the bytes it covers that
         no saved view covered yet."""
-        seen = self.live.get(ptr)
-        if seen is None:
-            return
-        start, end = counted_range(t)
-        self.original_bytes += cover(seen[1], start, end)
-        added = cover(self.kept_ranges.setdefault(ptr, []), start, end)
+        added = self._cover(t, ptr, True) if ptr in self.live else 0
         if added:
             held, why = self.kept_storages.get(ptr, (0, "kept"))
             self.kept_storages[ptr] = (held + added, why)
+
+    def _cover(self, t: torch.Tensor, ptr: int, kept: bool, span: tuple[int, int] | None = None) -> int:
+        """Add what ``t`` covers of its storage to the pass's original bytes; return what it adds to the kept
+        bytes (``kept``: it is kept as it is)."""
+        start, end = counted_range(t) if span is None else span
+        self.original_bytes += cover(self.live[ptr][1], start, end)
+        return cover(self.kept_ranges.setdefault(ptr, []), start, end) if kept else 0
 
     def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
         """A save of a compiled graph: a value the graph made, its own storage (no other save shares it, and it
