@@ -62,7 +62,7 @@ from gactx.controller.stats import KeyRecord
 from gactx.kernels import traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 
-__all__ = ["HookGraph", "CompiledPath", "GraphSave", "dynamo_active", "in_compiled_graph"]
+__all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 
 # Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
 # backward graph).
@@ -78,24 +78,15 @@ except ImportError:  # a torch without graph hooks' context: every call is eager
         return None
 
 
-def in_compiled_graph() -> bool:
-    """Whether a saved-tensor hook is being traced into a compiled graph now."""
-    return _hook_context() is not None
-
-
+# Whether TorchDynamo intercepts Python frames now (not None): inside a function compiled by torch.compile,
+# between its graphs. Outside one nothing would trace a hook, so the hooks skip torch.compiler.disable's wrapper,
+# which costs a few microseconds a call.
 try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _frame_callback
 except ImportError:  # a torch without it: every eager call goes through torch.compiler.disable
 
     def _frame_callback() -> object:
         return True
-
-
-def dynamo_active() -> bool:
-    """Whether TorchDynamo intercepts Python frames now: inside a function compiled by ``torch.compile``,
-    between its graphs. Outside one (plain eager code) nothing would trace a hook, so the hooks skip
-    ``torch.compiler.disable``'s wrapper, which costs a few microseconds a call."""
-    return _frame_callback() is not None
 
 
 def _uncached(x):
@@ -106,23 +97,30 @@ def _uncached(x):
 
 
 class HookGraph(torch.fx.GraphModule):
-    """A saved-tensor hook AOTAutograd can inline: ``forward`` is ``fn`` (Python, traced once per saved
-    tensor), the graph a placeholder for the compile caches."""
+    """A saved-tensor hook AOTAutograd can inline: ``forward`` runs ``compiled`` while the hook is traced into a
+    compiled graph (once per saved tensor) and ``eager`` otherwise; the graph is a placeholder for the compile
+    caches. Eagerly, compression is data movement outside any graph: where TorchDynamo is active (the eager parts
+    of a compiled function) ``eager`` runs under ``torch.compiler.disable``, so that torch.compile does not try to
+    trace it (and break the graph on storage addresses); elsewhere it runs as it is."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, eager: Callable, compiled: Callable) -> None:
         graph = torch.fx.Graph()
         graph.output(graph.call_function(_uncached, (graph.placeholder("x"),)))
         super().__init__(torch.nn.Module(), graph)
-        self.fn = fn
+        self.eager, self.compiled, self.disabled = eager, compiled, torch.compiler.disable(eager)
 
     def recompile(self):  # the code is forward's, not the graph's
         return None
 
     def forward(self, x):
-        return self.fn(x)
+        return self.__call__(x)
 
     def __call__(self, x):  # autograd calls a hook for every saved tensor: no module call machinery
-        return self.fn(x)
+        if _hook_context() is not None:
+            return self.compiled(x)
+        if _frame_callback() is not None:
+            return self.disabled(x)
+        return self.eager(x)
 
 
 @dataclass

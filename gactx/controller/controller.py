@@ -21,7 +21,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.compiled import CompiledPath, HookGraph, dynamo_active, in_compiled_graph
+from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
@@ -62,11 +62,12 @@ def _slots(state: dict, field: str, kind: type) -> dict:
 
 logger = logging.getLogger(__name__)
 _MASK62 = (1 << 62) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd
 
 
 def _mix(*values: int) -> int:
     """A stable 62-bit hash of integers (splitmix64 steps): the noise seed of one tensor in one step."""
-    h = 0x9E3779B97F4A7C15
+    h = _GOLDEN
     for v in values:
         h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
@@ -106,6 +107,7 @@ class Controller:
         self._tracker = ModuleTracker(model, on_new_pass=self._new_pass, on_pass_end=self._pass_end)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._key_ids: dict[Key, int] = {}
+        self._step_seed = (-1, 0)  # (step, the seeds' part of it)
         self._probe: Probe | None = None
         self._slot_bits: dict[tuple, int] = {}  # the allocation, by slot (module, call, index)
         self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
@@ -158,24 +160,7 @@ class Controller:
         """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
         that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
         hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
-        # Eagerly, compression is data movement outside any graph: where TorchDynamo is active (the eager
-        # parts of a compiled function), it is marked so, and torch.compile does not try to trace it (and
-        # break the graph on storage addresses).
-        eager_pack, eager_unpack = self._path.pack, self._unpack
-        pack, unpack = torch.compiler.disable(eager_pack), torch.compiler.disable(eager_unpack)
-        compiled = self._compiled
-
-        def pack_hook(t):
-            if in_compiled_graph():
-                return compiled.pack(t)
-            return pack(t) if dynamo_active() else eager_pack(t)
-
-        def unpack_hook(packed):
-            if in_compiled_graph():
-                return compiled.unpack(packed)
-            return unpack(packed) if dynamo_active() else eager_unpack(packed)
-
-        return HookGraph(pack_hook), HookGraph(unpack_hook)
+        return HookGraph(self._path.pack, self._compiled.pack), HookGraph(self._unpack, self._compiled.unpack)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""
@@ -392,7 +377,11 @@ class Controller:
     def _seed(self, key: Key) -> int:
         if self._probing(key):
             return self._probe.seed
-        return _mix(self.config.seed, self.step, self._key_ids.setdefault(key, len(self._key_ids)))
+        step, base = self._step_seed
+        if step != self.step:  # the step's part of the seed, mixed once a step
+            step, base = self._step_seed = (self.step, _mix(self.config.seed, self.step))
+        # A Weyl sequence from the step's hash: distinct seeds, which the kernels' own hash decorrelates.
+        return (base + (self._key_ids.setdefault(key, len(self._key_ids)) + 1) * _GOLDEN) & _MASK62
 
     def _probe_seed(self, slot: tuple, k: int) -> int:
         return _mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)

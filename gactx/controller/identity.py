@@ -17,17 +17,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE", "in_backward"]
+__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE", "graph_task_id", "in_backward"]
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, hooks included
 OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code)
 BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
-_graph_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
+graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 
 
 def in_backward() -> bool:
     """Whether autograd's backward is running in this thread (a reentrant checkpoint recomputing, say)."""
-    return _graph_task() != -1
+    return graph_task_id() != -1
 
 
 class Key(NamedTuple):
@@ -131,7 +131,7 @@ class ModuleTracker:
 
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""
-        if in_backward():
+        if graph_task_id() != -1:  # in_backward(), called for every save
             self._backward += 1
             return Key(BACKWARD, 1, self._backward - 1, tuple(t.shape))
         if not self._stack:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from gactx.config import Config
-from gactx.controller.identity import Key, ModuleTracker, in_backward
+from gactx.controller.identity import Key, ModuleTracker, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
 from gactx.controller.rules import (
@@ -78,8 +78,9 @@ class PackPath:
         self.stats = PassStats()
         self.backward_stats = PassStats()  # saves made during backward (recomputation), since the last forward
         self.fresh = True  # a new pass began; its first save replaces self.stats
-        self.dedupe: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self.sites: dict[tuple, tuple[Site, str | None, tuple]] = {}  # slot -> (site, origin, signature)
+        # (storage, view, version, representation) -> a weak reference to the handle made for it this pass
+        self.dedupe: dict[tuple, weakref.ref] = {}
+        self.sites: dict[tuple, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
@@ -114,7 +115,7 @@ class PackPath:
     def _begin_pass_if_fresh(self) -> PassStats:
         if self.fresh:
             self.stats, self.backward_stats = PassStats(), PassStats()
-            self.dedupe = weakref.WeakValueDictionary()
+            self.dedupe = {}
             self._claimed = set()
             self._ptrs = self.model_ptrs()
             self.fresh = False
@@ -128,6 +129,8 @@ class PackPath:
         if self.watching:
             with self.watcher.quiet():  # what the pack hook itself runs (a detach) is not the model's
                 return self._pack(t)
+        if not self.fresh and graph_task_id() == -1:  # most saves: a pass under way, no backward running
+            return self._pack_in(t, self.stats)
         return self._pack(t)
 
     def _pack(self, t: torch.Tensor):
@@ -172,8 +175,7 @@ class PackPath:
         ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
         learned = self.sites.get(key[:3])
         if learned is not None and learned[2] == _signature(t):
-            site, origin, _ = learned
-            return site, _rule(site, origin)
+            return learned[0], learned[3]
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)
@@ -193,14 +195,14 @@ class PackPath:
         return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
         cfg = self.config
         if learn is not None:
-            self.sites[key[:3]] = (learn[0], learn[1], _signature(t))
+            self.sites[key[:3]] = (learn[0], learn[1], _signature(t), rule)
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
         rule, bits = self._width(key, rule)
         # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
-        form = (rule.kind, rule.pred, rule.values, rule.fn, rule.fn_params, bits)
-        shape = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version, form)
-        hit = self.dedupe.get(shape) if cfg.dedupe else None
+        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form, bits)
+        ref = self.dedupe.get(shape) if cfg.dedupe else None
+        hit = None if ref is None else ref()
         if hit is not None and hit.source() is not None:
             self.stats.deduplicated += 1
             if handle is None:
@@ -215,7 +217,7 @@ class PackPath:
         else:
             handle.stored = stored
         if cfg.dedupe:
-            self.dedupe[shape] = handle
+            self.dedupe[shape] = weakref.ref(handle)
         return handle
 
     def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None]:
@@ -250,15 +252,11 @@ class PackPath:
     def _record(self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False):
         """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
         nbytes = t.numel() * t.element_size()
-        start, end = counted_range(t)
-        storage_bytes = end - start
+        span = counted_range(t)
         kept = packed is None
-        packed = nbytes if kept else packed
         op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
-        self.stats.add(
-            KeyRecord(key, t.dtype, label, nbytes, packed, storage_bytes, op, cls), t, ptr, not kept, offloaded,
-            (start, end),
-        )  # fmt: skip
+        record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls)
+        self.stats.add(record, t, ptr, not kept, offloaded, span)
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

@@ -42,6 +42,9 @@ _VIEW_NODES = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBack
                "ReshapeAliasBackward0", "ExpandBackward0", "SliceBackward0", "AliasBackward0"}  # fmt: skip
 
 
+_COPY_OR_VIEW_NODES = _VIEW_NODES | {"ToCopyBackward0"}
+
+
 def is_weight_copy(t: torch.Tensor) -> bool:
     """An autocast (or ``.to``) copy of a leaf that requires grad, or a view of one: the copy's grad_fn
     feeds an AccumulateGrad."""
@@ -58,15 +61,27 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: frozenset[int]) -> str | None:
     """Why ``t`` (its storage at ``ptr``) is kept as it is, or ``None`` when it should be packed (bool)
     or compressed (float)."""
-    if ptr is None or t.layout != torch.strided or t.device.type == "meta":
+    if ptr is None or t.layout != torch.strided or t.is_meta:
         return "unsupported layout"
     # An nn.Parameter (or a view of one, as linear saves weight.t()) is a weight even when its storage is
     # new to us: FSDP2 swaps in all-gathered parameters during forward, and frees and re-gathers their
     # storage around backward.
-    if ptr in model_ptrs or isinstance(storage_owner(t), torch.nn.Parameter) or is_weight_copy(t):
+    if ptr in model_ptrs or _is_parameter(t if t._base is None else t._base):
         return KEEP_PARAMETER
-    if t.dtype != torch.bool and t.dtype not in FLOAT_DTYPES:
-        return f"dtype {str(t.dtype).removeprefix('torch.')}"
+    fn = t.grad_fn
+    if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):
+        return KEEP_PARAMETER
+    dtype = t.dtype
+    if dtype not in FLOAT_DTYPES and dtype != torch.bool:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
     if t.numel() < min_numel:
         return "small"
     return None
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """``isinstance(t, nn.Parameter)``, which is also true of a tensor flagged ``_is_param``; a plain tensor is
+    tested for the flag alone (the metaclass's check is Python, and this runs for every save)."""
+    if type(t) is torch.Tensor:
+        return bool(getattr(t, "_is_param", False))
+    return isinstance(t, torch.nn.Parameter)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -103,6 +104,12 @@ class Rule:
     @property
     def lossless(self) -> bool:
         return self.kind in ("mask", "sign", "unused", "dropout", "keep")
+
+    @cached_property
+    def form(self) -> tuple:
+        """What is stored, the class aside: rules of one form store a tensor alike (LINEAR and ATTENTION share
+        quantized codes)."""
+        return (self.kind, self.pred, self.values, self.fn, self.fn_params)
 
 
 LINEAR = Rule("linear", "quantize")

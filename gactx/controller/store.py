@@ -74,7 +74,7 @@ class Kept:
     @classmethod
     def of(cls, t: torch.Tensor) -> Kept:
         """``t`` kept as it is (:func:`as_is`), at its version now."""
-        return cls(as_is(t), t._version)
+        return cls(t.detach() if t.grad_fn is not None else t, t._version)  # as_is(t)
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
@@ -115,13 +115,16 @@ class Packed:
         self.view = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
 
     def unpack(self) -> torch.Tensor:
-        self._check_version()
+        saved = self.saved()
+        if saved is None or saved._version != self.version:
+            self._check_version()
         s = self.stored
         if isinstance(s, torch.Tensor):
             return s
-        live = self._still_alive()
-        if live is not None:
-            return live
+        if self.source() is not None:
+            live = self._still_alive()
+            if live is not None:
+                return live
         if isinstance(s, HostCopy):
             s = s.offloader.fetch(s)
         if isinstance(s, QuantizedTensor):
@@ -258,4 +261,4 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
         return as_is(t)
     if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
         return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
-    return quantize_checked(t.detach(), bits, group_size, stochastic, seed, choose_backend(t, backend))
+    return quantize_checked(t, bits, group_size, stochastic, seed, choose_backend(t, backend))

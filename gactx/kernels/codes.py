@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from gactx.kernels import cpu
-from gactx.kernels.format import QuantizedTensor, memory_order, restore_order
+from gactx.kernels.format import QuantizedTensor, memory_order, restore_order, restore_perm
 from gactx.kernels.functional import choose_backend, dequantize, quantize
 
 __all__ = ["CodedTensor", "encode_codes", "encode_compare", "encode_bins", "decode_codes", "coded_nbytes"]
@@ -97,9 +97,13 @@ def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torc
     the caller tests with torch ops and calls :func:`encode_codes`."""
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or choose_backend(t, backend) != "cpp":
         return None
-    flat, dense_shape, perm = memory_order(t)
-    packed = cpu.pack_compare(flat.contiguous(), kind, lo, hi)
-    mask = QuantizedTensor(packed, None, 1, 256, flat.shape, torch.bool, flat.shape, None)
+    if t.is_contiguous():
+        flat, dense_shape, perm = t, t.shape, None
+    else:
+        flat, dense_shape, perm = memory_order(t.detach())
+        flat = flat.contiguous()
+    n = torch.Size([flat.numel()])
+    mask = QuantizedTensor(cpu.pack_compare(flat, kind, lo, hi), None, 1, 256, n, torch.bool, n, None)
     return CodedTensor(mask, table, 1, t.shape, table.dtype, dense_shape, perm, backend)
 
 
@@ -119,7 +123,7 @@ def decode_codes(ct: CodedTensor) -> torch.Tensor:
     n = ct.numel
     packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
     if choose_backend(packed, ct.backend) == "cpp":  # the table looked up from the bits, no bool mask between
-        return restore_order(cpu.decode_table(packed, ct.table, n, ct.bits), ct)
+        return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
     if ct.bits == 1:
         mask = dequantize(ct.codes, backend=ct.backend)
         flat = torch.where(mask, ct.table[1], ct.table[0])

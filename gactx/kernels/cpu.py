@@ -21,6 +21,7 @@ torch twins run: slower, with their temporaries, same results.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -29,7 +30,7 @@ import warnings
 
 import torch
 
-from gactx.kernels.quantize import _allocate, step_factor
+from gactx.kernels.quantize import step_factor
 
 __all__ = [
     "available", "extension", "quantize", "dequantize", "encode_bins", "decode_table", "pack_bool", "pack_compare",
@@ -377,11 +378,18 @@ void unpack_bool_impl(const uint8_t* packed, int64_t n, uint8_t* mask) {
 
 }  // namespace
 
-void quantize(at::Tensor x, at::Tensor codes, at::Tensor meta, int64_t bits, int64_t group, bool stochastic,
-              int64_t seed, double factor, double factor_special) {
-  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && meta.is_contiguous());
-  GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), x.numel(), codes.data_ptr<uint8_t>(),
-                 meta.data_ptr<float>(), int(bits), group, stochastic, seed, float(factor), float(factor_special)));
+// Outputs are allocated here: from Python each allocation costs more than a small tensor's kernel.
+std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic, int64_t seed,
+                                            double factor, double factor_special) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
+  const int64_t n = x.numel(), groups = (n + group - 1) / group;
+  at::Tensor codes = at::empty({groups * group * bits / 8}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor meta = at::empty({groups, 2}, at::TensorOptions().dtype(at::kFloat));
+  if (n) {
+    GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), n, codes.data_ptr<uint8_t>(),
+                   meta.data_ptr<float>(), int(bits), group, stochastic, seed, float(factor), float(factor_special)));
+  }
+  return {codes, meta};
 }
 
 void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group) {
@@ -403,10 +411,12 @@ void pack_bool(at::Tensor mask, at::Tensor packed) {
   pack_bool_impl(reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()), mask.numel(), packed.data_ptr<uint8_t>());
 }
 
-void pack_compare(at::Tensor x, at::Tensor packed, int64_t kind, double lo, double hi) {
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && kind >= 0 && kind <= 5);
+at::Tensor pack_compare(at::Tensor x, int64_t kind, double lo, double hi) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && kind >= 0 && kind <= 5);
+  at::Tensor packed = at::empty({(x.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
   GACTX_DISPATCH(x.scalar_type(), pack_compare_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
                  packed.data_ptr<uint8_t>(), int(kind), float(lo), float(hi)));
+  return packed;
 }
 
 void unpack_bool(at::Tensor packed, at::Tensor mask) {
@@ -468,21 +478,23 @@ def available() -> bool:
     return extension() is not None
 
 
-def quantize(flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
-    """``(codes, meta)`` of a contiguous 1-D CPU tensor, in the format of ``format.py``."""
-    codes, meta = _allocate(flat, bits, group_size)
-    if flat.numel():
-        levels = (1 << bits) - 1
-        extension().quantize(
-            flat, codes, meta, bits, group_size, stochastic, seed, step_factor(levels), step_factor(levels - 1)
-        )
-    return codes, meta
+def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
+    """``(codes, meta)`` of a contiguous CPU tensor (any shape: its elements in order), in the format of
+    ``format.py``."""
+    return extension().quantize(x, bits, group_size, stochastic, seed, *_factors(bits))
 
 
-def dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype):
-    out = torch.empty(n, dtype=dtype)
-    if n:
-        extension().dequantize(codes, meta, out, bits, group_size)
+@functools.cache
+def _factors(bits: int) -> tuple[float, float]:
+    """The kernel's step factors at ``bits``: of all ``2**bits - 1`` levels, and of one fewer (special groups)."""
+    levels = (1 << bits) - 1
+    return step_factor(levels), step_factor(levels - 1)
+
+
+def dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, shape, dtype: torch.dtype):
+    """The decoded tensor, contiguous of ``shape`` (a number of elements, or a shape of that many)."""
+    out = torch.empty(shape, dtype=dtype)
+    extension().dequantize(codes, meta, out, bits, group_size)
     return out
 
 
@@ -493,9 +505,10 @@ def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Ten
     return packed
 
 
-def decode_table(packed: torch.Tensor, table: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """``table[codes]`` of ``n`` codes packed by :func:`encode_bins`."""
-    out = torch.empty(n, dtype=table.dtype)
+def decode_table(packed: torch.Tensor, table: torch.Tensor, shape, bits: int) -> torch.Tensor:
+    """``table[codes]`` of the codes packed by :func:`encode_bins`, contiguous of ``shape`` (a number of elements, or
+    a shape of that many)."""
+    out = torch.empty(shape, dtype=table.dtype)
     extension().decode_table(packed, table.contiguous(), out, bits)
     return out
 
@@ -512,14 +525,12 @@ def pack_bool(flat: torch.Tensor) -> torch.Tensor:
 COMPARE_KINDS = {"gt": 0, "open": 1, "outside": 2, "closed": 3, "ge": 4, "le": 5}
 
 
-def pack_compare(flat: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
-    """A contiguous float tensor's test against its bounds (``COMPARE_KINDS``: ``gt`` is ``flat > lo``,
-    ``open`` ``lo < flat < hi``, ``outside`` not ``lo <= flat <= hi``, ``closed`` ``lo <= flat <= hi``, ``ge``
+def pack_compare(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tensor:
+    """A contiguous float tensor's test against its bounds (``COMPARE_KINDS``: ``gt`` is ``x > lo``,
+    ``open`` ``lo < x < hi``, ``outside`` not ``lo <= x <= hi``, ``closed`` ``lo <= x <= hi``, ``ge``
     and ``le`` one bound), packed as :func:`pack_bool` packs the bool result, without the bool tensor. The bounds
     are compared in float32: a float16 or bfloat16 tensor's must be exact in its dtype."""
-    packed = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
-    extension().pack_compare(flat, packed, COMPARE_KINDS[kind], lo, hi)
-    return packed
+    return extension().pack_compare(x, COMPARE_KINDS[kind], lo, hi)
 
 
 def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ __all__ = [
     "expected_nbytes",
     "memory_order",
     "restore_order",
+    "restore_perm",
     "check_args",
 ]
 
@@ -148,10 +149,14 @@ def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, 
 
 def restore_order(flat: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     """Inverse of :func:`memory_order`: shape ``q.shape`` with the strides the original had."""
-    out = flat.view(q.dense_shape)
-    if q.perm is None:
-        return out
-    inverse = [0] * len(q.perm)
-    for i, d in enumerate(q.perm):
+    return restore_perm(flat.view(q.dense_shape), q.perm)
+
+
+def restore_perm(dense: torch.Tensor, perm: tuple[int, ...] | None) -> torch.Tensor:
+    """:func:`restore_order` of a tensor already of the dense shape."""
+    if perm is None:
+        return dense
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
         inverse[d] = i
-    return out.permute(inverse)
+    return dense.permute(inverse)

@@ -7,7 +7,7 @@ import torch
 from gactx.kernels import _triton, cpu
 from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
-from gactx.kernels.format import QuantizedTensor, check_args, memory_order, restore_order
+from gactx.kernels.format import QuantizedTensor, check_args, memory_order, restore_order, restore_perm
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
 from gactx.kernels.quantize import torch_quantize, triton_quantize
 
@@ -27,9 +27,9 @@ def choose_backend(x: torch.Tensor, backend: str) -> str:
         _triton.require_triton(x)
         return "triton"
     if backend == "auto":
-        if x.device.type == "cuda" and _triton.HAS_TRITON:
+        if x.is_cuda and _triton.HAS_TRITON:
             return "triton"
-        return "cpp" if x.device.type == "cpu" and cpu.available() else "torch"
+        return "cpp" if x.is_cpu and cpu.available() else "torch"
     if backend == "cpp":
         if x.device.type != "cpu":
             raise ValueError(f"backend='cpp' runs on CPU tensors, not {x.device.type}; use 'auto' or 'triton'")
@@ -82,35 +82,39 @@ def quantize(
 def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
     """:func:`quantize` of arguments already checked, ``chosen`` the backend :func:`choose_backend` gave: what
     gactx's pack hook calls for every compressed tensor (the checks cost as much as a small tensor's kernel)."""
+    dtype = x.dtype
+    if dtype != torch.bool and (bits == 32 or (bits == 16 and dtype != torch.float32)):
+        return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
+    if chosen == "cpp" and bits <= 8 and dtype != torch.bool and x.is_contiguous():  # the pack hook's usual call
+        codes, meta = cpu.quantize(x, bits, group_size, stochastic, seed)
+        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, x.shape, None)
+    if x.requires_grad:  # no autograd history for the views below
+        x = x.detach()
+    flat, dense_shape, perm = memory_order(x)
+    if chosen == "cpp":
+        if dtype == torch.bool:
+            data, meta, bits = cpu.pack_bool(flat.contiguous()), None, 1
+        elif bits == 16:
+            data, meta = torch_round_bf16(flat, stochastic, seed), None
+        else:
+            data, meta = cpu.quantize(flat.contiguous(), bits, group_size, stochastic, seed)
+        return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
     use_triton = chosen == "triton"
     interpret = _triton.INTERPRET and x.device.type == "cpu"
-
-    def wrap(data: torch.Tensor, meta: torch.Tensor | None, stored_bits: int, dense_shape, perm) -> QuantizedTensor:
-        return QuantizedTensor(data, meta, stored_bits, group_size, x.shape, x.dtype, dense_shape, perm)
-
-    if x.dtype != torch.bool and (bits == 32 or (bits == 16 and x.dtype != torch.float32)):
-        return wrap(x, None, bits, x.shape, None)  # already at or below the asked width: kept as is
-    flat, dense_shape, perm = memory_order(x)
-    if x.dtype == torch.bool:
-        if use_triton:
-            packed = triton_pack_bool(flat, interpret)
-        else:
-            packed = cpu.pack_bool(flat.contiguous()) if chosen == "cpp" else torch_pack_bool(flat)
-        return wrap(packed, None, 1, dense_shape, perm)
-    if bits == 16:
-        half = (
+    meta = None
+    if dtype == torch.bool:
+        data, bits = (triton_pack_bool(flat, interpret) if use_triton else torch_pack_bool(flat)), 1
+    elif bits == 16:
+        data = (
             triton_round_bf16(flat, stochastic, seed, interpret)
             if use_triton
             else torch_round_bf16(flat, stochastic, seed)
         )
-        return wrap(half, None, 16, dense_shape, perm)
-    if use_triton:
-        codes, meta = triton_quantize(flat, bits, group_size, stochastic, seed, interpret)
-    elif chosen == "cpp":
-        codes, meta = cpu.quantize(flat.contiguous(), bits, group_size, stochastic, seed)
+    elif use_triton:
+        data, meta = triton_quantize(flat, bits, group_size, stochastic, seed, interpret)
     else:
-        codes, meta = torch_quantize(flat, bits, group_size, stochastic, seed)
-    return wrap(codes, meta, bits, dense_shape, perm)
+        data, meta = torch_quantize(flat, bits, group_size, stochastic, seed)
+    return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
 
 
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
@@ -120,9 +124,11 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
     if q.meta is None and q.data.dtype == q.dtype:
         return q.data  # stored as is
     chosen = choose_backend(q.data, backend)
+    if chosen == "cpp" and q.meta is not None:
+        return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
+    n = q.numel
     use_triton = chosen == "triton"
     interpret = _triton.INTERPRET and q.device.type == "cpu"
-    n = q.numel
     if q.dtype == torch.bool:
         if use_triton:
             flat = triton_unpack_bool(q.data, n, interpret)
@@ -132,8 +138,6 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
         flat = q.data.to(q.dtype)  # bfloat16 storage of a float32 tensor
     elif use_triton:
         flat = triton_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype, interpret)
-    elif chosen == "cpp":
-        flat = cpu.dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype)
     else:
         flat = torch_dequantize(q.data, q.meta, q.bits, q.group_size, n, q.dtype)
     return restore_order(flat, q)
