@@ -93,14 +93,18 @@ class PassStats:
         """A save of ``t`` (its storage at ``ptr``; ``span``: its :func:`counted_range`, where the caller has it).
         Before and after count each storage once, and of a view of data that lives anyway (a batch sliced from
         a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
+        owner = weakref.ref(storage_owner(t))
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
-            self.live[ptr] = (weakref.ref(storage_owner(t)), [])
+            seen = self.live[ptr] = (owner, [])
             self.kept_ranges.pop(ptr, None)
-        kept_bytes = self._cover(t, ptr, not compressed, span)
-        self._count(record, compressed, offloaded, ptr, kept_bytes)
-        if not compressed:
-            self.held[ptr] = weakref.ref(storage_owner(t))
+        start, end = counted_range(t) if span is None else span
+        self.original_bytes += cover(seen[1], start, end)
+        if compressed:
+            self._count(record, True, offloaded, ptr, 0)
+        else:
+            self._count(record, False, offloaded, ptr, cover(self.kept_ranges.setdefault(ptr, []), start, end))
+            self.held[ptr] = owner
 
     def extend(self, t: torch.Tensor, ptr: int) -> None:
         """Another view of a storage this pass keeps as it is (no record of its own): the bytes it covers that
