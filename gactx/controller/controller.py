@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -72,6 +73,27 @@ def _mix(*values: int) -> int:
         h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h & _MASK62
+
+
+PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
+
+
+class _Progress:
+    """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
+    2 passes per compressed tensor of a deep net) says where it is."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.every = step, PROGRESS_SECONDS
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            logger.info(
+                "gactx adaptation at step %d: %d of %d passes of the closure, %.1f s", self.step, done, total,
+                now - self.start,
+            )  # fmt: skip
 
 
 class Controller:
@@ -234,8 +256,9 @@ class Controller:
             # would have to be recompiled for.
             with torch.compiler.set_stance("force_eager"):
                 estimate = estimate_sensitivities(
-                    self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed
-                )
+                    self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
+                    _Progress(self.step),
+                )  # fmt: skip
         finally:
             if not was_installed:
                 self.uninstall_hook()

@@ -90,16 +90,20 @@ def estimate_sensitivities(
     set_probe: Callable[[Probe | None], None],
     probe_bits: int,
     seed_of: Callable[[Hashable, int], int],
+    progress: Callable[[int, int], None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
-    ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds."""
+    ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
+    ``progress(done, total)`` is told the passes run so far after each slot."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
         slots = discover(lambda: _gradient(model, backprop, snapshot))
         scale = 0.5 / variance_factor(probe_bits)
         raw = {}
-        for slot in slots:
+        for i, slot in enumerate(slots):
+            if progress is not None:
+                progress(1 + 2 * i, 1 + 2 * len(slots))
             grads = []
             for k in (1, 2):
                 set_probe(Probe(slot, probe_bits, seed_of(slot, k)))

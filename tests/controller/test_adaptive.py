@@ -253,3 +253,27 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog):
     lines = [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()]
     a = controller.last_adaptation
     assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure in" in lines[0] and "budget" in lines[0]
+
+
+def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
+    """Past PROGRESS_SECONDS (3 s; 0 here, so that every slot logs) an adaptation says how far it is, then its
+    cost as usual."""
+    import logging
+
+    import gactx.controller.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "PROGRESS_SECONDS", 0.0)
+    model, run, probe = _digits_case()
+    controller = gactx.Controller(model, level="L2.2")
+    with caplog.at_level(logging.INFO, logger="gactx"), controller:
+        run().backward()
+        controller.iterate(lambda: probe().backward())
+    lines = [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()]
+    total = controller.last_adaptation.passes
+    slots = (total - 1) // 2
+    assert slots >= 2
+    assert lines[:slots] == [
+        f"gactx adaptation at step 1: {1 + 2 * i} of {total} passes of the closure, " + lines[i].rsplit(", ", 1)[1]
+        for i in range(slots)
+    ]
+    assert len(lines) == slots + 1 and "budget" in lines[-1]

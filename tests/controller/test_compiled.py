@@ -81,6 +81,40 @@ def test_records_name_the_modules_and_do_not_grow():
     assert "0.1[0]" in report and "input" in report and "addmm" in report and "gelu" in report
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "compiled module"])
+def test_a_compiled_root_begins_and_ends_its_passes(wrapped):
+    """The whole model compiled (no eager module of it runs): evaluations under ``no_grad`` in between, a forward
+    abandoned before its backward, and the adaptation's own passes leave the training pass's statistics and
+    widths as they were, and nothing grows; the controller may be given the model or the compiled module."""
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    controller = gactx.Controller(compiled if wrapped else model, level="L2.2", adapt_interval=2)
+
+    def backprop():
+        grads(compiled, model, x[:16])
+
+    with controller:
+        seen = []
+        for step in range(6):
+            grads(compiled, model, x)
+            controller.iterate(backprop)
+            with torch.no_grad():
+                compiled(x)
+            if step == 3:
+                compiled(x[:8]).sum()  # never run backward
+            grads(compiled, model, x)
+            stats = controller.memory_stats()
+            seen.append((stats, [(str(r.key), r.bits) for r in controller.records], len(controller._key_ids)))
+    assert controller.allocation, "the adaptation allocated widths to the compiled model's tensors"
+    (stats, records, keys), *rest = seen[1:]  # after the first adaptation
+    assert stats.tensors == 6 and stats.original_bytes == 6 * 64 * WIDTH * 4
+    assert any(bits != 4 for _, bits in records), "the allocation reaches the compiled saves"
+    for later in rest:
+        assert later[0].tensors == 6 and later[0].original_bytes == stats.original_bytes
+        assert [k for k, _ in later[1]] == [k for k, _ in records]
+        assert later[2] <= keys + 8, "keys do not grow with the steps"
+
+
 def test_gradients_as_close_as_eager_and_l0_exact():
     model, x = mlp(), torch.randn(256, WIDTH)
     compiled = torch.compile(model, backend="aot_eager")
