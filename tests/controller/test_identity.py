@@ -87,14 +87,26 @@ def test_a_recursive_call_of_the_model_is_not_an_interrupt():
         assert keys[0] == "lin[0]" and "(root)#2[0]" in keys and "(root)#3[0]" in keys  # one pass, three calls
 
 
+def _resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or None where /proc does not tell."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def test_interrupts_evaluation_and_training_mixed_stay_flat():
-    """2,000 steps: training, an interrupted forward, evaluation under no_grad, in turn. Nothing grows."""
+    """2,000 steps: training, an interrupted forward, evaluation under no_grad, in turn. Nothing grows: the
+    controller's tables, Python's objects, the process's resident memory."""
     import gc
 
     torch.manual_seed(0)
     model, x = Net(), torch.randn(8, 32)
     with gactx.Controller(model, level="L1") as controller:
-        counts = []
+        counts, resident = [], []
         for step in range(2000):
             kind = step % 3
             if kind == 0:
@@ -111,9 +123,12 @@ def test_interrupts_evaluation_and_training_mixed_stay_flat():
             if step in (300, 1999):
                 gc.collect()
                 counts.append(len(gc.get_objects()))
+                resident.append(_resident_bytes())
         model(x).sum().backward()
         assert set(controller._tracker._calls.values()) == {1} and not controller._tracker.inside
         assert counts[1] - counts[0] < 200, counts
+        if resident[0] is not None:  # 1,700 steps: a leak of 2 KB a step would show
+            assert resident[1] - resident[0] < 3 << 20, f"resident memory grew {resident[1] - resident[0]} bytes"
         assert len(controller._path.sites) <= len(_keys(controller)) + 4
 
 
