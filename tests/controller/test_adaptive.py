@@ -242,7 +242,8 @@ def test_a_malformed_state_is_refused_naming_the_field(change, field):
         gactx.Controller(model, level="L2").load_state_dict(state)
 
 
-def test_an_adaptation_logs_one_line_with_its_cost(caplog):
+def _adaptation_log(caplog) -> tuple[list[str], gactx.Controller]:
+    """The lines an adaptation on digits logs at INFO, and its controller."""
     import logging
 
     model, run, probe = _digits_case()
@@ -250,7 +251,11 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog):
     with caplog.at_level(logging.INFO, logger="gactx"), controller:
         run().backward()
         controller.iterate(lambda: probe().backward())
-    lines = [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()], controller
+
+
+def test_an_adaptation_logs_one_line_with_its_cost(caplog):
+    lines, controller = _adaptation_log(caplog)
     a = controller.last_adaptation
     assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure in" in lines[0] and "budget" in lines[0]
 
@@ -258,17 +263,10 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog):
 def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     """Past PROGRESS_SECONDS (3 s; 0 here, so that every slot logs) an adaptation says how far it is, then its
     cost as usual."""
-    import logging
-
     import gactx.controller.controller as controller_module
 
     monkeypatch.setattr(controller_module, "PROGRESS_SECONDS", 0.0)
-    model, run, probe = _digits_case()
-    controller = gactx.Controller(model, level="L2.2")
-    with caplog.at_level(logging.INFO, logger="gactx"), controller:
-        run().backward()
-        controller.iterate(lambda: probe().backward())
-    lines = [r.getMessage() for r in caplog.records if "adaptation" in r.getMessage()]
+    lines, controller = _adaptation_log(caplog)
     total = controller.last_adaptation.passes
     slots = (total - 1) // 2
     assert slots >= 2
