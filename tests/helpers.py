@@ -12,6 +12,60 @@ def special_input(n: int, dtype: torch.dtype, seed: int, scale: float = 1.0, spe
     return x.to(dtype)
 
 
+def extreme_input(dtype: torch.dtype) -> torch.Tensor:
+    """Groups of 32 finite values at the edges of ``dtype``'s range, of mixed signs: for float32 and bfloat16
+    spans that overflow float32 (``-2e38`` and ``2e38``, +-the largest finite value, ends just far enough apart)
+    and one that reaches FLT_MAX only with the step's margin; for float16 values up to +-65504. Each group also
+    holds zero, small and random values between its ends."""
+    top = torch.finfo(dtype).max
+    if dtype == torch.float16:
+        ends = [(top, -top), (top, 0.0), (-top, 65000.0), (top, -1.0), (65472.0, -65472.0), (top, -top)]
+    else:
+        ends = [
+            (top, -top),  # twice the largest finite value
+            (2e38, -2e38),
+            (top, -(2.0**103)),  # just past FLT_MAX apart: the span rounds to inf
+            (2.0**103, -top),
+            (3e38, -1e38),
+            (top - 1e38, -1e38),  # a span within the margin of FLT_MAX: the top level's product overflows
+            (top, 0.0),
+            (1e38, -top),
+        ]
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for hi, lo in ends:
+        inside = torch.rand(32, generator=g, dtype=torch.float64) * (hi - lo) + lo
+        inside[:6] = torch.tensor([hi, lo, 0.0, 1.0, -1e-3, hi], dtype=torch.float64)
+        groups.append(inside.clamp(-top, top))
+    return torch.cat(groups).to(dtype)
+
+
+def assert_unbiased_at_the_edges(quantize, bits: int, seeds: int) -> None:
+    """Stochastic rounding of the first two groups of :func:`extreme_input` (float32: spans of twice FLT_MAX
+    and of 4e38) by ``quantize(x, bits, seed) -> (codes, meta)`` at group size 32: every decode finite and
+    within a step, and the mean of ``seeds`` decodes within 5 standard errors of ``x`` (a draw's variance is at
+    most step**2 / 4). The one exception, documented in quantize.py: at 1 bit such a group's step is FLT_MAX,
+    and its elements above ``lo + FLT_MAX`` take the top code in every draw."""
+    from gactx.kernels.dequantize import torch_dequantize
+
+    flt_max = torch.finfo(torch.float32).max
+    x = extreme_input(torch.float32)[:64]
+    total = torch.zeros(64, dtype=torch.float64)
+    for seed in range(seeds):
+        codes, meta = quantize(x, bits, seed)
+        codes, meta = codes.cpu(), meta.cpu()
+        xhat = torch_dequantize(codes, meta, bits, 32, 64, torch.float32).double()
+        step = group_steps(meta, 32, 64).double()
+        assert torch.isfinite(xhat).all() and ((xhat - x.double()).abs() <= step * (1 + 1e-5)).all()
+        total += xhat
+    mean = total / seeds
+    top = (meta[:, 0].repeat_interleave(32) + flt_max).double()  # lo + FLT_MAX, rounded as decoding rounds it
+    past = (step == flt_max) & (x.double() > top)
+    assert ((mean - x.double()).abs() <= 5 * step / 2 / seeds**0.5)[~past].all(), "biased"
+    assert (mean == top)[past].all()
+    assert past.any() == (bits == 1), "at 1 bit the first group has elements above lo + FLT_MAX"
+
+
 def bits_view(t: torch.Tensor) -> torch.Tensor:
     """The raw bit patterns of ``t`` as an integer tensor of the same element size."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])

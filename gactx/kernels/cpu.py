@@ -157,27 +157,31 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
       }
       const bool special = has_nan || has_pinf || has_ninf;
       const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
-      float step = std::min(span * (special ? factor_special : factor), kFltMax);
+      // A finite group whose span overflowed: step = fmax * f - fmin * f, elements encoded at a quarter
+      // of their value (quantize.py).
+      const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
+      const float f = special ? factor_special : factor;
+      float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
       step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
       if (L == 1 && special) step = 0.0f;
-      const float inv = step > 0.0f ? 1.0f / step : 0.0f;
+      const float inv = step > 0.0f ? 1.0f / (step * scale) : 0.0f;
       const float inf = std::numeric_limits<float>::infinity();
       const float kind = (has_nan || (has_pinf && has_ninf)) ? std::numeric_limits<float>::quiet_NaN()
                                                              : (has_pinf ? inf : -inf);
-      const float origin = special ? 0.0f : fmin;
+      const float origin = (special ? 0.0f : fmin) * scale;
       const float shift = special ? float(centre) : 0.0f;
       meta[2 * g] = special ? kind : fmin;
       meta[2 * g + 1] = step;
       if (stochastic) {
         const uint32_t high = k1 ^ uint32_t(uint64_t(start) >> 32) * 0x85EBCA77u, low = uint32_t(uint64_t(start));
         for (int64_t k = 0; k < m; ++k) {
-          const float s = std::fabs((v[k] - origin) * inv + (shift + one_plus_u(k0, high, low + uint32_t(k))));
+          const float s = std::fabs((v[k] * scale - origin) * inv + (shift + one_plus_u(k0, high, low + uint32_t(k))));
           q[k] = uint8_t(int32_t(s < top ? s : top) - 1);  // NaN: the top code, as fmin(s, top)
         }
       } else {
         const float add = shift + 1.5f;
         for (int64_t k = 0; k < m; ++k) {
-          const float s = std::fabs((v[k] - origin) * inv + add);
+          const float s = std::fabs((v[k] * scale - origin) * inv + add);
           q[k] = uint8_t(int32_t(s < top ? s : top) - 1);
         }
       }
@@ -198,21 +202,25 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
   const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
   const int64_t W = G / per_byte;
   const int64_t groups = (n + G - 1) / G;
+  const float hi = float(std::numeric_limits<T>::max());  // finite values saturate at the output's largest
   at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
     T lut[256];  // a group's 2**bits values, each decoded once
     for (int64_t g = g0; g < g1; ++g) {
-      const float lo = meta[2 * g], step = meta[2 * g + 1];
+      const float lo = meta[2 * g];
       const bool special = !std::isfinite(lo);
-      const float base = special ? 0.0f : lo;
+      // Halves where q * step can overflow while the value does not (dequantize.py).
+      const bool wide = !special && lo < -1.0f && float(L) * meta[2 * g + 1] > kFltMax;
+      const float half = wide ? 0.5f : 1.0f, twice = wide ? 2.0f : 1.0f;
+      const float step = meta[2 * g + 1] * half, base = (special ? 0.0f : lo) * half;
       const int c = special ? centre : 0;
-      const float top = special ? lo : std::min(std::max(float(L) * step + base, -kFltMax), kFltMax);
+      const float top = special ? lo : std::min(std::max((float(L) * step + base) * twice, -hi), hi);
       const uint8_t* in = codes + g * W;
       const int64_t start = g * G, m = std::min(G, n - start);
       const bool computed = m == G && !special && std::is_same<T, float>::value;
       if (!computed) {
         for (int q = 0; q < L; ++q) {
-          const float value = float(q - c) * step + base;
-          lut[q] = from_float<T>(std::min(std::max(value, -kFltMax), kFltMax));
+          const float value = (float(q - c) * step + base) * twice;
+          lut[q] = from_float<T>(std::min(std::max(value, -hi), hi));
         }
         lut[L] = from_float<T>(top);
       }
@@ -222,8 +230,8 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
           float* o = reinterpret_cast<float*>(out) + start + p * W;
           const int shift = p * bits;
           for (int64_t k = 0; k < W; ++k) {
-            const float value = float((in[k] >> shift) & L) * step + lo;
-            o[k] = std::min(std::max(value, -kFltMax), kFltMax);
+            const float value = (float((in[k] >> shift) & L) * step + base) * twice;
+            o[k] = std::min(std::max(value, -hi), hi);
           }
         }
       } else if (m == G) {

@@ -2,10 +2,20 @@
 
 A code ``q`` of a group with finite ``lo`` decodes to ``q * step + lo``. A group with non-finite ``lo``
 (it held NaN or +-Inf, see ``format.py``) decodes its top code to ``lo`` and the others to
-``(q - (2**bits - 2) // 2) * step``. Decoded finite values are clamped to +-FLT_MAX (the
-step's margin could carry a group that reaches FLT_MAX past it). The result is cast to the output dtype
-(round to nearest even). Both implementations round the product and the sum separately (the
-kernel is compiled with ``enable_fp_fusion=False``), so they decode to identical bits.
+``(q - (2**bits - 2) // 2) * step``. The result is cast to the output dtype (round to nearest even). Both
+implementations round the product and the sum separately (the kernel is compiled with
+``enable_fp_fusion=False``), so they decode to identical bits.
+
+At the edges of the range:
+
+- Where ``L * step`` overflows float32 and ``lo < -1`` (a group spanning more than FLT_MAX, or within the margin
+  of it), ``q * step`` can overflow while ``q * step + lo`` does not: there the value is computed on halves,
+  ``(q * (step / 2) + lo / 2) * 2`` (every factor and sum exact or rounded as before: the same value wherever
+  the plain form is finite). Where ``lo >= -1`` an overflowing product means a value past FLT_MAX anyway, and
+  halving a subnormal ``lo`` would round it: those groups, and all others, use the plain form.
+- Decoded finite values saturate at the output dtype's largest finite value (FLT_MAX, 65504 for float16,
+  about 3.3895e38 for bfloat16): the step's margin can carry a group that reaches that value past it, and a
+  16-bit cast rounds a value a hair beyond it to inf. A finite input never comes back as inf.
 """
 
 from __future__ import annotations
@@ -25,8 +35,8 @@ _FLT_MAX = constexpr(FLT_MAX)
 @jit(do_not_specialize=["n", "first"])  # one compiled kernel whatever n is (but int32 or int64)
 def _dequantize_kernel(
     codes_ptr, meta_ptr, out_ptr, n, first,
-    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, EMULATE: tl.constexpr,
-    MASKED: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, OUT_MAX: tl.constexpr,
+    EMULATE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0).to(tl.int64) + first
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -47,15 +57,22 @@ def _dequantize_kernel(
 
     special = (tl.abs(lo) >= float("inf")) | (lo != lo)  # NaN compares false
     base = tl.where(special, 0.0, lo)
-    top = tl.where(special, lo, tl.minimum(tl.maximum(LEVELS * step + base, -_FLT_MAX), _FLT_MAX))[:, None]
+    # Halves (1/2, then 2) where q * step can overflow while the value does not; 1 elsewhere (module docstring).
+    wide = (base < -1.0) & (LEVELS * step > _FLT_MAX)
+    half = tl.where(wide, 0.5, 1.0)
+    twice = tl.where(wide, 2.0, 1.0)
+    step = step * half
+    base = base * half
+    top = tl.where(special, lo, tl.minimum(tl.maximum((LEVELS * step + base) * twice, -OUT_MAX), OUT_MAX))[:, None]
     centre = tl.where(special, CENTRE, 0)[:, None]
     base = base[:, None]
     step = step[:, None]
+    twice = twice[:, None]
     offs = rows[:, None] * GROUP + tl.arange(0, WIDTH).to(tl.int64)[None, :]
     for p in tl.static_range(PLANES):  # plane p: elements p * WIDTH .. (p + 1) * WIDTH - 1 (format.py)
         q = (packed >> (p * BITS)) & LEVELS
-        value = (q - centre).to(tl.float32) * step + base
-        value = tl.minimum(tl.maximum(value, -_FLT_MAX), _FLT_MAX)
+        value = ((q - centre).to(tl.float32) * step + base) * twice
+        value = tl.minimum(tl.maximum(value, -OUT_MAX), OUT_MAX)
         value = tl.where(q == LEVELS, top, value)
         if OUT_BF16:  # out_ptr is the int16 view of a bfloat16 tensor
             value = bf16_bits(value, EMULATE)
@@ -74,8 +91,8 @@ def dequantize_launch(
     elements of ``dtype``; the programs of quantize, for :func:`triton_dequantize` and for ``aot.py``."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
     meta = dict(
-        BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, EMULATE=interpret,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, OUT_MAX=torch.finfo(dtype).max,
+        EMULATE=interpret, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return launch_metas(n, rows * group_size, meta)
 
@@ -109,8 +126,12 @@ def torch_dequantize(
     lo, step = meta[:, 0:1], meta[:, 1:2]
     special = ~torch.isfinite(lo)
     base = torch.where(special, 0.0, lo)
+    wide = (base < -1) & (levels * step > FLT_MAX)  # see the module docstring
+    half, twice = torch.where(wide, 0.5, 1.0), torch.where(wide, 2.0, 1.0)
+    step, base = step * half, base * half
     centre = torch.where(special, (levels - 1) // 2, 0)
-    top = torch.where(special, lo, (levels * step + base).clamp(-FLT_MAX, FLT_MAX))
-    value = ((q - centre).float() * step + base).clamp(-FLT_MAX, FLT_MAX)
+    out_max = torch.finfo(dtype).max  # the output's largest finite value: finite values saturate there
+    top = torch.where(special, lo, ((levels * step + base) * twice).clamp(-out_max, out_max))
+    value = (((q - centre).float() * step + base) * twice).clamp(-out_max, out_max)
     value = torch.where(q == levels, top, value)
     return value.view(-1)[:n].to(dtype)

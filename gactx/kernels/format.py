@@ -18,7 +18,12 @@ Planes, not neighbours, share a byte so that a GPU thread holding a run of conse
 plane packs and unpacks whole bytes in its own registers (``quantize.py``).
 
 A code ``q`` decodes to ``q * step + lo``. float32 metadata is exact for any input dtype and range, so
-quantizing against the stored values keeps stochastic rounding unbiased (see ``quantize.py``).
+quantizing against the stored values keeps stochastic rounding unbiased (see ``quantize.py``). At the edges
+of the range: a group whose span ``max - min`` overflows float32 (values of both signs more than FLT_MAX
+apart) keeps the same ``(lo, step)`` meaning, computed without overflow (``quantize.py``), and is decoded on
+halves where ``q * step`` would overflow (``dequantize.py``); at 1 bit its step is clamped to FLT_MAX, and its
+elements more than that above ``lo`` take the top code. Decoded finite values saturate at the largest finite
+value of the output dtype, so a finite input comes back finite and within one step.
 
 A group holding NaN or +-Inf is marked by a non-finite ``lo``: its top code ``2**bits - 1`` stands for
 that value (NaN when the group mixes NaN or both infinities), and its finite elements use the other
@@ -26,8 +31,9 @@ codes on a grid centred on zero, ``(q - (2**bits - 2) / 2) * step``. Non-finite 
 back non-finite, at their places; see ``quantize.py`` for what that costs the finite ones.
 
 Widths 16 and 32 and bool masks need no metadata: 16 keeps fp16/bf16 tensors as they are and stores
-float32 as bfloat16 (same exponent range, so nothing overflows); 32 keeps the tensor itself; a bool
-mask is packed at 1 bit per element, losslessly.
+float32 as bfloat16 (same exponent range; the finite float32 values above bfloat16's largest finite value,
+about 3.3895e38, saturate to it, see ``half.py``); 32 keeps the tensor itself; a bool mask is packed at 1 bit
+per element, losslessly.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """16-bit storage of float32: ``_round_bf16_kernel``, ``triton_round_bf16``, ``torch_round_bf16``.
 
-bfloat16 keeps float32's exponent range, so nothing overflows (float16 would turn 7e4 into inf). It keeps
-the top 16 bits of the float32 pattern; stochastic rounding adds a uniform 16-bit integer to the pattern
-before truncation, which rounds the magnitude up with probability equal to the dropped fraction, so the
-expected value is x::
+bfloat16 keeps float32's exponent range (float16 would turn 7e4 into inf). It keeps the top 16 bits of the
+float32 pattern; stochastic rounding adds a uniform 16-bit integer to the pattern before truncation, which
+rounds the magnitude up with probability equal to the dropped fraction, so the expected value is x::
 
     float32  [ s | exponent (8) | mantissa hi (7) | mantissa lo (16) ]
                                                    ^ + r, r ~ U{0 .. 65535}, then keep the top 16 bits
 
-Finite values that would round up to inf are truncated instead; NaN stays NaN, +-Inf stays +-Inf.
-With ``stochastic=False`` it is the usual round-to-nearest-even conversion.
+With ``stochastic=False`` it is the usual round-to-nearest-even conversion. Both saturate: a finite value
+whose magnitude is above bfloat16's largest finite value, ``BF16_MAX`` (about 3.3895e38; float32 goes on to
+FLT_MAX, about 3.4028e38), is stored as +-``BF16_MAX``, never as inf (round to nearest would carry anything
+from about 3.3961e38 up to inf; stochastic rounding keeps the magnitude rounded down there, so values above
+``BF16_MAX`` are the one place where it is biased, by less than 0.4%). NaN stays NaN, +-Inf stays +-Inf.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from gactx.kernels._grid import launch_metas
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.random import ROUNDS, philox
 
-__all__ = ["bf16_bits", "bf16_bits_to_float", "round_bf16_launch", "triton_round_bf16", "torch_round_bf16"]
+__all__ = ["BF16_MAX", "bf16_bits", "bf16_bits_to_float", "round_bf16_launch", "triton_round_bf16", "torch_round_bf16"]
 
 _ROUNDS = constexpr(ROUNDS)
+BF16_MAX = torch.finfo(torch.bfloat16).max  # 0x7F7F: 3.3895313892515355e38, exact in float32
+_BF16_MAX = constexpr(BF16_MAX)
 
 # Elements a program: 8192 at 4 warps is 64 a thread, 8 consecutive ones in each of eight slices (128-bit
 # loads), and one Philox call (128 random bits) for the 16 random bits of each of eight elements.
@@ -61,6 +65,13 @@ def bf16_bits_to_float(bits):
 
 
 @jit
+def _saturate_bf16(x):
+    """``x`` with finite magnitudes above ``BF16_MAX`` brought down to it (NaN and +-Inf kept): rounded to
+    nearest afterwards, a finite value stays finite."""
+    return tl.where(tl.abs(x) < float("inf"), tl.minimum(tl.maximum(x, -_BF16_MAX), _BF16_MAX), x)
+
+
+@jit
 def _stochastic_bf16_bits(x, r):
     """bfloat16 bit pattern of ``x`` rounded up with probability (dropped bits) / 2**16, ``r ~ U{0 .. 65535}``."""
     pattern = x.to(tl.int32, bitcast=True)
@@ -96,7 +107,7 @@ def _round_bf16_kernel(x_ptr, out_ptr, n, seed, first, STOCHASTIC: tl.constexpr,
         if STOCHASTIC:
             half = _stochastic_bf16_bits(xs[i], rs[i])
         else:
-            half = bf16_bits(xs[i], EMULATE)
+            half = bf16_bits(_saturate_bf16(xs[i]), EMULATE)
         if MASKED:
             tl.store(out_ptr + offs + i * WIDTH, half, mask=offs + i * WIDTH < n)
         else:
@@ -115,8 +126,8 @@ def triton_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int, interpret
 
 def torch_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int) -> torch.Tensor:
     """The reference and CPU path of :func:`triton_round_bf16`."""
-    if not stochastic:
-        return flat.to(torch.bfloat16)
+    if not stochastic:  # clamp keeps NaN; the infinities are kept apart
+        return torch.where(flat.isinf(), flat, flat.clamp(-BF16_MAX, BF16_MAX)).to(torch.bfloat16)
     gen = torch.Generator(device=flat.device).manual_seed(seed)
     r = torch.randint(0, 1 << 16, flat.shape, generator=gen, device=flat.device, dtype=torch.int32)
     pattern = flat.view(torch.int32)

@@ -14,6 +14,22 @@ smallest normal float32, so that ``inv`` is finite; a group whose range is small
 a few subnormal ulps of each other) is rounded, still unbiasedly, on that coarser grid. A group of identical
 values has step 0 and decodes exactly. ``u`` has 23 random bits (Philox in Triton, ``torch.rand`` in torch).
 
+At the edges of the float32 range, ``max - min`` overflows to inf when a group holds values of both signs more
+than FLT_MAX apart (each end then at least ``2**103`` from zero: ``-2e38`` and ``2e38``, say). Such a group gets
+the same grid, computed with no intermediate that overflows::
+
+    step = max * f - min * f                              # each product below FLT_MAX when L >= 3 (f < 1/2)
+    q    = trunc((x * s - min * s) * inv + (1 + u)) - 1   # s = 1/4, inv = 1 / (step * s): a quarter of the
+                                                          # values, and 1 / (step / 4) stays a normal float
+
+Every other group computes ``s = 1`` and ``x * 1`` is exact, so its bytes are those of the first formulas. The
+margin covers the roundings of the new form too: no code passes ``L``. Two bounded exceptions to unbiasedness,
+both at the top of the range: at 1 bit (``f > 1``) such a group's step is clamped to FLT_MAX, the largest the
+metadata holds, and its elements more than FLT_MAX above ``min`` take the top code, ``min + FLT_MAX``: rounded
+down, but within a step. And a level above FLT_MAX (the margin can put the top one there) decodes to FLT_MAX
+(``dequantize.py``), which moves the mean of an element between it and the level below by less than the
+margin, ``L * 2**-20`` of a step. A finite input always decodes to a finite value within one step of it.
+
 Groups that hold NaN or +-Inf (see ``format.py``): finite elements are quantized on a grid of ``L`` levels
 centred on zero, ``step = 2 * max|x| / (L - 1)`` and ``q = trunc(x * inv + c + 1 + u) - 1`` with
 ``c = (L - 1) // 2``, unbiased for ``bits >= 2``; at 1 bit they have one level, zero. Their non-finite
@@ -145,11 +161,11 @@ def _nan_if_not_finite(x, offs, n, MASKED: tl.constexpr):
 
 
 @jit
-def _code_plus_one(x, offs, n, origin, inv, shift, LEVELS: tl.constexpr, MASKED: tl.constexpr):
-    """``q + 1`` as int32: ``trunc((x - origin) * inv + shift)``, ``shift = centre + 1 + u``. Non-finite
-    elements, and all of a group whose range overflowed float32 (``x - origin`` is inf), get the top code:
-    ``|s|`` is inf or NaN there and ``minimum`` skips NaN. Past ``n``, code 0."""
-    s = tl.minimum(tl.abs((x - origin) * inv + shift), LEVELS + 1.0)
+def _code_plus_one(x, offs, n, scale, origin, inv, shift, LEVELS: tl.constexpr, MASKED: tl.constexpr):
+    """``q + 1`` as int32: ``trunc((x * scale - origin) * inv + shift)``, ``shift = centre + 1 + u`` (``origin``
+    and ``inv`` already scaled). Non-finite elements get the top code: ``|s|`` is inf or NaN there and
+    ``minimum`` skips NaN. Past ``n``, code 0."""
+    s = tl.minimum(tl.abs((x * scale - origin) * inv + shift), LEVELS + 1.0)
     if MASKED:
         s = tl.where(offs < n, s, 1.0)
     return s.to(tl.int32)
@@ -204,13 +220,18 @@ def _quantize_kernel(
     # Normal groups: [fmin, fmax] on L levels. Special groups: [-amax, amax] on L - 1 intervals (none at 1 bit).
     # step_factor() for kernels: a constexpr float is rounded to float32 where it meets a tensor.
     span = tl.where(special, 2.0 * tl.maximum(-fmin, fmax), fmax - fmin)
+    # A finite group whose span overflowed (fmin < 0 < fmax, see the module docstring): step = fmax * f - fmin * f,
+    # and its elements encoded at a quarter of their value (scale 0.25). Scale 1 everywhere else.
+    scale = tl.where(special | (span <= _FLT_MAX), 1.0, 0.25)
     if LEVELS == 1:
-        step = tl.minimum(span * (_SAFETY / LEVELS), _FLT_MAX)
+        factor = _SAFETY / LEVELS
+        step = tl.minimum(tl.where(scale < 1.0, fmax * factor - fmin * factor, span * factor), _FLT_MAX)
         step = tl.where(special, 0.0, tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0))
     else:
-        step = tl.minimum(span * tl.where(special, _SAFETY / (LEVELS - 1), _SAFETY / LEVELS), _FLT_MAX)
+        factor = tl.where(special, _SAFETY / (LEVELS - 1), _SAFETY / LEVELS)
+        step = tl.minimum(tl.where(scale < 1.0, fmax * factor - fmin * factor, span * factor), _FLT_MAX)
         step = tl.where(span > 0.0, tl.maximum(step, _MIN_STEP), 0.0)
-    inv = tl.where(step > 0.0, tl.math.div_rn(1.0, tl.where(step > 0.0, step, 1.0)), 0.0)
+    inv = tl.where(step > 0.0, tl.math.div_rn(1.0, tl.where(step > 0.0, step * scale, 1.0)), 0.0)
     lo = tl.where(special, kind, fmin)
     # (lo, step) pairs, joined: one 8-byte store a group.
     pairs = tl.join(lo, step)
@@ -220,7 +241,8 @@ def _quantize_kernel(
     else:
         tl.store(pair_ptr, pairs)
 
-    origin = tl.where(special, 0.0, fmin)[:, None]
+    origin = (tl.where(special, 0.0, fmin) * scale)[:, None]
+    scale = scale[:, None]
     inv = inv[:, None]
     if STOCHASTIC:
         # A Philox call a position of four slices, one output a slice. The counter is (element in the program,
@@ -244,7 +266,7 @@ def _quantize_kernel(
             shifts = shifts + (half,)
     q1s = ()
     for i in tl.static_range(SLICES):
-        q1s = q1s + (_code_plus_one(xs[i], offs + i * WIDTH, n, origin, inv, shifts[i], LEVELS, MASKED),)
+        q1s = q1s + (_code_plus_one(xs[i], offs + i * WIDTH, n, scale, origin, inv, shifts[i], LEVELS, MASKED),)
 
     # Planes (format.py): byte k of slice i (i < SETS) holds the codes at k of slices i, i + SETS, ...
     boffs = rows[:, None] * (GROUP * BITS // 8) + tl.arange(0, WIDTH).to(tl.int64)[None, :]
@@ -309,19 +331,21 @@ def quantize_groups(
     fmax = torch.where(fmax > -inf, fmax, 0.0)
 
     span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
-    step = span * torch.where(special, step_factor(levels - 1), step_factor(levels)).to(torch.float32)
+    scale = torch.where(special | (span <= FLT_MAX), 1.0, 0.25)  # 0.25: the span overflowed (module docstring)
+    factor = torch.where(special, step_factor(levels - 1), step_factor(levels)).to(torch.float32)
+    step = torch.where(scale < 1, fmax * factor - fmin * factor, span * factor)
     step = step.clamp(max=FLT_MAX)
     step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
     if levels == 1:
         step = torch.where(special, 0.0, step)
-    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
+    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step * scale, 1.0), 0.0)
     kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
-    origin = torch.where(special, 0.0, fmin)
+    origin = torch.where(special, 0.0, fmin) * scale
     shift = torch.where(special, (levels - 1) // 2, 0).float()
     lo = torch.where(special, kind, fmin)
 
     one_plus_u = 1.5 if noise is None else noise(index)
-    s = ((x - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
+    s = ((x * scale[:, None] - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
     s = torch.where(valid, torch.fmin(s, torch.full((), levels + 1.0, device=x.device)), 1.0)
     q = s.to(torch.int32) - 1
 

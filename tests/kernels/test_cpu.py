@@ -13,7 +13,7 @@ from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
-from tests.helpers import same_values, special_input
+from tests.helpers import assert_unbiased_at_the_edges, extreme_input, group_steps, same_values, special_input
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
 
@@ -51,6 +51,31 @@ def test_stochastic_rounding_is_unbiased_and_seeded(bits):
     assert ((draws - x).abs() <= step * (1 + 1e-6)).all(), "never more than a level away"
     assert torch.equal(gactx.quantize(x, bits, seed=7).data, gactx.quantize(x, bits, seed=7).data)
     assert not torch.equal(gactx.quantize(x, bits, seed=7).data, gactx.quantize(x, bits, seed=8).data)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_extreme_groups_are_the_twins_and_decode_within_a_step(dtype, bits):
+    """Groups at the edges of the range (spans past FLT_MAX, values near the dtype's maximum): deterministic
+    bytes and decoded values (float32 and the dtype) are the twin's; stochastic decodes are finite, within a
+    step."""
+    x = extreme_input(dtype)
+    codes, meta = cpu.quantize(x, bits, 32, False, 0)
+    twin_codes, twin_meta = torch_quantize(x, bits, 32, False, 0)
+    assert torch.equal(codes, twin_codes) and same_values(meta, twin_meta)
+    for out in (torch.float32, dtype):
+        decoded = cpu.dequantize(codes, meta, bits, 32, x.numel(), out)
+        assert torch.isfinite(decoded).all()
+        assert same_values(decoded, torch_dequantize(codes, meta, bits, 32, x.numel(), out))
+    codes, meta = cpu.quantize(x, bits, 32, True, 17)
+    xhat = cpu.dequantize(codes, meta, bits, 32, x.numel(), torch.float32).double()
+    step = group_steps(meta, 32, x.numel()).double()
+    assert torch.isfinite(xhat).all() and ((xhat - x.double()).abs() <= step * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_stochastic_rounding_is_unbiased_past_the_float32_range(bits):
+    assert_unbiased_at_the_edges(lambda x, bits, seed: cpu.quantize(x, bits, 32, True, seed), bits, 300)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,7 +6,7 @@ import torch
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.quantize import torch_quantize
 from tests.conftest import TRITON_DEVICE
-from tests.helpers import assert_same_bits, group_steps
+from tests.helpers import assert_same_bits, extreme_input, group_steps
 from tests.kernels.test_quantize import BITS, DTYPES, SIZES, _sample, _special
 
 
@@ -103,3 +103,48 @@ def test_values_near_float32_max_never_decode_to_inf(triton_device, bits):
     a, b = _decode_both(codes, meta, bits, 32, x.numel(), torch.float32)
     assert_same_bits(a, b)
     assert torch.isfinite(a[:32]).all() and torch.isfinite(a[33:]).all() and a[32].isnan()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_groups_decode_identically_and_saturate_at_the_dtype_maximum(triton_device, bits, dtype):
+    """Groups at the edges of the range decode to identical bits in both implementations; a 16-bit output is
+    the float32 decode saturated at the dtype's largest finite value, then rounded: finite, and within a step
+    (plus the dtype's rounding) of the input."""
+    x = extreme_input(dtype).to(triton_device)
+    codes, meta = torch_quantize(x, bits, 32, True, 3)
+    a, b = _decode_both(codes, meta, bits, 32, x.numel(), dtype)
+    assert_same_bits(a, b)
+    top = torch.finfo(dtype).max
+    wide = torch_dequantize(codes, meta, bits, 32, x.numel(), torch.float32)
+    assert_same_bits(b, wide.clamp(-top, top).to(dtype))
+    assert torch.isfinite(a).all()
+    step = group_steps(meta, 32, x.numel()).double()
+    error = (a.double() - x.double()).abs()
+    assert (error <= step * (1 + 1e-5) + x.double().abs() * torch.finfo(dtype).eps).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_top_level_past_an_overflowing_product_decodes_in_range(triton_device, bits):
+    """A span just under FLT_MAX from a negative minimum: ``L * step`` (the margin included) overflows, the top
+    level ``lo + L * step`` does not. It decodes to the maximum, not to FLT_MAX (1e38 away)."""
+    big = torch.finfo(torch.float32).max - 1e38
+    x = torch.tensor([big, -1e38, 0.0] + [big] * 29, device=triton_device)
+    codes, meta = torch_quantize(x, bits, 32, False, 0)
+    assert (1 << bits) - 1 >= 3 and torch.isinf(((1 << bits) - 1) * meta[:, 1]).all()
+    a, b = _decode_both(codes, meta, bits, 32, 32, torch.float32)
+    assert_same_bits(a, b)
+    assert ((a.double() - x.double()).abs() <= meta[0, 1].double() / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", BITS)
+def test_16_bit_inputs_near_their_maximum_come_back_finite(triton_device, dtype, bits):
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top, -top / 3, 0.0, top * 0.9] * 8, dtype=dtype, device=triton_device)
+    for stochastic in (False, True):
+        codes, meta = torch_quantize(x, bits, 32, stochastic, 4)
+        a, b = _decode_both(codes, meta, bits, 32, x.numel(), dtype)
+        assert_same_bits(a, b)
+        assert torch.isfinite(a).all()
+        assert ((a.double() - x.double()).abs() <= meta[0, 1].double() * (1 + 1e-5) + top * 2**-8).all()

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import gactx
+from gactx.kernels import cpu
 from gactx.kernels.format import expected_nbytes
 from tests.conftest import TRITON_DEVICE
 from tests.helpers import assert_same_bits, group_steps
@@ -216,6 +217,69 @@ def test_property_non_finite_stays_non_finite_and_finite_groups_stay_finite(x, b
     groups_clean[t.numel() :] = True
     group_ok = groups_clean.view(-1, 32).all(1).repeat_interleave(32)[: t.numel()]
     assert torch.isfinite(y)[group_ok].all(), "a finite group came back with a non-finite value"
+
+
+# Every backend, the C++ kernels too where they are built.
+EDGE_BACKENDS = [*BACKENDS, pytest.param("cpp", marks=pytest.mark.skipif(not cpu.available(), reason="no C++ build"))]
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+def test_a_range_wider_than_float32_comes_back_within_half_a_step(backend):
+    x = _on(torch.tensor([2e38, -2e38, 0.0, 1e38]), backend)
+    q = gactx.quantize(x, 8, 32, stochastic=False, backend=backend)
+    y = gactx.dequantize(q, backend=backend)
+    step = q.meta[0, 1].double()
+    assert 255 * step <= (x[0].double() - x[1].double()) * (1 + 2**-19), "not the grid of the ends"
+    assert torch.isfinite(y).all() and ((y.double() - x.double()).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_16_bit_inputs_near_their_maximum_come_back_finite(backend, dtype, bits):
+    top = torch.finfo(dtype).max
+    x = _on(torch.tensor([3e38, -1e38, 0.0, top] if dtype == torch.bfloat16 else [top, -top, 0.0, 65000.0]), backend)
+    x = x.to(dtype)
+    for stochastic in (False, True):
+        q = gactx.quantize(x, bits, 32, stochastic=stochastic, seed=1, backend=backend)
+        y = gactx.dequantize(q, backend=backend)
+        assert y.dtype == dtype and torch.isfinite(y).all(), y
+        assert ((y.double() - x.double()).abs() <= q.meta[0, 1].double() * (1 + 1e-5) + top * 2**-8).all()
+
+
+@pytest.mark.parametrize("backend", EDGE_BACKENDS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_16_bits_store_float32_max_as_the_largest_bfloat16(backend, stochastic):
+    flt_max = torch.finfo(torch.float32).max
+    x = _on(torch.tensor([flt_max, -flt_max, float("inf"), float("nan")]), backend)
+    y = gactx.dequantize(gactx.quantize(x, 16, stochastic=stochastic, backend=backend), backend=backend)
+    bf16_max = torch.finfo(torch.bfloat16).max
+    assert y[0] == bf16_max and y[1] == -bf16_max and y[2] == float("inf") and y[3].isnan()
+
+
+# Every finite float32, subnormals included, and often the far ends, so that groups span more than FLT_MAX.
+finite_float32 = st.floats(width=32, allow_nan=False, allow_infinity=False) | st.sampled_from([3e38, -3e38, -2e38])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    x=arrays(np.float32, st.integers(1, 300), elements=finite_float32),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**40),
+)
+def test_property_every_finite_float32_comes_back_finite_within_one_step(x, bits, seed):
+    """Within one step of a step that is the group's own: L steps span its range (plus the margin), or are the
+    smallest step (a range below 2**-126), or at 1 bit FLT_MAX, the most a step can be."""
+    t = torch.from_numpy(x)
+    q = gactx.quantize(t, bits, 32, seed=seed)
+    y = gactx.dequantize(q)
+    padded = torch.cat([t.double(), t[-1:].double().expand(-t.numel() % 32)]).view(-1, 32)
+    span = padded.amax(1) - padded.amin(1)
+    levels = (1 << bits) - 1
+    assert (levels * q.meta[:, 1].double() <= torch.clamp(span * (1 + 2**-19), min=levels * 2.0**-126)).all()
+    step = group_steps(q.meta, 32, t.numel()).double()
+    assert torch.isfinite(y).all()
+    assert ((y.double() - t.double()).abs() <= step * (1 + 1e-5)).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

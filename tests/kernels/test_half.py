@@ -8,6 +8,7 @@ from tests.conftest import INTERPRET, TRITON_DEVICE
 from tests.helpers import assert_same_bits
 
 FLT_MAX = torch.finfo(torch.float32).max
+BF16_MAX = torch.finfo(torch.bfloat16).max  # about 3.3895e38: FLT_MAX's exponent, 7 mantissa bits set
 
 
 def _values(device: str) -> torch.Tensor:
@@ -16,10 +17,30 @@ def _values(device: str) -> torch.Tensor:
     return x.to(device)
 
 
-def test_round_to_nearest_even_matches_torch_cast(triton_device):
+def test_round_to_nearest_even_matches_torch_cast_but_saturates(triton_device):
+    """torch's cast, except where it turns a finite value into inf (+-FLT_MAX here): +-BF16_MAX instead."""
     x = _values(triton_device)
-    assert_same_bits(torch_round_bf16(x, False, 0), x.to(torch.bfloat16))
-    assert_same_bits(triton_round_bf16(x, False, 0, interpret=triton_device == "cpu"), x.to(torch.bfloat16))
+    expected = x.to(torch.bfloat16)
+    overflow = expected.isinf() & torch.isfinite(x)
+    assert overflow.sum() == 2
+    expected = torch.where(overflow, BF16_MAX * x.sign(), expected.float()).to(torch.bfloat16)
+    assert_same_bits(torch_round_bf16(x, False, 0), expected)
+    assert_same_bits(triton_round_bf16(x, False, 0, interpret=triton_device == "cpu"), expected)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_finite_values_beyond_bfloat16_saturate_and_non_finite_stay(triton_device, impl, stochastic):
+    """Finite float32 values above BF16_MAX (about 3.3895e38), FLT_MAX and the midpoint to 2**128 included,
+    are stored as +-BF16_MAX in both modes; NaN and +-Inf stay what they are."""
+    beyond = [FLT_MAX, -FLT_MAX, 3.3961e38, -3.3961e38, 3.39e38, BF16_MAX, -BF16_MAX]
+    x = torch.tensor(beyond + [float("inf"), -float("inf"), float("nan")], device=triton_device)
+    if impl == "torch":
+        y = torch_round_bf16(x, stochastic, 3).float()
+    else:
+        y = triton_round_bf16(x, stochastic, 3, interpret=triton_device == "cpu").float()
+    assert (y[:7] == BF16_MAX * x[:7].sign()).all()
+    assert y[7] == float("inf") and y[8] == -float("inf") and y[9].isnan()
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

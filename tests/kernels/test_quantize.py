@@ -5,7 +5,7 @@ import torch
 
 from gactx.kernels.quantize import torch_quantize, triton_quantize
 from tests.conftest import INTERPRET, TRITON_DEVICE
-from tests.helpers import assert_same_bits, group_steps
+from tests.helpers import assert_same_bits, assert_unbiased_at_the_edges, extreme_input, group_steps
 
 SIZES = [1, 255, 257, 4099]
 BITS = [1, 2, 4, 8]
@@ -116,6 +116,55 @@ def test_stochastic_rounding_is_unbiased(impl, bits):
     # Per element the rounding has variance <= step^2 / 4: the mean is within 5 standard errors.
     bound = 5 * step.double() / 2 / seeds**0.5 + 1e-6
     assert ((total / seeds - x.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_extreme_groups_give_identical_bytes_and_decode_within_a_step(triton_device, bits, dtype, stochastic):
+    """Finite groups at the edges of the range (float32 and bfloat16 spans past FLT_MAX, float16 near 65504):
+    the kernel's metadata, and its bytes when deterministic, are the twin's; every element of either decodes
+    finite and within one step of its input (within half a step when deterministic, but at 1 bit where the
+    step is clamped to FLT_MAX)."""
+    from gactx.kernels.dequantize import torch_dequantize
+
+    x = extreme_input(dtype).to(triton_device)
+    (codes_a, meta_a), (codes_b, meta_b) = _both(x, bits, 32, stochastic, seed=5)
+    assert_same_bits(meta_a, meta_b)
+    if not stochastic:
+        assert torch.equal(codes_a, codes_b)
+    # The grid of the ends: L steps reach from min to max, plus the margin (a step clamped to FLT_MAX would
+    # pass "within a step" without meaning it); at 1 bit FLT_MAX is the most a step can be, less than the span.
+    groups = x.cpu().double().view(-1, 32)
+    assert (((1 << bits) - 1) * meta_b[:, 1].cpu().double() <= (groups.amax(1) - groups.amin(1)) * (1 + 2**-19)).all()
+    step = group_steps(meta_b.cpu(), 32, x.numel()).double()
+    reach = 1.0 if stochastic or bits == 1 else 0.5
+    for codes, meta in ((codes_a, meta_a), (codes_b, meta_b)):
+        xhat = torch_dequantize(codes.cpu(), meta.cpu(), bits, 32, x.numel(), torch.float32).double()
+        assert torch.isfinite(xhat).all()
+        assert ((xhat - x.cpu().double()).abs() <= step * reach * (1 + 1e-5)).all()
+
+
+def test_a_span_past_float32_keeps_the_grid_of_its_ends():
+    """``[2e38, -2e38, 0, 1e38]`` at 8 bits: lo is the minimum and 255 steps reach the maximum (plus the
+    margin), as for any group; the span, 4e38, is not a float32."""
+    x = torch.tensor([2e38, -2e38, 0.0, 1e38])
+    codes, meta = torch_quantize(x, 8, 32, False, 0)
+    lo, step = meta[0].double()
+    span = x[0].double() - x[1].double()
+    assert lo == x[1] and span < 255 * step <= span * (1 + 2**-19)
+    assert codes[:4].tolist() == [255, 0, 127, 191]  # 0 is 127.5 steps above lo less the margin, 1e38 191.25
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_stochastic_rounding_is_unbiased_past_the_float32_range(impl, bits):
+    def quantize(x, bits, seed):
+        if impl == "torch":
+            return torch_quantize(x, bits, 32, True, seed)
+        return triton_quantize(x.to(TRITON_DEVICE), bits, 32, True, seed, interpret=INTERPRET)
+
+    assert_unbiased_at_the_edges(quantize, bits, 300 if impl == "torch" else 120)
 
 
 def test_stochastic_noise_depends_on_seed_only(triton_device):

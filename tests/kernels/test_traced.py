@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gactx.kernels import cpu, traced
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.quantize import torch_quantize
-from tests.helpers import same_values, special_input
+from tests.helpers import extreme_input, same_values, special_input
 
 
 def _input(n, dtype, seed, specials=()):
@@ -45,6 +45,40 @@ def test_stochastic_bytes_are_the_cpp_kernels(bits):
     assert torch.equal(codes, cpp_codes) and torch.equal(meta, cpp_meta)
     codes_t, _ = traced.quantize(x, bits, 256, stochastic=True, seed=torch.tensor(seed))
     assert torch.equal(codes_t, codes), "a seed tensor draws what the same int draws"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_extreme_groups_are_the_twins_and_the_cpp_kernels(dtype, bits):
+    """Groups at the edges of the range: deterministic bytes and decoded values are the twin's; stochastic
+    bytes are the C++ kernels' for the same seed."""
+    x = extreme_input(dtype)
+    codes, meta = traced.quantize(x, bits, 32, stochastic=False)
+    twin_codes, twin_meta = torch_quantize(x, bits, 32, False, 0)
+    assert torch.equal(codes, twin_codes) and same_values(meta, twin_meta)
+    decoded = traced.dequantize(codes, meta, bits, 32, x.numel(), dtype)
+    assert torch.isfinite(decoded).all()
+    assert same_values(decoded, torch_dequantize(codes, meta, bits, 32, x.numel(), dtype))
+    if cpu.available():
+        codes, meta = traced.quantize(x, bits, 32, stochastic=True, seed=21)
+        cpp_codes, cpp_meta = cpu.quantize(x, bits, 32, True, 21)
+        assert torch.equal(codes, cpp_codes) and same_values(meta, cpp_meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_groups_compiled_by_inductor_give_the_eager_bytes(dtype):
+    torch._dynamo.reset()
+    x = extreme_input(dtype)
+
+    def roundtrip(x, seed):
+        codes, meta = traced.quantize(x, 4, 32, True, seed)
+        return codes, meta, traced.dequantize(codes, meta, 4, 32, x.numel(), x.dtype)
+
+    seed = torch.tensor(5)
+    eager = roundtrip(x, seed)
+    compiled = torch.compile(roundtrip, fullgraph=True)(x, seed)
+    assert torch.equal(eager[0], compiled[0]) and same_values(eager[1], compiled[1])
+    assert same_values(eager[2], compiled[2]) and torch.isfinite(compiled[2]).all()
 
 
 def test_uniform_bits_are_uniform():
