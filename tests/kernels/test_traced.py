@@ -65,18 +65,22 @@ def test_extreme_groups_are_the_twins_and_the_cpp_kernels(dtype, bits):
         assert torch.equal(codes, cpp_codes) and same_values(meta, cpp_meta)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extreme_groups_compiled_by_inductor_give_the_eager_bytes(dtype):
+def _eager_and_compiled(x: torch.Tensor, group: int, stochastic: bool, seed: int):
+    """``(codes, meta, decoded)`` of a 4-bit round trip of ``x``, eagerly and compiled by Inductor, and the
+    compiled function (for another seed)."""
     torch._dynamo.reset()
-    x = extreme_input(dtype)
 
     def roundtrip(x, seed):
-        codes, meta = traced.quantize(x, 4, 32, True, seed)
-        return codes, meta, traced.dequantize(codes, meta, 4, 32, x.numel(), x.dtype)
+        codes, meta = traced.quantize(x, 4, group, stochastic, seed)
+        return codes, meta, traced.dequantize(codes, meta, 4, group, x.numel(), x.dtype)
 
-    seed = torch.tensor(5)
-    eager = roundtrip(x, seed)
-    compiled = torch.compile(roundtrip, fullgraph=True)(x, seed)
+    compiled = torch.compile(roundtrip, fullgraph=True)
+    return roundtrip(x, torch.tensor(seed)), compiled(x, torch.tensor(seed)), compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_groups_compiled_by_inductor_give_the_eager_bytes(dtype):
+    eager, compiled, _ = _eager_and_compiled(extreme_input(dtype), 32, True, 5)
     assert torch.equal(eager[0], compiled[0]) and same_values(eager[1], compiled[1])
     assert same_values(eager[2], compiled[2]) and torch.isfinite(compiled[2]).all()
 
@@ -90,20 +94,12 @@ def test_uniform_bits_are_uniform():
 
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_compiled_by_inductor_gives_the_same_bytes(stochastic):
-    torch._dynamo.reset()
     x = _input(3000, torch.float32, 1, [float("nan")])
-
-    def roundtrip(x, seed):
-        codes, meta = traced.quantize(x, 4, 256, stochastic, seed)
-        return codes, meta, traced.dequantize(codes, meta, 4, 256, x.numel(), x.dtype)
-
-    seed = torch.tensor(99)
-    eager = roundtrip(x, seed)
-    compiled = torch.compile(roundtrip, fullgraph=True)(x, seed)
+    eager, compiled, roundtrip = _eager_and_compiled(x, 256, stochastic, 99)
     assert (
         torch.equal(eager[0], compiled[0]) and same_values(eager[1], compiled[1]) and same_values(eager[2], compiled[2])
     )
-    again = torch.compile(roundtrip, fullgraph=True)(x, torch.tensor(100))
+    again = roundtrip(x, torch.tensor(100))
     assert stochastic != torch.equal(again[0], compiled[0]), "a new seed tensor: new noise, same graph"
 
 
