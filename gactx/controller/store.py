@@ -252,7 +252,9 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
     if kind == "dropout":
         # Values 0 and 1/(1-p): the mask and the scale, the largest value (a device scalar: no host read).
         scale = t.amax().reshape(1) if t.numel() else t.new_zeros(1)
-        return encode_codes(t != 0, 1, torch.cat([scale.new_zeros(1), scale]), backend)
+        table = torch.cat([scale.new_zeros(1), scale])
+        coded = encode_compare(t, "outside", 0.0, 0.0, table, backend)  # not 0 <= t <= 0: t != 0, NaN included
+        return coded if coded is not None else encode_codes(t != 0, 1, table, backend)
     if kind == "fewbit" and bits is not None and bits <= 8:
         table = fewbit_table(rule.fn, rule.fn_params, bits)
         edges, points = _table(table.edges, t.dtype, t.device), _table(table.points, t.dtype, t.device)

@@ -43,11 +43,14 @@ def test_unused_values_keep_the_layout_and_hold_nothing():
     assert decoded.stride() == t.stride() and decoded.shape == t.shape and not decoded.any()
 
 
-def test_dropout_masks_decode_exactly():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dropout_masks_decode_exactly(dtype, transposed):
     torch.manual_seed(0)
-    mask = torch.empty(4096).bernoulli_(0.7).div_(0.7)
+    mask = torch.empty(64, 67).bernoulli_(0.7).div_(0.7).to(dtype)
+    mask = mask.t() if transposed else mask
     decoded = _decode(_encode(mask, DROPOUT))
-    assert torch.equal(decoded, mask)
+    assert torch.equal(decoded, mask) and decoded.stride() == mask.stride()
 
 
 def test_fewbit_codes_decode_to_the_tables_points():

@@ -88,8 +88,10 @@ def test_bins_are_bucketize_and_decode_through_the_table(dtype, bits):
     coded = encode_bins(x, edges, bits, table, backend="cpp")
     expected = table[torch.bucketize(x, edges)]
     assert torch.equal(decode_codes(coded), expected)
-    assert torch.equal(decode_codes(encode_bins(x, edges, bits, table, backend="torch")), expected)
+    twin = encode_bins(x, edges, bits, table, backend="torch")
+    assert torch.equal(decode_codes(twin), expected)
     assert coded.codes.numel() == -(-x.numel() * bits // 8)
+    assert torch.equal(coded.codes, twin.codes), "the same bytes, the codes past the end 0"
 
 
 def test_auto_is_cpp_on_the_cpu_and_torch_where_the_build_failed(monkeypatch):
