@@ -74,7 +74,7 @@ class Kept:
     @classmethod
     def of(cls, t: torch.Tensor) -> Kept:
         """``t`` kept as it is (:func:`as_is`), at its version now."""
-        return cls(t.detach() if t.grad_fn is not None else t, t._version)  # as_is(t)
+        return cls(as_is(t), t._version)
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
