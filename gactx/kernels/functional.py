@@ -81,7 +81,9 @@ def quantize(
 
 def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
     """:func:`quantize` of arguments already checked, ``chosen`` the backend :func:`choose_backend` gave: what
-    gactx's pack hook calls for every compressed tensor (the checks cost as much as a small tensor's kernel)."""
+    gactx's pack hook calls for every compressed tensor (the checks cost as much as a small tensor's kernel).
+    ``x`` may require grad (a saved activation): its values are stored, never its history; a width at or above
+    its own (32, or 16 of a 16-bit tensor) keeps ``x`` itself, so callers detach it first there."""
     dtype = x.dtype
     if dtype != torch.bool and (bits == 32 or (bits == 16 and dtype != torch.float32)):
         return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
