@@ -67,7 +67,8 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd
 
 
 def _mix(*values: int) -> int:
-    """A stable 62-bit hash of integers (splitmix64 steps): the noise seed of one tensor in one step."""
+    """A stable 62-bit hash of integers (splitmix64 steps): a step's part of the noise seeds (``_seed``), and the
+    sensitivity probes' seeds."""
     h = _GOLDEN
     for v in values:
         h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
