@@ -96,14 +96,10 @@ class PassStats:
         owner = weakref.ref(storage_owner(t))
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
-            seen = self.live[ptr] = (owner, [])
+            self.live[ptr] = (owner, [])
             self.kept_ranges.pop(ptr, None)
-        start, end = counted_range(t) if span is None else span
-        self.original_bytes += cover(seen[1], start, end)
-        if compressed:
-            self._count(record, True, offloaded, ptr, 0)
-        else:
-            self._count(record, False, offloaded, ptr, cover(self.kept_ranges.setdefault(ptr, []), start, end))
+        self._count(record, compressed, offloaded, ptr, self._cover(t, ptr, not compressed, span))
+        if not compressed:
             self.held[ptr] = owner
 
     def extend(self, t: torch.Tensor, ptr: int) -> None:

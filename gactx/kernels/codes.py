@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from gactx.kernels import cpu
-from gactx.kernels.format import QuantizedTensor, memory_order, restore_order, restore_perm
+from gactx.kernels.format import QuantizedTensor, contiguous_order, memory_order, restore_order, restore_perm
 from gactx.kernels.functional import choose_backend, dequantize, quantize
 
 __all__ = ["CodedTensor", "encode_codes", "encode_compare", "encode_bins", "decode_codes", "coded_nbytes"]
@@ -97,11 +97,7 @@ def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torc
     the caller tests with torch ops and calls :func:`encode_codes`."""
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or choose_backend(t, backend) != "cpp":
         return None
-    if t.is_contiguous():
-        flat, dense_shape, perm = t, t.shape, None
-    else:
-        flat, dense_shape, perm = memory_order(t.detach())
-        flat = flat.contiguous()
+    flat, dense_shape, perm = contiguous_order(t)
     n = torch.Size([flat.numel()])
     mask = QuantizedTensor(cpu.pack_compare(flat, kind, lo, hi), None, 1, 256, n, torch.bool, n, None)
     return CodedTensor(mask, table, 1, t.shape, table.dtype, dense_shape, perm, backend)

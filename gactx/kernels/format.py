@@ -50,6 +50,7 @@ __all__ = [
     "QuantizedTensor",
     "expected_nbytes",
     "memory_order",
+    "contiguous_order",
     "restore_order",
     "restore_perm",
     "check_args",
@@ -151,6 +152,16 @@ def memory_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, 
     if permuted.is_contiguous():
         return permuted.reshape(-1), permuted.shape, perm
     return x.reshape(-1), x.shape, None  # overlapping or gapped view: one contiguous copy
+
+
+def contiguous_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[int, ...] | None]:
+    """:func:`memory_order` for a kernel that reads a contiguous tensor's elements in order, whatever its shape:
+    ``x`` itself when it is contiguous (no view is made, no autograd history), else the memory-order view of its
+    values, made contiguous."""
+    if x.is_contiguous():
+        return x, x.shape, None
+    flat, dense_shape, perm = memory_order(x.detach())
+    return flat.contiguous(), dense_shape, perm
 
 
 def restore_order(flat: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:

@@ -7,7 +7,14 @@ import torch
 from gactx.kernels import _triton, cpu
 from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
-from gactx.kernels.format import QuantizedTensor, check_args, memory_order, restore_order, restore_perm
+from gactx.kernels.format import (
+    QuantizedTensor,
+    check_args,
+    contiguous_order,
+    memory_order,
+    restore_order,
+    restore_perm,
+)
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
 from gactx.kernels.quantize import torch_quantize, triton_quantize
 
@@ -87,19 +94,18 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     dtype = x.dtype
     if dtype != torch.bool and (bits == 32 or (bits == 16 and dtype != torch.float32)):
         return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
-    if chosen == "cpp" and bits <= 8 and dtype != torch.bool and x.is_contiguous():  # the pack hook's usual call
-        codes, meta = cpu.quantize(x, bits, group_size, stochastic, seed)
-        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, x.shape, None)
+    if chosen == "cpp" and bits <= 8 and dtype != torch.bool:  # the pack hook's usual call
+        flat, dense_shape, perm = contiguous_order(x)
+        codes, meta = cpu.quantize(flat, bits, group_size, stochastic, seed)
+        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
     if x.requires_grad:  # no autograd history for the views below
         x = x.detach()
     flat, dense_shape, perm = memory_order(x)
-    if chosen == "cpp":
+    if chosen == "cpp":  # bool masks, and float32 stored as bfloat16
         if dtype == torch.bool:
             data, meta, bits = cpu.pack_bool(flat.contiguous()), None, 1
-        elif bits == 16:
-            data, meta = torch_round_bf16(flat, stochastic, seed), None
         else:
-            data, meta = cpu.quantize(flat.contiguous(), bits, group_size, stochastic, seed)
+            data, meta = torch_round_bf16(flat, stochastic, seed), None
         return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
     use_triton = chosen == "triton"
     interpret = _triton.INTERPRET and x.device.type == "cpu"
