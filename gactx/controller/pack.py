@@ -87,6 +87,10 @@ class PackPath:
         self._eager = None
         self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
         self._ptrs: frozenset[int] = frozenset()
+        # Called as observe(key, tensor, rule) for each tensor of an allocated class before it is stored (not for
+        # a tensor shared through dedupe): what the estimators measure on the values themselves. Device work
+        # only, never a host read (a hook must not synchronize).
+        self.observers: list[Callable[[Key, torch.Tensor, Rule], None]] = []
 
     # -- passes ---------------------------------------------------------------------------------------------
 
@@ -235,6 +239,9 @@ class PackPath:
     def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None):
         """Encode, offload where asked, and record: what the handle will hold."""
         cfg = self.config
+        if self.observers and rule.cls in ALLOCATED:
+            for observe in self.observers:
+                observe(key, t, rule)
         stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend)
         if isinstance(stored, torch.Tensor):
             label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
