@@ -8,6 +8,10 @@ variances of different tensors add up, and::
                                     its error is at least 4x smaller than 8-bit codes' (16x in variance)
     S(32) = 0                       stored as is (and 16 for fp16/bf16 inputs, which are stored as is)
 
+Where the values of a tensor were measured (``choices.py``), its item lists explicit options instead: every way it may
+be stored (a width of uniform codes, of normal-fitted levels, a sketch of its rows) with the bytes it holds and the
+variance it adds per unit of sensitivity, from that tensor's own rounding and sampling errors.
+
 The problem, ``min sum C_l S(b_l)  s.t.  sum bytes(l, b_l) <= budget``, is a multiple-choice knapsack.
 Greedy narrowing by variance per byte is optimal only where the budget falls on a breakpoint; instead
 :func:`allocate` walks the items keeping the Pareto frontier of (bytes, variance) over partial choices,
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gactx.controller.choices import Choice
 from gactx.kernels.codes import coded_nbytes
 from gactx.kernels.format import expected_nbytes
 
@@ -55,6 +60,8 @@ class Item:
     as_is_bytes: int | None = None  # what keeping it as is costs, if more than its elements (a view)
     widths: tuple[int, ...] | None = None  # the widths its class allows (None: all)
     coded: bool = False  # widths up to 8 are FewBit codes: no per-group metadata, a table
+    # Measured options, (choice, bytes, variance per unit of sensitivity) each: they replace ``widths`` (choices.py).
+    options: tuple[tuple[Choice, int, float], ...] | None = None
 
 
 def _bytes(item: Item, bits: int, group_size: int) -> int:
@@ -71,6 +78,7 @@ class Allocation:
     nbytes: int
     variance: float
     feasible: bool  # False: even the narrowest widths exceed the budget (they were chosen anyway)
+    choices: dict | None = None  # key -> Choice (its width, scheme and fraction of rows)
 
 
 def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_frontier: int = 20_000) -> Allocation:
@@ -79,17 +87,12 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
     Ties in variance go to fewer bytes. If no choice fits, every item gets its narrowest width and the
     allocation is marked infeasible.
     """
-    options = []
-    for item in items:
-        widths = tuple(w for w in widths_for(item.dtype) if item.widths is None or w in item.widths)
-        nbytes = np.array([_bytes(item, b, group_size) for b in widths], dtype=np.int64)
-        var = np.array([max(item.sensitivity, 0.0) * variance_factor(b, item.dtype) for b in widths])
-        options.append((widths, nbytes, var))
+    options = [_options(item, group_size) for item in items]
     floor = sum(int(o[1].min()) for o in options)
     if floor > budget:
-        bits = {item.key: o[0][int(np.argmin(o[1]))] for item, o in zip(items, options, strict=True)}
+        chosen = {item.key: o[0][int(np.argmin(o[1]))] for item, o in zip(items, options, strict=True)}
         variance = sum(float(o[2][int(np.argmin(o[1]))]) for o in options)
-        return Allocation(bits, floor, variance, False)
+        return Allocation({k: c.bits for k, c in chosen.items()}, floor, variance, False, chosen)
 
     # Bytes the items after i need at least: a partial choice that cannot leave that much is dropped.
     rest = np.concatenate([np.cumsum([o[1].min() for o in options][::-1])[::-1], [0]]).astype(np.int64)
@@ -114,11 +117,25 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
 
     point = int(np.argmin(front_var))  # the frontier is sorted by bytes: argmin takes the fewest bytes on ties
     total_bytes, total_var = int(front_bytes[point]), float(front_var[point])
-    bits = {}
-    for item, (widths, _, _), (parents, choices) in zip(items[::-1], options[::-1], trail[::-1], strict=True):
-        bits[item.key] = widths[int(choices[point])]
+    chosen = {}
+    for item, (choices, _, _), (parents, picked) in zip(items[::-1], options[::-1], trail[::-1], strict=True):
+        chosen[item.key] = choices[int(picked[point])]
         point = int(parents[point])
-    return Allocation(bits, total_bytes, total_var, True)
+    chosen = dict(reversed(chosen.items()))
+    return Allocation({k: c.bits for k, c in chosen.items()}, total_bytes, total_var, True, chosen)
+
+
+def _options(item: Item, group_size: int) -> tuple[tuple[Choice, ...], np.ndarray, np.ndarray]:
+    """The item's choices, with their bytes and variances (``sensitivity * factor``)."""
+    c = max(item.sensitivity, 0.0)
+    if item.options is not None:
+        choices = tuple(o[0] for o in item.options)
+        nbytes = np.array([o[1] for o in item.options], dtype=np.int64)
+        return choices, nbytes, np.array([c * o[2] for o in item.options])
+    widths = tuple(w for w in widths_for(item.dtype) if item.widths is None or w in item.widths)
+    nbytes = np.array([_bytes(item, b, group_size) for b in widths], dtype=np.int64)
+    var = np.array([c * variance_factor(b, item.dtype) for b in widths])
+    return tuple(Choice(b) for b in widths), nbytes, var
 
 
 def _thin(nbytes: np.ndarray, var: np.ndarray, keep: np.ndarray, max_frontier: int, budget: int) -> np.ndarray:

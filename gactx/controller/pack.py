@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from gactx.config import Config
+from gactx.controller.choices import Choice
 from gactx.controller.identity import Key, ModuleTracker, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
@@ -38,7 +39,7 @@ from gactx.controller.rules import (
     rule_for,
 )
 from gactx.controller.stats import KeyRecord, PassStats, counted_range
-from gactx.controller.store import Kept, Packed, encode
+from gactx.controller.store import Kept, Packed, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
 
@@ -52,9 +53,10 @@ BOOL_MASK = Rule("bool mask", "quantize")  # bool tensors: 1 bit an element, los
 class PackPath:
     """Packs the saved tensors of the passes of one model (see the module docstring).
 
-    ``bits_for(key)`` gives the width of an allocated class, ``seed(key)`` the noise seed, and
-    ``probing(key)`` says whether the sensitivity estimator perturbs this slot now (then the tensor is
-    quantized, whatever its class)."""
+    ``bits_for(key)`` gives the width of an allocated class, ``choice_for(key)`` the scheme the allocation chose
+    for it (``None``: uniform codes; see ``choices.py``), ``seed(key)`` the noise seed, and ``probing(key)`` says
+    whether the sensitivity estimator perturbs this slot now (then the tensor is quantized uniformly, whatever its
+    class)."""
 
     def __init__(
         self,
@@ -66,11 +68,13 @@ class PackPath:
         seed: Callable[[Key], int],
         offloader: Offloader | None,
         warn_offload: Callable[[str], None],
+        choice_for: Callable[[Key], Choice | None] = lambda key: None,
     ) -> None:
         self.config = config
         self.tracker = tracker
         self.model_ptrs = model_ptrs
         self.bits_for = bits_for
+        self.choice_for = choice_for
         self.probing = probing
         self.seed = seed
         self.offloader = offloader
@@ -202,9 +206,9 @@ class PackPath:
             self.sites[key[:3]] = (learn[0], learn[1], _signature(t), rule)
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-        rule, bits = self._width(key, rule)
+        rule, bits, choice = self._width(key, rule)
         # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
-        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form, bits)
+        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form, bits, choice)
         ref = self.dedupe.get(shape) if cfg.dedupe else None
         hit = None if ref is None else ref()
         if hit is not None and hit.source() is not None:
@@ -213,7 +217,7 @@ class PackPath:
                 return hit
             handle.stored = hit.stored
             return handle
-        stored = self._store(t, key, ptr, site, rule, bits)
+        stored = self._store(t, key, ptr, site, rule, bits, choice)
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return Kept(stored, t._version)
@@ -224,25 +228,27 @@ class PackPath:
             self.dedupe[shape] = weakref.ref(handle)
         return handle
 
-    def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None]:
+    def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None, Choice | None]:
         """The width of an allocated class (at least ATTENTION_BITS for attention), 1 for bool masks, else
-        ``None``; the sensitivity probe turns its slot into a quantized one, whatever its class."""
+        ``None``, and the scheme chosen for it where not uniform codes; the sensitivity probe turns its slot into a
+        uniformly quantized one, whatever its class."""
         if rule is BOOL_MASK:
-            return rule, 1
+            return rule, 1, None
         if rule.cls not in ALLOCATED:
-            return rule, None
+            return rule, None, None
         bits = self.bits_for(key)
         if self.probing(key):
-            return LINEAR, bits
-        return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits
+            return LINEAR, bits, None
+        choice = self.choice_for(key) if rule.kind == "quantize" else None
+        return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits, choice
 
-    def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None):
+    def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None, choice: Choice | None = None):
         """Encode, offload where asked, and record: what the handle will hold."""
         cfg = self.config
         if self.observers and rule.cls in ALLOCATED:
             for observe in self.observers:
                 observe(key, t, rule)
-        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend)
+        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):
             label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
             self._record(t, key, ptr, site, rule, label, None)
@@ -253,16 +259,19 @@ class PackPath:
                 stored, offloaded = self.offloader.offload(stored), True
             else:
                 self.warn_offload(f"a tensor on {t.device.type}")
-        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, nbytes, offloaded)
+        form = "" if choice is None else stored_form(stored, choice)
+        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, nbytes, offloaded, form)
         return stored
 
-    def _record(self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False):
+    def _record(
+        self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False, form=""
+    ):  # fmt: skip
         """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
         nbytes = t.numel() * t.element_size()
         span = counted_range(t)
         kept = packed is None
         op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
-        record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls)
+        record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form)
         self.stats.add(record, t, ptr, not kept, offloaded, span)
 
 

@@ -64,6 +64,7 @@ class KeyRecord:
     storage_bytes: int  # bytes of its storage that keeping it holds (see counted_range)
     op: str = ""  # the aten op that saved it, and the argument or result when not self/result
     cls: str = ""  # its rule's class (see rules.py)
+    form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see choices.py)
 
 
 @dataclass
@@ -169,7 +170,8 @@ class PassStats:
             dtype = str(r.dtype).removeprefix("torch.")
             shape = "x".join(map(str, r.key.shape)) or "scalar"
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
-            row = (str(r.key), shape, dtype, r.op, r.cls, str(r.bits), before, after)
+            bits = f"{r.bits} {r.form}" if r.form else str(r.bits)
+            row = (str(r.key), shape, dtype, r.op, r.cls, bits, before, after)
             if sensitivity:
                 c = sensitivity.get(r.key[:3])
                 row += ("" if c is None else f"{c:.3g}",)

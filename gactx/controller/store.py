@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gactx.controller.choices import Choice
 from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_owner, storage_ptr
 from gactx.controller.rules import Rule
@@ -23,7 +24,7 @@ from gactx.kernels.fewbit import fewbit_table
 from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
 from gactx.kernels.functional import choose_backend, quantize_checked
 
-__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place"]
+__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,8 +235,13 @@ def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return table
 
 
-def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size: int, stochastic: bool, backend: str):
-    """What ``rule`` stores for ``t`` at ``bits`` (the width chosen for quantized and FewBit classes)."""
+def encode(
+    t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size: int, stochastic: bool, backend: str,
+    choice: Choice | None = None, site=None,
+):  # fmt: skip
+    """What ``rule`` stores for ``t`` at ``bits`` (the width chosen for quantized and FewBit classes); ``choice``:
+    the scheme the allocation chose for a quantized class where not uniform codes (``choices.py``), ``site``: the
+    save's op (a sketch needs the input of a linear layer)."""
     kind = rule.kind
     if kind == "mask":
         values = mask_values(rule, t.dtype)
@@ -259,8 +265,41 @@ def encode(t: torch.Tensor, rule: Rule, bits: int | None, seed: int, group_size:
         table = fewbit_table(rule.fn, rule.fn_params, bits)
         edges, points = _table(table.edges, t.dtype, t.device), _table(table.points, t.dtype, t.device)
         return encode_bins(t, edges, bits, points, backend)
+    if choice is not None and kind == "quantize" and bits is not None:
+        stored = _encode_choice(t, choice, seed, group_size, stochastic, backend, site)
+        if stored is not None:
+            return stored
+        bits = choice.fallback_bits
     if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
         return as_is(t)
     if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
         return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
     return quantize_checked(t, bits, group_size, stochastic, seed, choose_backend(t, backend))
+
+
+def _encode_choice(t: torch.Tensor, choice: Choice, seed: int, group_size: int, stochastic: bool, backend: str, site):
+    """``t`` stored under a scheme other than uniform codes, or ``None`` where the scheme does not apply to this save
+    (a graph that changed since the allocation: a sketch of a tensor that is no longer a linear layer's input)."""
+    if choice.scheme == "normal" and t.dtype in FLOAT_DTYPES:
+        return quantize(t, choice.bits, group_size, stochastic=stochastic, seed=seed, backend=backend, scheme="normal")
+    from gactx.controller.rules import sketchable
+    from gactx.kernels.samples import split_samples
+    from gactx.kernels.sketch import sketch_rows
+
+    if choice.scheme == "samples" and t.dim() >= 2 and t.shape[0] >= 2 and t.dtype in FLOAT_DTYPES:
+        return split_samples(
+            t, choice.bits, choice.high, choice.fraction, group_size, stochastic=stochastic, seed=seed, backend=backend
+        )
+    if choice.scheme == "sketch" and t.dim() >= 2 and t.dtype in FLOAT_DTYPES and site is not None and sketchable(site):
+        return sketch_rows(t, choice.fraction, choice.bits, seed, group_size, stochastic, backend)
+    return None
+
+
+def stored_form(stored, choice: Choice) -> str:
+    """What a record says of a tensor stored under ``choice``: ``""`` for uniform codes (also where the choice did not
+    apply and uniform codes were stored instead)."""
+    if choice.scheme in ("sketch", "samples") and not isinstance(stored, QuantizedTensor | torch.Tensor):
+        return str(choice).split(" ", 1)[1]
+    if isinstance(stored, QuantizedTensor) and stored.scheme != "uniform":
+        return stored.scheme
+    return ""

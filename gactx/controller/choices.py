@@ -1,0 +1,206 @@
+"""How an allocated tensor may be stored, and what each way costs it in variance, measured on its own values.
+
+A :class:`Choice` is a width and a scheme:
+
+=================  ==============================================================  =========================
+scheme             stored                                                          for
+=================  ==============================================================  =========================
+``uniform``        codes on the group's min-max grid (``gactx/kernels/format.py``)  every allocated tensor
+``normal``         codes on levels fitted to the group's normal (``normal.py``)     linear and attention saves
+``sketch``         a ``fraction`` of the rows, each kept row at ``bits``            inputs of linear layers
+                   (``sketch.py``): FewBit's randomized linear
+``samples``        the ``fraction`` of samples of widest range at ``high`` bits,    tensors whose samples are
+                   the others at ``bits`` (``samples.py``): ActNN's per-sample      whole groups
+                   widths
+=================  ==============================================================  =========================
+
+The allocator's model is GACT's: storing tensor ``l`` adds gradient variance ``C_l * S(b)``, ``S(b) = 1 / (2**b -
+1)**2``, with ``C_l`` measured at the probe width. That ``S(b)`` is the rounding error of a uniform grid over a
+group's range; another scheme, or a bell-shaped group, or a sketch that drops rows, errs differently. So the
+error itself is measured: while an estimator's pass runs, :class:`ChoiceMeter` computes for each allocated tensor
+the expected squared error ``V_l(o)`` of storing its values under each choice ``o`` (exact, from the values and
+the levels they would fall between, with device reductions only), and a choice's variance is::
+
+    C_l * S(probe) * V_l(o) / V_l(uniform at the probe width)
+
+The gradient of a linear op is linear in the saved tensor, so its variance follows the stored error as long as the
+error is spread over the rows alike; ``benchmarks/schemes.py`` measures how far the prediction holds on real
+models' gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+__all__ = ["Choice", "SCHEMES", "SKETCH_FRACTIONS", "ChoiceMeter", "choice_options"]
+
+SCHEMES = ("uniform", "normal", "sketch", "samples")
+# Fractions of rows a sketch keeps: 1/2 to 1/8, so that a sketch of 1-bit rows holds 1/8 bit an element.
+SKETCH_FRACTIONS = (0.5, 0.25, 0.125)
+CODE_WIDTHS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to store an allocated tensor: ``bits`` per stored element under ``scheme``; a sketch stores
+    ``fraction`` of the rows; per-sample widths store ``fraction`` of the samples at ``high`` bits."""
+
+    bits: int
+    scheme: str = "uniform"
+    fraction: float = 1.0
+    high: int = 0
+
+    def __str__(self) -> str:
+        if self.scheme == "uniform":
+            return str(self.bits)
+        share = Fraction(self.fraction).limit_denominator(1 << 16)
+        if self.scheme == "sketch":
+            return f"{self.bits} sketch {share}"
+        if self.scheme == "samples":
+            return f"{self.bits} samples {share} at {self.high}"
+        return f"{self.bits} {self.scheme}"
+
+    @property
+    def effective_bits(self) -> float:
+        """Bits an element of the whole tensor, metadata aside."""
+        if self.scheme == "samples":
+            return self.bits + self.fraction * (self.high - self.bits)
+        return self.bits * self.fraction
+
+    @property
+    def fallback_bits(self) -> int:
+        """The uniform width stored where the scheme does not apply to a save (a sketch of a tensor that is no
+        longer a linear layer's input): the widest code width within :attr:`effective_bits`, at least 1."""
+        if self.fraction >= 1 or self.scheme != "sketch":
+            return self.bits
+        return max((w for w in CODE_WIDTHS if w <= self.effective_bits), default=1)
+
+
+class ChoiceMeter:
+    """Measures ``V_l(o)`` for each allocated tensor while :attr:`armed` (an observer of ``PackPath``).
+
+    ``sketchable(slot)`` says whether the slot's save is the input of a linear layer. Inside the hook only device
+    work runs; :meth:`read` makes the one host read, after the pass."""
+
+    def __init__(self, schemes: tuple[str, ...], group_size: int, sketchable: Callable[[Hashable], bool]) -> None:
+        self.schemes = schemes
+        self.group_size = group_size
+        self.sketchable = sketchable
+        self.armed = False
+        self._values: dict[Hashable, dict[Choice, torch.Tensor]] = {}
+
+    def __call__(self, key, t: torch.Tensor, rule) -> None:
+        slot = key[:3]
+        if not self.armed or rule.kind != "quantize" or slot in self._values or not t.is_floating_point():
+            return
+        from gactx.kernels.format import memory_order
+        from gactx.kernels.variance import rounding_variance
+
+        x = t.detach()
+        flat = memory_order(x)[0].contiguous()
+        g = self.group_size
+        values = {Choice(b): rounding_variance(flat, b, g, "uniform") for b in CODE_WIDTHS}
+        if "normal" in self.schemes:
+            from gactx.kernels.normal import NORMAL_BITS
+
+            values |= {Choice(b, "normal"): rounding_variance(flat, b, g, "normal") for b in NORMAL_BITS}
+        if "sketch" in self.schemes and x.dim() >= 2 and self.sketchable(slot):
+            from gactx.kernels.sketch import sketch_variance
+
+            for f in SKETCH_FRACTIONS:
+                sampled = sketch_variance(x, f)
+                # Kept rows at b: their rounding error, scaled by 1/f and kept for a fraction f of the rows.
+                for b in CODE_WIDTHS:
+                    values[Choice(b, "sketch", f)] = sampled + values[Choice(b)] / f
+                values[Choice(32, "sketch", f)] = sampled
+        if "samples" in self.schemes:
+            values |= _split_values(x, g)
+        self._values[slot] = values
+
+    def read(self) -> dict[Hashable, dict[Choice, float]]:
+        """What was measured since the last read, as floats (one host read), and forget it."""
+        measured, self._values = self._values, {}
+        if not measured:
+            return {}
+        flat = [(slot, choice, v) for slot, values in measured.items() for choice, v in values.items()]
+        numbers = torch.stack([v.reshape(()).to(torch.float64).cpu() for _, _, v in flat]).tolist()
+        out: dict[Hashable, dict[Choice, float]] = {}
+        for (slot, choice, _), value in zip(flat, numbers, strict=True):
+            out.setdefault(slot, {})[choice] = value
+        return out
+
+
+def _split_values(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor]:
+    """Per-sample widths: the stored error of each split, from each sample's error at each width, with the samples
+    that :func:`~gactx.kernels.samples.split_samples` would widen (the widest ranges). Empty where the samples are
+    not whole groups."""
+    from gactx.kernels.samples import SPLIT_FRACTIONS, sample_ranges, sample_variances, split_count
+
+    if x.dim() < 2 or x.shape[0] < 2:
+        return {}
+    per_width = {b: sample_variances(x, b, group_size) for b in CODE_WIDTHS}
+    if per_width[1] is None:
+        return {}
+    order = torch.argsort(sample_ranges(x), descending=True, stable=True)
+    out = {}
+    for low, high in zip(CODE_WIDTHS, CODE_WIDTHS[1:], strict=False):
+        lo, hi = per_width[low][order], per_width[high][order]
+        for f in SPLIT_FRACTIONS:
+            k = split_count(x.shape[0], f)
+            out[Choice(low, "samples", f, high)] = hi[:k].sum() + lo[k:].sum()
+    return out
+
+
+def choice_options(
+    measured: dict[Choice, float],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    group_size: int,
+    probe_bits: int,
+    min_bits: int = 1,
+    as_is_bytes: int | None = None,
+) -> tuple[tuple[Choice, int, float], ...]:
+    """The allocator's options of one measured tensor: ``(choice, bytes, variance per unit of sensitivity)``, for
+    every measured choice of at least ``min_bits`` (the class's narrowest width) and the 16- and 32-bit widths."""
+    from gactx.controller.allocator import variance_factor
+    from gactx.kernels.format import expected_nbytes
+
+    numel = torch.Size(shape).numel()
+    row_len = shape[-1] if shape else 1
+    reference = measured.get(Choice(probe_bits), 0.0)
+    scale = variance_factor(probe_bits) / reference if reference > 0 else math.inf
+
+    def factor(v: float) -> float:
+        if v <= 0:
+            return 0.0
+        return scale * v if math.isfinite(scale) else 1e30  # a tensor the probe width stores exactly
+
+    options = []
+    for choice, v in measured.items():
+        if choice.bits < min_bits:
+            continue
+        if choice.scheme == "sketch":
+            from gactx.kernels.sketch import sketch_nbytes
+
+            nbytes = sketch_nbytes(numel, row_len, dtype, choice.fraction, choice.bits, group_size)
+        elif choice.scheme == "samples":
+            from gactx.kernels.samples import split_nbytes
+
+            nbytes = split_nbytes(shape, dtype, choice.bits, choice.high, choice.fraction, group_size)
+        else:
+            nbytes = expected_nbytes(numel, dtype, choice.bits, group_size, scheme=choice.scheme)
+        options.append((choice, nbytes, factor(v)))
+    eight = measured.get(Choice(8), 0.0)
+    if dtype == torch.float32:  # bfloat16 storage: see allocator.variance_factor
+        options.append((Choice(16), expected_nbytes(numel, dtype, 16, group_size), factor(eight / 16)))
+    as_is = max(expected_nbytes(numel, dtype, 32, group_size), as_is_bytes or 0)
+    if dtype == torch.float32:
+        options.append((Choice(32), as_is, 0.0))
+    else:
+        options.append((Choice(16), as_is, 0.0))  # 16 bits of a 16-bit tensor: itself
+    return tuple(options)
