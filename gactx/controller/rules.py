@@ -34,6 +34,15 @@ linear          everything else                                               qu
 
 A tensor whose op is not known (saved outside the model's forward, inside a compiled region, by a custom
 ``autograd.Function``) is ``linear`` unless it is an output whose ``grad_fn`` names its op (free to read).
+
+Inputs of linear layers may also be stored as a sketch of their rows (``gactx.kernels.sketch``: FewBit's
+randomized linear): :func:`sketchable` says which saves. For ``y = x W^T`` backward reads ``x`` only in
+``grad_W = g^T x``, linear in ``x``, and ``grad_x = g W`` never reads it; so an unbiased estimate of ``x`` keeps
+``grad_W`` unbiased and ``grad_x`` exact. That holds for the activation operand of a matrix product whose other
+operand is a weight (``Site.weight_operand``, set by the op watcher), and for no other save: in a product of two
+activations (attention's ``Q K^T``, ``P V``) a sketch of one makes the other's gradient inexact, and the inputs of
+normalisation, convolution and element-wise ops are read by backward in other ways. The flag changes no class:
+``rule_for`` reads the op and role only.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ __all__ = [
     "Site",
     "rule_for",
     "output_rule",
+    "matrix_partner",
+    "sketchable",
     "LINEAR",
     "UNKNOWN",
 ]
@@ -67,14 +78,17 @@ ATTENTION_BITS = 4
 @dataclass(frozen=True)
 class Site:
     """Which save this is: aten op (overload packet and overload), the argument or result name the tensor
-    was saved as (``"?"``: not found among the op's arguments), the op's scalar arguments, and whether it is
-    a result save (the op's output, saved by the op's own node)."""
+    was saved as (``"?"``: not found among the op's arguments), the op's scalar arguments, whether it is
+    a result save (the op's output, saved by the op's own node), and whether it is a matrix operand whose
+    other operand is a weight (an ``nn.Parameter``, a view of one or an autocast copy of one: see
+    :func:`matrix_partner`)."""
 
     op: str
     overload: str = "default"
     role: str = "?"
     params: tuple = ()
     result: bool = False
+    weight_operand: bool = False
 
     def param(self, name: str, default=None):
         for k, v in self.params:
@@ -312,6 +326,37 @@ def rule_for(site: Site) -> Rule:
     if site.op == "clamp" and site.overload != "default":
         return EQUALITY  # clamp.Tensor: tensor bounds, compared in backward
     return entry(site) if callable(entry) else entry
+
+
+# Matrix products: op -> its two matrix operands, by argument name. ``linear`` and ``matmul`` are composite (they
+# reach the dispatcher as ``addmm``/``mm``/``bmm``/``mv`` of views), named here for a mode that sees them whole.
+_MATRIX_OPERANDS = {
+    "mm": ("self", "mat2"),
+    "addmm": ("mat1", "mat2"),
+    "bmm": ("self", "mat2"),
+    "baddbmm": ("batch1", "batch2"),
+    "addbmm": ("batch1", "batch2"),
+    "mv": ("self", "vec"),
+    "addmv": ("mat", "vec"),
+    "matmul": ("self", "other"),
+    "linear": ("input", "weight"),
+}
+
+
+def matrix_partner(op: str, role: str) -> str | None:
+    """The argument name of the other matrix operand when ``role`` is one of ``op``'s two (``addmm``'s ``mat1``:
+    ``mat2``), else ``None`` (``addmm``'s bias, any argument of a non-product)."""
+    pair = _MATRIX_OPERANDS.get(op)
+    if pair is None or role not in pair:
+        return None
+    return pair[1] if role == pair[0] else pair[0]
+
+
+def sketchable(site: Site) -> bool:
+    """Whether the save at ``site`` may be stored as a row sketch (``gactx.kernels.sketch``): it is a matrix
+    operand of a product whose other operand is a weight, so backward reads it only for the weight's gradient,
+    linearly. A result save, a product of two activations, or any other op: ``False``."""
+    return site.weight_operand and not site.result and matrix_partner(site.op, site.role) is not None
 
 
 def node_id(fn) -> int:

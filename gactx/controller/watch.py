@@ -9,6 +9,10 @@ results just after. A ``TorchDispatchMode`` sees every op below autograd, so:
   that op, under the name of the argument it is passed as (``"?"`` when it is not among the arguments:
   a custom ``autograd.Function``'s save, a clone made for an in-place op).
 
+An input save that is one of a matrix product's two operands (``addmm``'s ``mat1``) is marked
+``Site.weight_operand`` when the other is a weight: an ``nn.Parameter``, a view of one (linear passes
+``weight.t()``), or an autocast copy of one (``rules.sketchable``: the inputs of linear layers).
+
 Two kinds of tensor are known by where they come from (``rules.PROVENANCE``): a float dropout mask
 (``bernoulli_`` then ``div_`` on the same tensor) and probabilities computed by hand (an ``exp`` result
 divided by a tensor, as torch_geometric's softmax over a node's edges computes GAT's coefficients), with the
@@ -28,8 +32,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gactx.controller.policy import storage_owner
-from gactx.controller.rules import Site
+from gactx.controller.policy import _is_parameter, is_weight_copy, storage_owner
+from gactx.controller.rules import Site, matrix_partner
 
 __all__ = ["OpWatcher"]
 
@@ -65,6 +69,28 @@ def _role(func, args: tuple, kwargs: dict, t: torch.Tensor) -> str:
         if value is t:
             return name
     return "?"
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str):
+    """The value of the op's argument ``name`` (``None`` if not passed)."""
+    for arg, value in zip(func._schema.arguments, args, strict=False):
+        if arg.name == name:
+            return value
+    return kwargs.get(name)
+
+
+def _is_weight(t) -> bool:
+    """A parameter, a view of one, or an autocast copy of one (or a view of that): what ``policy.keep_reason``
+    keeps as a parameter."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    return _is_parameter(storage_owner(t)) or (t.grad_fn is not None and is_weight_copy(t))
+
+
+def _weight_operand(func, args: tuple, kwargs: dict, name: str, role: str) -> bool:
+    """Whether the save passed as ``role`` of the product ``name`` has a weight as its other operand."""
+    partner = matrix_partner(name, role)
+    return partner is not None and _is_weight(_argument(func, args, kwargs, partner))
 
 
 def _among(owner: torch.Tensor, refs: list[weakref.ref]) -> bool:
@@ -134,7 +160,9 @@ class OpWatcher(TorchDispatchMode):
             t = handle.stored
             if params is None:
                 params = _params(func, args, kwargs)
-            site = Site(func.overloadpacket.__name__, func._overloadname, _role(func, args, kwargs, t), params)
+            name, role = func.overloadpacket.__name__, _role(func, args, kwargs, t)
+            weight = _weight_operand(func, args, kwargs, name, role)
+            site = Site(name, func._overloadname, role, params, weight_operand=weight)
             self.on_input(handle, site, self._origin(t))
 
     def _origin(self, t: torch.Tensor) -> str | None:

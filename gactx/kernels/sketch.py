@@ -1,0 +1,262 @@
+"""A row sketch: a random fraction of a tensor's rows, scaled so that the sketch is unbiased (FewBit's
+randomized linear).
+
+For ``y = x W^T`` backward reads ``x`` only in ``grad_W = g^T x``, which is linear in ``x`` (``grad_x = g W``
+never reads it). An estimate with ``E[x_hat] = x`` therefore keeps ``grad_W`` unbiased and ``grad_x`` exact.
+The sketch: read ``x`` in memory order (:func:`~gactx.kernels.format.memory_order`) as ``N`` rows of ``D``
+elements (``D`` the innermost dimension), keep ``k = ceil(fraction * N)`` of them chosen uniformly at random
+without replacement, and decode them scaled by ``N / k``; the other rows decode to zero::
+
+    x, N = 6 rows, fraction 1/2: k = 3      stored                 decoded
+    row 0  [ x0 ]                           kept: [ x1 ]           [  0   ]
+    row 1  [ x1 ]   keys (seed, row) -->          [ x3 ]           [ 2 x1 ]
+    row 2  [ x2 ]   the k smallest:               [ x4 ]           [  0   ]
+    row 3  [ x3 ]   rows 1, 3, 4          seed: one host int       [ 2 x3 ]
+    row 4  [ x4 ]                                                  [ 2 x4 ]
+    row 5  [ x5 ]                                                  [  0   ]
+
+Which rows: each row gets a 63-bit key, a counter hash of ``(seed, row)`` (murmur3's finalizer, as
+``traced.uniform_bits``) with the row's index in its low bits, and the ``k`` rows of the smallest keys are kept,
+in increasing order. The keys are distinct, so the choice is a function of the seed alone, the same on any
+device, made with elementwise ops and one ``topk`` (no ``torch.Generator``, no host read, no data-dependent
+shape). It is regenerated at decode: the choice costs no device bytes, only the seed on the host. The index
+bits break ties of the hash bits towards lower rows; with ``N`` rows that moves a row's probability of being kept
+by at most ``N / 2**(63 - ceil(log2 N))`` (``2**-23`` at a million rows).
+
+Kept rows are stored at ``bits`` with :func:`gactx.quantize` (1, 2, 4, 8: codes in groups of ``group_size``
+running across the kept rows; 16: bfloat16 of float32; 32: as they are). Bytes: those of ``k * D`` elements at
+``bits`` (:func:`sketch_nbytes`): ``fraction * bits`` bits an element plus the groups' metadata, so 1/8 of the
+rows at 2 bits holds 0.25 bit an element (0.28 with metadata), below the 1.25 of the narrowest quantization.
+
+Error of the sampling alone (:func:`sketch_variance`): row ``i`` decodes to ``c_i x_i`` with ``c_i = N / k`` with
+probability ``k / N``, else 0, so ``E[(c_i - 1)^2] = N / k - 1`` and, rows erring apart,
+``E ||x_hat - x||^2 = (N - k) / k * ||x||^2``. Rounding of the kept rows adds its own variance times
+``(N / k)^2`` on the ``k`` kept rows (``N / k`` times a full tensor's rounding variance, for rows alike).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from gactx.kernels.format import (
+    ALLOWED_BITS,
+    FLOAT_DTYPES,
+    QuantizedTensor,
+    expected_nbytes,
+    memory_order,
+    restore_perm,
+)
+from gactx.kernels.functional import SEED_LIMIT, dequantize, quantize
+
+__all__ = ["SketchedTensor", "sketch_rows", "sketch_variance", "sketch_nbytes", "kept_rows", "row_length"]
+
+_MASK = 0xFFFFFFFF
+# Fractions are read as the nearest fraction of denominator at most 2**16: 0.1 is 1/10, so 10 rows keep 1
+# (the float 0.1 is a little above 1/10, and ceil(0.1 * 10) in binary would keep 2).
+_DENOMINATOR = 1 << 16
+
+
+@dataclass(frozen=True, eq=False)
+class SketchedTensor:
+    """``kept`` (the kept rows, ``(k, D)`` in the original dtype, or a ``QuantizedTensor`` of them) of a tensor of
+    ``shape`` read as ``n_rows`` rows of ``row_len`` elements in memory order (``dense_shape`` and ``perm`` as in
+    ``QuantizedTensor``); ``seed`` chooses the rows (:func:`kept_rows`). Build it with :func:`sketch_rows`."""
+
+    kept: torch.Tensor | QuantizedTensor
+    seed: int
+    n_rows: int
+    row_len: int
+    fraction: float
+    bits: int
+    shape: torch.Size
+    dtype: torch.dtype
+    dense_shape: torch.Size
+    perm: tuple[int, ...] | None
+    backend: str = "auto"
+
+    @property
+    def n_kept(self) -> int:
+        return _n_kept(self.n_rows, self.fraction)
+
+    @property
+    def numel(self) -> int:
+        return self.dense_shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.kept.device
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this object holds on its device: the kept rows (and their metadata). The choice of rows is
+        the seed, a host int."""
+        if isinstance(self.kept, QuantizedTensor):
+            return self.kept.nbytes
+        return self.kept.numel() * self.kept.element_size()
+
+    def stride(self) -> tuple[int, ...]:
+        """The strides :meth:`decode` gives (those of the sketched tensor, when it was dense)."""
+        dense = _contiguous(self.dense_shape)
+        if self.perm is None:
+            return dense
+        out = [0] * len(dense)
+        for i, dim in enumerate(self.perm):
+            out[dim] = dense[i]
+        return tuple(out)
+
+    def rows(self) -> torch.Tensor:
+        """The kept rows' indices (int64, increasing), regenerated from the seed on the device."""
+        return kept_rows(self.n_rows, self.n_kept, self.seed, self.device)
+
+    def decode(self) -> torch.Tensor:
+        """The unbiased estimate: kept rows times ``N / k`` at their places, zeros elsewhere, in the original shape,
+        dtype, device and strides. The product is taken in float32 and rounded once to the dtype."""
+        n, d = self.n_rows, self.row_len
+        out = torch.zeros(n, d, dtype=self.dtype, device=self.device)
+        if n:
+            rows = self.kept if isinstance(self.kept, torch.Tensor) else dequantize(self.kept, backend=self.backend)
+            scaled = torch.mul(rows.view(-1, d), n / self.n_kept)  # opmath: fp16/bf16 are multiplied in float32
+            out.index_copy_(0, self.rows(), scaled.to(self.dtype))
+        return restore_perm(out.view(self.dense_shape), self.perm)
+
+    def __repr__(self) -> str:
+        return (
+            f"SketchedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, rows={self.n_kept}/{self.n_rows}, "
+            f"bits={self.bits}, nbytes={self.nbytes}, device={self.device})"
+        )
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _check_fraction(fraction) -> Fraction:
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float | Fraction) or not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} is not allowed; allowed values are numbers in (0, 1]")
+    return Fraction(fraction).limit_denominator(_DENOMINATOR)
+
+
+def _n_kept(n_rows: int, fraction) -> int:
+    """``ceil(fraction * n_rows)``, at least one row of a tensor that has any."""
+    return min(n_rows, max(1, math.ceil(_check_fraction(fraction) * n_rows))) if n_rows else 0
+
+
+def row_length(x: torch.Tensor) -> int:
+    """``D``, the length of the rows a sketch of ``x`` reads: its innermost dimension in memory order (1 for a
+    0-d tensor). What :func:`sketch_nbytes` takes as ``row_len``."""
+    if x.dim() == 0:
+        return 1
+    if x.is_contiguous():
+        return x.shape[-1]
+    # memory_order's choice without its copy: the dimension of the smallest stride, when x is dense in some order
+    perm = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    return x.shape[perm[-1]] if x.permute(perm).is_contiguous() else x.shape[-1]
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for ``h`` an int64 tensor of uint32 values, on 16-bit halves (no product overflows)."""
+    return ((h & 0xFFFF) * c + (((h >> 16) * c) << 16)) & _MASK
+
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def kept_rows(n_rows: int, n_kept: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """The ``n_kept`` rows of ``n_rows`` that ``seed`` chooses, uniformly without replacement: int64 indices in
+    increasing order on ``device`` (see the module docstring). No host read, no data-dependent shape."""
+    row = torch.arange(n_rows, dtype=torch.int64, device=device)
+    k0, k1 = seed & _MASK, (seed >> 32) & _MASK
+    h = _fmix(_mul32(row & _MASK, 0x9E3779B9) ^ k0)
+    hi = _fmix(h ^ k1 ^ _mul32(row >> 32, 0x85EBCA77))
+    lo = _fmix(hi ^ 0x2545F491)
+    index_bits = max(1, (n_rows - 1).bit_length())
+    key = (hi << 31) | (lo >> 1)  # 63 random bits, non-negative
+    key = ((key >> index_bits) << index_bits) | row  # distinct keys: ties of the random bits go to lower rows
+    chosen = torch.topk(key, n_kept, largest=False, sorted=False).indices
+    return chosen.sort().values
+
+
+def _quantize_seed(seed: int) -> int:
+    """The rounding noise's seed, apart from the rows' (SplitMix64 of the seed, in [0, 2**62))."""
+    z = (seed + 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) % SEED_LIMIT
+
+
+def sketch_rows(
+    x: torch.Tensor,
+    fraction: float,
+    bits: int,
+    seed: int,
+    group_size: int = 256,
+    stochastic: bool = True,
+    backend: str = "auto",
+) -> SketchedTensor:
+    """Keep ``ceil(fraction * N)`` of ``x``'s ``N`` rows, chosen by ``seed``, stored at ``bits``; ``decode()`` gives
+    an unbiased estimate of ``x`` (see the module docstring).
+
+    Args:
+        x: a float32, float16 or bfloat16 tensor of any shape, strides and device; its values are stored, not its
+            autograd history.
+        fraction: the fraction of rows kept, a number in (0, 1] (read as the nearest fraction of denominator at
+            most 2**16); 1 keeps every row (the sketch is then ``x`` at ``bits``).
+        bits: the kept rows' width, as :func:`gactx.quantize` takes it: 1, 2, 4, 8, 16 or 32.
+        seed: an int in [0, 2**62): chooses the rows and, apart, the rounding noise of the kept rows.
+        group_size, stochastic, backend: for the kept rows' quantization, as :func:`gactx.quantize`.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        got = type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype
+        raise ValueError(f"sketch_rows takes a float32, float16 or bfloat16 tensor, got {got}")
+    _check_fraction(fraction)
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ALLOWED_BITS:
+        raise ValueError(f"bits={bits!r} is not allowed; allowed values are {ALLOWED_BITS}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**62)")
+    x = x.detach()
+    flat, dense_shape, perm = memory_order(x)
+    d = max(dense_shape[-1], 1) if len(dense_shape) else 1
+    n = flat.numel() // d
+    k = _n_kept(n, fraction)
+    rows = flat.view(n, d).index_select(0, kept_rows(n, k, seed, x.device))  # (k, d), contiguous
+    kept = quantize(rows, bits, group_size, stochastic=stochastic, seed=_quantize_seed(seed), backend=backend)
+    if kept.meta is None and kept.data.dtype == x.dtype:
+        kept = kept.data  # at or above the tensor's own width: the rows themselves
+    return SketchedTensor(kept, seed, n, d, float(fraction), bits, x.shape, x.dtype, dense_shape, perm, backend)
+
+
+def sketch_variance(x: torch.Tensor, fraction: float) -> torch.Tensor:
+    """``E ||x_hat - x||^2`` of the row sampling alone (no rounding): ``(N - k) / k * ||x||^2``, a 0-d float32
+    tensor on ``x``'s device. Torch ops only, nothing read back to the host (a saved-tensor hook may call it)."""
+    _check_fraction(fraction)
+    d = row_length(x)
+    n = x.numel() // d if d else 0
+    k = _n_kept(n, fraction)
+    if k == 0 or k == n:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    square = torch.linalg.vector_norm(x.detach(), dtype=torch.float32).square()
+    return square * ((n - k) / k)
+
+
+def sketch_nbytes(
+    numel: int, row_len: int, dtype: torch.dtype, fraction: float, bits: int, group_size: int = 256
+) -> int:
+    """The bytes :func:`sketch_rows` will hold for a tensor of ``numel`` elements in rows of ``row_len``
+    (:func:`row_length`) at ``fraction`` and ``bits``: those of the kept ``k * row_len`` elements at ``bits``."""
+    row_len = max(row_len, 1)
+    k = _n_kept(numel // row_len, fraction)
+    return expected_nbytes(k * row_len, dtype, bits, group_size)
