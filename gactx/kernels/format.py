@@ -30,6 +30,10 @@ that value (NaN when the group mixes NaN or both infinities), and its finite ele
 codes on a grid centred on zero, ``(q - (2**bits - 2) / 2) * step``. Non-finite values therefore come
 back non-finite, at their places; see ``quantize.py`` for what that costs the finite ones.
 
+A second scheme, ``"normal"`` (``normal.py``), packs its codes in the same planes and keeps 12 bytes a group,
+int32 ``[n_groups, 3]``: the float32 bits of ``lo`` and ``hi`` and two 16-bit fractions of the range (the
+group's mean and standard deviation), from which both sides compute the same levels. It takes 2, 4 and 8 bits.
+
 Widths 16 and 32 and bool masks need no metadata: 16 keeps fp16/bf16 tensors as they are and stores
 float32 as bfloat16 (same exponent range; the finite float32 values above bfloat16's largest finite value,
 about 3.3895e38, saturate to it, see ``half.py``); 32 keeps the tensor itself; a bool mask is packed at 1 bit
@@ -45,6 +49,8 @@ import torch
 __all__ = [
     "ALLOWED_BITS",
     "CODE_BITS",
+    "SCHEMES",
+    "SCHEME_BITS",
     "GROUP_SIZES",
     "FLOAT_DTYPES",
     "QuantizedTensor",
@@ -54,6 +60,9 @@ __all__ = [
     "restore_order",
     "restore_perm",
     "check_args",
+    "check_scheme",
+    "pack_planes",
+    "unpack_planes",
 ]
 
 CODE_BITS = (1, 2, 4, 8)
@@ -62,6 +71,11 @@ ALLOWED_BITS = (*CODE_BITS, 16, 32)
 GROUP_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 META_BYTES_PER_GROUP = 8  # (lo, step) as float32
+SCHEMES = ("uniform", "normal")
+# Widths each scheme takes. "normal" refuses 1 bit: its two levels would be the group's min and max, the
+# uniform grid, with 4 more bytes of metadata; and 16 and 32 store values, not codes.
+SCHEME_BITS = {"uniform": ALLOWED_BITS, "normal": (2, 4, 8)}
+SCHEME_META_BYTES = {"uniform": META_BYTES_PER_GROUP, "normal": 12}  # normal: lo, hi float32 + 2 x 16 bits
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +85,7 @@ class QuantizedTensor:
     ``data`` is the packed payload (uint8 codes or bits), the bf16 copy (16 bits from float32), or the
     tensor itself (32 bits, and 16 bits from fp16/bf16). ``meta`` is the per-group ``(lo, step)`` table,
     ``None`` where there is none. ``dense_shape`` and ``perm`` say how memory order maps back to ``shape``.
+    ``scheme`` says where the levels are: ``"uniform"`` (``(lo, step)``) or ``"normal"`` (``normal.py``).
     """
 
     data: torch.Tensor
@@ -81,6 +96,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     dense_shape: torch.Size
     perm: tuple[int, ...] | None
+    scheme: str = "uniform"
 
     @property
     def numel(self) -> int:
@@ -99,11 +115,12 @@ class QuantizedTensor:
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
-            f"group_size={self.group_size}, nbytes={self.nbytes}, device={self.device})"
+            f"group_size={self.group_size}, nbytes={self.nbytes}, device={self.device}"
+            + (")" if self.scheme == "uniform" else f", scheme={self.scheme!r})")
         )
 
 
-def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int = 256) -> int:
+def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int = 256, scheme: str = "uniform") -> int:
     """The bytes :func:`gactx.quantize` will hold for a tensor of ``numel`` elements (the format's formula)."""
     if dtype == torch.bool:
         return -(-numel // 8)
@@ -112,7 +129,36 @@ def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int =
     if bits == 16:
         return numel * 2
     n_groups = -(-numel // group_size)
-    return n_groups * group_size * bits // 8 + META_BYTES_PER_GROUP * n_groups
+    return n_groups * group_size * bits // 8 + SCHEME_META_BYTES[scheme] * n_groups
+
+
+def check_scheme(scheme: str, bits: int, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` for a scheme that is not one of :data:`SCHEMES`, or a width it does not take (bool
+    masks are packed losslessly whatever the scheme)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is not allowed; allowed values are {SCHEMES}")
+    if dtype != torch.bool and bits not in SCHEME_BITS[scheme]:
+        raise ValueError(
+            f"bits={bits!r} is not allowed with scheme={scheme!r}; allowed values are {SCHEME_BITS[scheme]}"
+        )
+
+
+def pack_planes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``q`` (integers, ``[n_groups, group_size]``) packed in the planes pictured above: uint8, flat."""
+    n_groups, group_size = q.shape
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=q.device, dtype=torch.int32)[:, None] * bits
+    packed = (q.to(torch.int32).view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1)
+    return packed.to(torch.uint8).view(-1)
+
+
+def unpack_planes(codes: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: int32 codes ``[n_groups, group_size]``."""
+    per_byte = 8 // bits
+    n_groups = codes.numel() * per_byte // group_size
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32)[:, None] * bits
+    planes = codes.view(n_groups, 1, group_size // per_byte).to(torch.int32) >> shifts
+    return (planes & ((1 << bits) - 1)).view(n_groups, group_size)
 
 
 def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:

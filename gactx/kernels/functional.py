@@ -1,4 +1,8 @@
-"""``quantize`` and ``dequantize``: validation, memory order and the choice between Triton and torch."""
+"""``quantize`` and ``dequantize``: validation, memory order and the choice between Triton and torch.
+
+``scheme="normal"`` (``normal.py``) runs its Triton kernels on CUDA (and under the interpreter when asked), and
+its torch twin on CPU tensors, ``backend="cpp"`` and ``"auto"`` included: the C++ kernels implement the uniform
+scheme only."""
 
 from __future__ import annotations
 
@@ -10,12 +14,19 @@ from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.format import (
     QuantizedTensor,
     check_args,
+    check_scheme,
     contiguous_order,
     memory_order,
     restore_order,
     restore_perm,
 )
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
+from gactx.kernels.normal import (
+    torch_normal_dequantize,
+    torch_normal_quantize,
+    triton_normal_dequantize,
+    triton_normal_quantize,
+)
 from gactx.kernels.quantize import torch_quantize, triton_quantize
 
 __all__ = ["quantize", "dequantize", "BACKENDS"]
@@ -58,6 +69,7 @@ def quantize(
     stochastic: bool = True,
     seed: int | None = None,
     backend: str = "auto",
+    scheme: str = "uniform",
 ) -> QuantizedTensor:
     """Compress ``x`` to ``bits`` per element; :func:`dequantize` gives it back.
 
@@ -74,8 +86,13 @@ def quantize(
         seed: seed of the rounding noise; ``None`` draws one from torch's CPU generator.
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``,
             ``"cpp"`` or ``"torch"`` (the reference twins).
+        scheme: ``"uniform"`` (levels evenly spaced from the group's min to its max) or ``"normal"`` (levels
+            placed by a normal fitted to the group, min and max outermost; bits 2, 4 or 8; 12 bytes of
+            metadata a group instead of 8; see ``gactx/kernels/normal.py``). On CPU tensors ``"normal"``
+            runs the torch twin (``"cpp"`` included).
     """
     check_args(x, bits, group_size)
+    check_scheme(scheme, bits, x.dtype)
     if x.requires_grad:  # what is stored are values: decoding gives a tensor without autograd history
         x = x.detach()
     chosen = choose_backend(x, backend)
@@ -83,7 +100,20 @@ def quantize(
         seed = _draw_seed() if stochastic else 0
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed={seed!r} must be None or an int in [0, 2**62)")
+    if scheme != "uniform" and x.dtype != torch.bool:
+        return _quantize_normal(x, bits, group_size, stochastic, seed, chosen)
     return quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+
+
+def _quantize_normal(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
+    """:func:`quantize` with ``scheme="normal"`` of checked arguments (a float tensor, bits 2, 4 or 8)."""
+    flat, dense_shape, perm = memory_order(x)
+    if chosen == "triton":
+        interpret = _triton.INTERPRET and x.device.type == "cpu"
+        data, meta = triton_normal_quantize(flat.contiguous(), bits, group_size, stochastic, seed, interpret)
+    else:  # torch, and cpp: the twin (module docstring)
+        data, meta = torch_normal_quantize(flat, bits, group_size, stochastic, seed)
+    return QuantizedTensor(data, meta, bits, group_size, x.shape, x.dtype, dense_shape, perm, "normal")
 
 
 def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
@@ -132,6 +162,13 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
     if q.meta is None and q.data.dtype == q.dtype:
         return q.data  # stored as is
     chosen = choose_backend(q.data, backend)
+    if q.scheme == "normal" and q.meta is not None:
+        if chosen == "triton":
+            interpret = _triton.INTERPRET and q.device.type == "cpu"
+            flat = triton_normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.numel, q.dtype, interpret)
+        else:
+            flat = torch_normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.numel, q.dtype)
+        return restore_order(flat, q)
     if chosen == "cpp" and q.meta is not None:
         return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
     n = q.numel
