@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gactx
+from gactx.controller.rules import Site, sketchable
+from gactx.controller.watch import OpWatcher
 
 
 class Block(nn.Module):
@@ -186,3 +188,134 @@ def test_probabilities_computed_by_hand_are_attention():
         ]
         assert [r.bits for r in controller._pass.records if r.cls == "attention"] == [4, 4]
     assert controller._pass.deduplicated >= 1
+
+
+# -- matrix operands whose partner is a weight: the inputs of linear layers (rules.sketchable) -----------------
+
+
+class _Held:
+    """A pending handle for the watcher alone: the saved tensor, and the site the watcher gives it."""
+
+    def __init__(self, t):
+        self.stored, self.site = t, None
+
+
+def _watched_saves(run) -> list[tuple[Site, torch.Size]]:
+    """``(site, shape)`` of every save ``run()`` makes, named by an ``OpWatcher`` without the controller."""
+    watcher = OpWatcher(lambda handle, site, origin: setattr(handle, "site", site))
+    held = []
+
+    def pack(t):
+        handle = _Held(t)
+        held.append(handle)
+        watcher.pending.append((handle, watcher.result_site(t)))
+        return handle
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda handle: handle.stored), watcher:
+        out = run()
+    watcher.flush()
+    out.sum().backward()  # the saves are what backward needs
+    return [(h.site, h.stored.shape) for h in held]
+
+
+def _sketchable_ops(run) -> list[tuple[str, bool]]:
+    """``(str(site), sketchable)`` of every save that is not a parameter."""
+    saves = []
+    for site, _ in _watched_saves(run):
+        saves.append((str(site), sketchable(site)))
+    return saves
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (2, 4, 12)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_input_of_a_linear_layer_is_sketchable(shape, bias):
+    lin = nn.Linear(12, 5, bias=bias)
+    x = torch.randn(shape, requires_grad=True)
+    saves = _watched_saves(lambda: lin(x))
+    op = "addmm" if bias else "mm"
+    activation = "mat1" if bias else "self"
+    by_role = {site.role: (site, size) for site, size in saves}
+    site, size = by_role[activation]
+    assert site.op == op and site.weight_operand and sketchable(site)
+    assert size.numel() == x.numel()
+    weight, _ = by_role["mat2"]  # the weight's own save: its partner is the input, not a weight
+    assert not weight.weight_operand and not sketchable(weight)
+
+
+def test_products_with_a_weight_in_any_form_are_sketchable():
+    w = nn.Parameter(torch.randn(12, 5))
+    lin = nn.Linear(12, 5)
+    x = torch.randn(2, 4, 12, requires_grad=True)
+    assert sorted(_sketchable_ops(lambda: x @ w)) == [("mm", True), ("mm:mat2", False)]
+    assert ("bmm", True) in _sketchable_ops(lambda: torch.einsum("bsd,de->bse", x, w))
+    h = torch.randn(12, 7, requires_grad=True)
+    assert ("mm:mat2", True) in _sketchable_ops(lambda: lin.weight @ h), "a weight on the left"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the weight is a bf16 copy of the parameter
+        assert ("addmm:mat1", True) in _sketchable_ops(lambda: lin(x.detach() * 2))
+
+
+def test_products_of_two_activations_are_not_sketchable():
+    a, b = torch.randn(3, 8, 16, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
+    saves = _sketchable_ops(lambda: torch.softmax(a @ b, -1) @ b.transpose(1, 2))
+    assert sorted(s for s, _ in saves if s.startswith("bmm")) == ["bmm", "bmm", "bmm:mat2", "bmm:mat2"]
+    assert not any(ok for _, ok in saves)
+
+
+class _HandAttention(nn.Module):
+    """q k^T and p v as matmuls of activations, as many models write them."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        p = torch.softmax(q @ k.transpose(-2, -1) / 4, -1)
+        return self.out(p @ v)
+
+
+class _WeightedAttention(nn.Module):
+    """Multi-head attention asked for its weights: bmm of activations and a softmax, not the fused kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=True)[0]
+
+
+@pytest.mark.parametrize(
+    "make, linear_inputs",
+    [
+        # the packed q/k/v projection (mm of the weight), the output projection, the two feed-forward layers
+        (lambda: nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True), 4),
+        (_WeightedAttention, 2),
+        (_HandAttention, 2),
+    ],
+    ids=["encoder-layer", "mha-weights", "hand-written"],
+)
+def test_in_attention_only_the_projection_and_feed_forward_inputs_are_sketchable(make, linear_inputs):
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(2, 6, 16, requires_grad=True)
+    saves = _sketchable_ops(lambda: model(x))
+    sketched = [s for s, ok in saves if ok]
+    assert len(sketched) == linear_inputs and set(sketched) <= {"addmm:mat1", "mm"}, saves
+    # attention's products of activations, its fused kernel, layer norms and activations are not
+    others = [s for s, _ in saves if s.startswith(("bmm", "_scaled_dot", "native_layer_norm", "relu", "_softmax"))]
+    assert others and not any(ok for s, ok in saves if s in others)
+
+
+def test_convolution_and_normalisation_inputs_are_not_sketchable():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LayerNorm(4 * 36), nn.Linear(144, 3))
+    saves = _sketchable_ops(lambda: model(torch.randn(2, 3, 8, 8, requires_grad=True)))
+    assert [s for s, ok in saves if ok] == ["addmm:mat1"], saves
+
+
+def test_the_controller_learns_the_flag_with_the_slot():
+    model, x = Block(), torch.randn(64, 32)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    for _ in range(2):  # watched, then learned
+        _step(model, controller, x)
+        learned = {str(site): site for site, *_ in controller._path.sites.values()}
+        assert sketchable(learned["addmm:mat1"]) and not sketchable(learned["relu"])
