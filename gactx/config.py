@@ -34,6 +34,7 @@ _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 
 _default_level = "L1"
 OP_RULES = ("learn", "always", "off")
+ESTIMATORS = ("gact", "actnn")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,11 @@ class Config:
             metadata and tensors kept as they are included (an int, or a string such as ``"1.5GiB"``);
             it replaces the average-bits budget.
         adapt_interval: adaptive only: re-estimate sensitivities after the first step and every this many.
-        probe_bits: adaptive only: the width at which the estimator perturbs one tensor at a time.
+        estimator: adaptive only: how sensitivities are measured (see docs/adaptive.md). ``"gact"`` runs the
+            ``backprop`` closure ``1 + 2 L`` times for ``L`` compressed tensors (GACT's estimator); ``"actnn"``
+            reads each tensor's group ranges and the gradient reaching its module during the ordinary step
+            before an adaptation (ActNN's estimate: no extra pass, no closure needed).
+        probe_bits: adaptive only: the width at which the ``"gact"`` estimator perturbs one tensor at a time.
         strict: adaptive only: a budget that even 1-bit codes exceed raises ``ValueError`` instead of a
             warning (then the narrowest widths are used).
         group_size: elements that share a scale, see :func:`gactx.quantize`.
@@ -76,6 +81,7 @@ class Config:
     adaptive: bool = False
     budget: int | str | None = None
     adapt_interval: int = 1000
+    estimator: str = "gact"
     probe_bits: int = 2
     strict: bool = False
     group_size: int = 256
@@ -113,6 +119,8 @@ class Config:
                 raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2, L3)")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator={self.estimator!r} is not allowed; allowed values are {ESTIMATORS}")
         if not _is_int(self.probe_bits) or self.probe_bits not in (1, 2, 4, 8):
             raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")
         if not _is_int(self.group_size) or self.group_size not in GROUP_SIZES:

@@ -97,3 +97,11 @@ def test_unknown_level_and_option():
 def test_config_is_frozen():
     with pytest.raises(AttributeError):
         make_config("L1").bits = 2
+
+
+def test_estimator_field():
+    assert make_config("L2").estimator == "gact" and make_config("L2", estimator="actnn").estimator == "actnn"
+    with pytest.raises(ValueError, match=r"estimator='free' is not allowed; allowed values are \('gact', 'actnn'\)"):
+        make_config("L2", estimator="free")
+    with pytest.raises(ValueError, match="estimator=None"):
+        make_config("L2.2", estimator=None)

@@ -23,6 +23,7 @@ from torch import nn
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
 from gactx.controller.compiled import CompiledPath, HookGraph
+from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
@@ -113,7 +114,8 @@ class Controller:
     ``controller.iterate(backprop)`` once per training step, after ``optimizer.step()``. At the adaptive
     levels ``backprop`` is a closure that runs forward and backward on a (small) batch: after the first
     step and every ``adapt_interval`` steps the controller runs it ``1 + 2 L`` times (``L`` compressed
-    tensors) to measure sensitivities, then allocates bits under the budget.
+    tensors) to measure sensitivities, then allocates bits under the budget. With ``estimator="actnn"`` the
+    sensitivities are read during the training step before each adaptation instead (no closure needed).
     """
 
     def __init__(self, model: nn.Module, level: str | None = None, *, config: Config | None = None, **options) -> None:
@@ -151,6 +153,8 @@ class Controller:
         self._compiled = CompiledPath(self.config, self._tracker, self._path, self._compiled_width)
         self._graph_hooks: tuple[HookGraph, HookGraph] | None = None
         self._discovered: PassStats | None = None  # the eager pass an adaptation allocated for
+        self._collector = FreeCollector(model, self._tracker, self._path.observers, self.config.group_size)
+        self._collect_pending = False  # estimator "actnn": an adaptation waits for a step that collects
         if self._offloader is not None and not torch.cuda.is_available():
             self._warn_offload("no CUDA device is available")
 
@@ -222,7 +226,14 @@ class Controller:
             raise TypeError(f"backprop must be callable or None, got {type(backprop).__name__}")
         self.step += 1
         cfg = self.config
-        if not cfg.adaptive or (self.step != 1 and self.step % cfg.adapt_interval != 0):
+        if not cfg.adaptive or not (self._due(self.step) or self._collect_pending):
+            return
+        if cfg.estimator == "actnn":
+            # The step just run collected the estimate (its forward began with the adaptation due); one that
+            # did not (hooks installed after its forward began) leaves the adaptation to the next step.
+            self._collect_pending = not self._collector.collected and backprop is None
+            if not self._collect_pending:
+                self.adapt(backprop)
             return
         if backprop is None:
             if not self._warned_no_closure:
@@ -236,11 +247,13 @@ class Controller:
             return
         self.adapt(backprop)
 
-    def adapt(self, backprop: Callable[[], object]) -> Adaptation:
+    def adapt(self, backprop: Callable[[], object] | None = None) -> Adaptation:
         """Measure every compressed tensor's sensitivity with ``backprop`` and allocate bits now.
 
         The model is left as it was: parameters untouched, buffers (BatchNorm statistics) and every
-        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose.
+        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose. With
+        ``estimator="actnn"``: the estimate collected in the last step if there is one (no pass), else one
+        ordinary pass of ``backprop`` read the same way.
         """
         cfg = self.config
         if not cfg.adaptive:
@@ -256,10 +269,15 @@ class Controller:
             # Compiled regions run eagerly here: each probe changes one tensor's width, which a compiled graph
             # would have to be recompiled for.
             with torch.compiler.set_stance("force_eager"):
-                estimate = estimate_sensitivities(
-                    self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
-                    _Progress(self.step),
-                )  # fmt: skip
+                if cfg.estimator == "actnn":
+                    estimate = free_estimate(self.model, self._collector, backprop)
+                else:
+                    if backprop is None:
+                        raise TypeError("adapt() with estimator='gact' needs a backprop closure")
+                    estimate = estimate_sensitivities(
+                        self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
+                        _Progress(self.step),
+                    )  # fmt: skip
         finally:
             if not was_installed:
                 self.uninstall_hook()
@@ -387,6 +405,10 @@ class Controller:
 
     # -- adaptation helpers -------------------------------------------------------------------------------
 
+    def _due(self, step: int) -> bool:
+        """Whether an adaptation is due when ``iterate()`` ends step ``step``."""
+        return step == 1 or step % self.config.adapt_interval == 0
+
     def _discover(self, run: Callable[[], object]) -> list[tuple]:
         self._pass, self._path.fresh = PassStats(), False
         run()
@@ -445,6 +467,9 @@ class Controller:
         top = _top_hooks()
         if top is None or top[0] is self._graph_hooks[0]:
             self._path.begin_forward()
+            cfg = self.config
+            if cfg.adaptive and cfg.estimator == "actnn" and (self._due(self.step + 1) or self._collect_pending):
+                self._collector.arm()  # the step before an adaptation: read the free estimate
 
     def _pass_end(self) -> None:
         self._path.end_forward()

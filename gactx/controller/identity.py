@@ -67,6 +67,9 @@ class ModuleTracker:
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
         self._outside = self._backward = 0
         self._thread = threading.get_ident()
+        # Called as hook(name, call, module, output) when a followed module call returns normally, before its
+        # frame is dropped: the free sensitivity estimate hooks the gradient of the call's output there.
+        self.output_hooks: list[Callable[[str, int, nn.Module, object], None]] = []
 
     def attach(self) -> None:
         """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
@@ -116,7 +119,9 @@ class ModuleTracker:
         if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
             return
         if self._stack and self._stack[-1][0] == name:
-            self._stack.pop()
+            frame = self._stack.pop()
+            for hook in self.output_hooks:
+                hook(name, frame[1], module, output)
             if not self._stack:  # the model, or a submodule called alone, returned: its forward ended
                 self.on_pass_end()
 

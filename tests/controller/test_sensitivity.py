@@ -1,0 +1,170 @@
+"""The free sensitivity estimate (gactx/controller/free_sensitivity.py) and its use by the controller."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gactx
+from benchmarks.estimators import spearman
+from gactx.controller.free_sensitivity import range_variance
+
+
+def _scaled_mlp() -> tuple[nn.Module, torch.Tensor]:
+    """Layers whose inputs differ in scale by orders of magnitude: their sensitivities do too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)
+    )  # fmt: skip
+    with torch.no_grad():
+        for i, scale in zip((2, 4, 6), (0.01, 1.0, 30.0), strict=True):
+            model[i].weight.mul_(scale)
+    return model, torch.randn(64, 64) * 3
+
+
+def _free(model, run, **options) -> gactx.Controller:
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn", **options)
+    with controller:
+        run()
+        controller.iterate()
+    return controller
+
+
+def test_range_variance_is_the_sum_of_group_ranges_squared_over_6():
+    t = torch.arange(600, dtype=torch.float32)
+    # groups [0, 256), [256, 512) of range 255, and a tail of 88 elements of range 87
+    expected = (2 * 256 * 255**2 + 88 * 87**2) / 6
+    assert math.isclose(float(range_variance(t, 256)), expected, rel_tol=1e-6)
+
+
+def test_the_free_estimate_is_finite_positive_and_ranks_like_gacts():
+    model, x = _scaled_mlp()
+    run = lambda: model(x).square().mean().backward()  # noqa: E731
+    free = _free(model, run).sensitivity
+    gact = gactx.Controller(model, level="L2.2")
+    with gact:
+        run()
+        gact.adapt(run)
+    assert set(free) == set(gact.sensitivity)
+    assert all(math.isfinite(c) and c >= 0 for c in free.values())
+    # The batch is alive when backward reads it: read from where it lives, its rounding costs nothing (both agree).
+    assert free[("0", 1, 0)] == gact.sensitivity[("0", 1, 0)] == 0
+    assert all(c > 0 for s, c in free.items() if s != ("0", 1, 0))
+    linear_inputs = [s for s in gact.sensitivity if s[0] in ("2", "4", "6")]
+    rho = spearman([gact.sensitivity[s] for s in linear_inputs], [free[s] for s in linear_inputs])
+    assert rho == pytest.approx(1.0)
+    # Same units: within a factor of 3 of GACT's where both are exact (inputs of linear layers)
+    for s in linear_inputs:
+        assert 1 / 3 < free[s] / gact.sensitivity[s] < 3, (s, free[s], gact.sensitivity[s])
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Raises on a device-to-host read (``.item()``, ``float(t)``, ``.tolist()``) while ``armed``."""
+
+    armed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.armed and func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a host read inside the collecting step")
+        return func(*args, **(kwargs or {}))
+
+
+def test_collecting_reads_nothing_to_the_host_inside_the_step():
+    model, x = _scaled_mlp()
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn", op_rules="off")
+    mode = _NoHostReads()
+    with controller:
+        collector = controller._collector
+        # the hooks' reductions run under the mode: the observer and the gradient hooks
+        for name in ("_observe", "_gradient"):
+            hook = getattr(collector, name)
+
+            def guarded(*args, hook=hook):
+                mode.armed = True
+                try:
+                    with mode:
+                        return hook(*args)
+                finally:
+                    mode.armed = False
+
+            setattr(collector, name, guarded)
+        model(x).square().mean().backward()
+        assert collector.collected
+        controller.iterate()
+    assert controller.last_adaptation.passes == 0 and controller.sensitivity
+
+
+def test_collecting_leaves_no_hooks_and_does_not_touch_the_model():
+    model, x = _scaled_mlp()
+    reference = [p.detach().clone() for p in model.parameters()]
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn")
+    with controller:
+        model(x).square().mean().backward()
+        assert controller._collector.armed and controller._path.observers
+        controller.iterate()
+        assert not controller._collector.armed
+        assert controller._path.observers == [] and controller._tracker.output_hooks == []
+        model.zero_grad()
+        model(x).square().mean().backward()  # step 2: nothing is due, nothing collects
+        assert not controller._collector.armed
+    assert all(torch.equal(a, p) for a, p in zip(reference, model.parameters(), strict=True))
+
+
+def test_collecting_does_not_change_the_gradient():
+    model, x = _scaled_mlp()
+    grads = []
+    for estimator in ("gact", "actnn"):
+        model.zero_grad()
+        with gactx.Controller(model, level="L2.2", estimator=estimator):
+            model(x).square().mean().backward()  # step 1: the actnn controller collects in this one
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_iterate_without_a_closure_adapts_with_actnn_and_does_not_warn():
+    model, x = _scaled_mlp()
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn", adapt_interval=3)
+    steps = []
+    with controller, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(7):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            controller.iterate()
+            steps.append(controller.last_adaptation.step)
+    assert steps == [1, 1, 3, 3, 3, 6, 6]
+    a = controller.last_adaptation
+    assert a.passes == 0 and a.seconds >= 0 and controller.allocation
+    assert len(set(controller.allocation.values())) > 1  # scales 0.01 to 30: not one width for all
+
+
+def test_adapt_uses_the_collected_step_or_runs_one_closure_pass():
+    model, x = _scaled_mlp()
+    run = lambda: model(x).square().mean().backward()  # noqa: E731
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn")
+    with controller:
+        run()
+        assert controller.adapt().passes == 0  # step 1 collected
+        model.zero_grad()
+        run()  # still step 0 (adapt() does not count steps): this pass collects too; drop what it read
+        controller._collector.take()
+        grads = [p.grad.clone() for p in model.parameters()]
+        rng = torch.get_rng_state()
+        adaptation = controller.adapt(run)
+        assert adaptation.passes == 1 and controller.sensitivity
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+        assert torch.equal(rng, torch.get_rng_state())
+        with pytest.raises(RuntimeError, match="no step under the controller collected"):
+            controller.adapt()
+
+
+def test_gact_adapt_still_needs_a_closure():
+    model, x = _scaled_mlp()
+    controller = gactx.Controller(model, level="L2.2")
+    with controller:
+        model(x).square().mean().backward()
+        with pytest.raises(TypeError, match="needs a backprop closure"):
+            controller.adapt()
