@@ -56,6 +56,13 @@ from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmas
 from gactx.kernels.dequantize import _dequantize_kernel, dequantize_launch
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
+from gactx.kernels.normal import (
+    NORMAL_BITS,
+    _normal_dequantize_kernel,
+    _normal_quantize_kernel,
+    normal_dequantize_launch,
+    normal_quantize_launch,
+)
 from gactx.kernels.quantize import _quantize_kernel, quantize_launch
 
 __all__ = [
@@ -69,7 +76,7 @@ __all__ = [
 ]
 
 ARCHS = (80, 90)  # A100 and H100/H200: the GPUs gactx's users train on
-FAMILIES = ("quantize", "dequantize", "round_bf16", "pack_bool", "unpack_bool")
+FAMILIES = ("quantize", "dequantize", "round_bf16", "pack_bool", "unpack_bool", "normal_quantize", "normal_dequantize")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # How the launchers pass a tensor of each dtype: bfloat16 as its int16 bits (the interpreter has no bf16 math).
 POINTER = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*i16"}
@@ -122,36 +129,53 @@ def _both(launch) -> list[dict]:
     return [meta for _, _, meta in launch]
 
 
-def _quantize_specs(bits_filter: Iterable[int] | None = None) -> list[KernelSpec]:
+def _quantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = False) -> list[KernelSpec]:
+    """Quantize's specs, of the uniform scheme or (``normal``) of ``normal.py``'s: 12 bytes of int32 metadata."""
     out = []
+    family, kernel, launcher = (
+        ("normal_quantize", _normal_quantize_kernel, normal_quantize_launch)
+        if normal
+        else ("quantize", _quantize_kernel, quantize_launch)
+    )
+    widths = NORMAL_BITS if normal else CODE_BITS
     for name, dtype in DTYPES.items():
-        pointers = {"x_ptr": POINTER[name], "codes_ptr": "*u8", "meta_ptr": "*fp32"}
-        for bits, group, stochastic in itertools.product(bits_filter or CODE_BITS, GROUP_SIZES, (False, True)):
+        pointers = {"x_ptr": POINTER[name], "codes_ptr": "*u8", "meta_ptr": "*i32" if normal else "*fp32"}
+        bits_list = [b for b in (bits_filter or widths) if b in widths]
+        for bits, group, stochastic in itertools.product(bits_list, GROUP_SIZES, (False, True)):
             config = dict(dtype=name, bits=bits, group=group, stochastic=stochastic)
-            for meta in _both(quantize_launch(_WHOLE + 1, dtype, bits, group, stochastic)):
+            for meta in _both(launcher(_WHOLE + 1, dtype, bits, group, stochastic)):
                 # Bits a thread can load in one piece: a slice's width, or its share of the slice.
                 width, threads = group // meta["SLICES"], meta["num_warps"] * 32
                 run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
-                moved = dtype.itemsize + bits / 8 + 8 / group
-                spec = _spec("quantize", config, _quantize_kernel, pointers, _SIZE_SEED, meta,
+                moved = dtype.itemsize + bits / 8 + (12 if normal else 8) / group
+                spec = _spec(family, config, kernel, pointers, _SIZE_SEED, meta,
                              elements=meta["ROWS"] * group, bytes_per_element=moved, exact=True, wide="ld",
                              wide_bits=min(128, run))  # fmt: skip
                 out.append(spec)
     return out
 
 
-def _dequantize_specs(bits_filter: Iterable[int] | None = None) -> list[KernelSpec]:
+def _dequantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = False) -> list[KernelSpec]:
+    """Dequantize's specs, of the uniform scheme or (``normal``) of ``normal.py``'s."""
     out = []
+    family, kernel, launcher = (
+        ("normal_dequantize", _normal_dequantize_kernel, normal_dequantize_launch)
+        if normal
+        else ("dequantize", _dequantize_kernel, dequantize_launch)
+    )
+    widths = NORMAL_BITS if normal else CODE_BITS
     for name, dtype in DTYPES.items():
-        pointers = {"codes_ptr": "*u8", "meta_ptr": "*fp32", "out_ptr": POINTER[name]}
-        for bits, group in itertools.product(bits_filter or CODE_BITS, GROUP_SIZES):
-            for meta in _both(dequantize_launch(_WHOLE + 1, dtype, bits, group)):
+        pointers = {"codes_ptr": "*u8", "meta_ptr": "*i32" if normal else "*fp32", "out_ptr": POINTER[name]}
+        bits_list = [b for b in (bits_filter or widths) if b in widths]
+        for bits, group in itertools.product(bits_list, GROUP_SIZES):
+            for meta in _both(launcher(_WHOLE + 1, dtype, bits, group)):
                 # Bits a thread can store in one piece: a plane's width (format.py), or its share of the plane.
                 width, threads = group // (8 // bits), meta["num_warps"] * 32
                 run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
-                spec = _spec("dequantize", dict(dtype=name, bits=bits, group=group), _dequantize_kernel, pointers,
+                spec = _spec(family, dict(dtype=name, bits=bits, group=group), kernel, pointers,
                              {"n": "i32", "first": "i32"}, meta, elements=meta["ROWS"] * group,
-                             bytes_per_element=dtype.itemsize + bits / 8 + 8 / group, exact=True, wide="st",
+                             bytes_per_element=dtype.itemsize + bits / 8 + (12 if normal else 8) / group, exact=True,
+                             wide="st",
                              wide_bits=min(128, run))  # fmt: skip
                 out.append(spec)
     return out
@@ -193,13 +217,16 @@ def _bitmask_specs(family: str) -> list[KernelSpec]:
 
 
 def specs(families: Iterable[str] = FAMILIES, bits: Iterable[int] | None = None) -> list[KernelSpec]:
-    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows (de)quantize)."""
+    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows (de)quantize, of both
+    schemes)."""
     builders = {
         "quantize": lambda: _quantize_specs(bits),
         "dequantize": lambda: _dequantize_specs(bits),
         "round_bf16": _round_bf16_specs,
         "pack_bool": lambda: _bitmask_specs("pack_bool"),
         "unpack_bool": lambda: _bitmask_specs("unpack_bool"),
+        "normal_quantize": lambda: _quantize_specs(bits, normal=True),
+        "normal_dequantize": lambda: _dequantize_specs(bits, normal=True),
     }
     return [spec for family in families for spec in builders[family]()]
 

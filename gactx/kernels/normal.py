@@ -17,8 +17,10 @@ comparisons and rounding inside it is the uniform scheme's; no transcendental fu
      lower tail: 2       inner: 11 equal intervals         upper tail: 2
     codes 0 .. 2         2 .. 13                           13 .. 15
 
-    A tail whose end falls at or past the group's min (max) is empty: its intervals go to the inner
-    segment (lo, 13 inner, 2 upper), so no code is wasted; with both empty the grid is uniform.
+    A tail narrower than its intervals would be at the inner step (``b1 - lo <= (b2 - b1) * tail / inner``,
+    which includes an end at or past the group's min) is empty: its intervals go to the inner segment (lo,
+    13 inner, 2 upper), so no code is spent finer than the bulk's; with both empty the grid is uniform (the
+    case of uniform-distributed groups, whose fitted normal reaches past their ends).
 
 Constants (``SHAPES``: ``K`` and intervals a tail; the inner segment has the rest of ``2**bits - 1``):
 
@@ -52,7 +54,8 @@ and the torch twins agree bit for bit with ``stochastic=False``.
 Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (as ``quantize.py``'s scale)::
 
     a0 = lo * s;  span = hi * s - a0;  unit = span / 65536;  centre = a0 + C * unit;  spread = D * unit
-    b1 = centre - K * spread   lower tail present when b1 > a0;   b2 = centre + K * spread  upper when b2 < hi * s
+    b1 = centre - K * spread;  b2 = centre + K * spread;  w = (b2 - b1) * (tail / inner)
+    lower tail present when b1 - a0 > w;  upper tail when hi * s - b2 > w
     step0 = max((b1 - a0) / tail, 2**-126)        a1 = a0 + n_lower * step0
     step1 = max((end - a1) * f, 2**-126)           a2 = a1 + n_inner * step1   (end = b2, or hi * s when last)
     step2 = max((hi * s - a2) * f', 2**-126)       f, f' = 1 / n, or (1 + 2**-20) / n for the last segment
@@ -117,7 +120,7 @@ FRACTION = 65536.0  # C and D are in 1/65536 of the range
 DEV_SHIFT = 6  # deviations summed in units of 64/65536 of the range (1/1024): the sum of squares fits int32
 INV_FRACTION = 1.0 / FRACTION
 _FLT_MAX, _MIN_STEP, _FRACTION, _INV_FRACTION = (constexpr(v) for v in (FLT_MAX, MIN_STEP, FRACTION, INV_FRACTION))
-_ROUNDS = constexpr(ROUNDS)
+_ROUNDS, _WORDS, _DEV_SHIFT = constexpr(ROUNDS), constexpr(META_WORDS), constexpr(DEV_SHIFT)
 _SAFETY = constexpr(1.0 + 2.0**-20)  # quantize.py's margin, on the last segment
 _POS_INF_BITS = constexpr(0x7F800000)
 _NEG_INF_UBITS = constexpr(0xFF800000)
@@ -141,7 +144,7 @@ def _factors(bits: int) -> dict[str, float]:
     k, tail = SHAPES[bits]
     inner = levels - 2 * tail
     return dict(
-        k=_f32(k), tail=_f32(1.0 / tail), last_tail=step_factor(tail),
+        k=_f32(k), share=_f32(tail / inner), tail=_f32(1.0 / tail), last_tail=step_factor(tail),
         inner_both=_f32(1.0 / inner), inner_no_lower=_f32(1.0 / (inner + tail)),
         last_with_lower=step_factor(inner + tail), last_alone=step_factor(levels), last_special=step_factor(levels - 1),
     )  # fmt: skip
@@ -164,8 +167,10 @@ def _knots(lo, hi, c16, d16, special, LEVELS: tl.constexpr, TAIL: tl.constexpr, 
     spread = d16.to(tl.float32) * unit
     b1 = centre - spread * KNOT
     b2 = centre + spread * KNOT
-    lower = (b1 > a0) & ~special
-    upper = (b2 < top) & ~special
+    # A tail is kept where its intervals would be wider than the inner ones; else it is empty (module docstring).
+    inner = (b2 - b1) * (TAIL / INNER)
+    lower = ((b1 - a0) > inner) & ~special
+    upper = ((top - b2) > inner) & ~special
     n0 = tl.where(lower, TAIL, 0)
     n2 = tl.where(upper, TAIL, 0)
     n1 = tl.where(special, LEVELS - 1, LEVELS - n0 - n2)
@@ -248,7 +253,7 @@ def _normal_quantize_kernel(
     fmin = tl.where(fmin == fmin, fmin, 0.0) + 0.0  # NaN: no finite value; + 0.0 makes -0 +0 (any order)
     fmax = tl.where(fmax == fmax, fmax, 0.0) + 0.0
     lo = tl.where(special, 0.0, fmin)
-    hi = tl.where(special, tl.maximum(-fmin, fmax), fmax)
+    hi = tl.where(special, tl.maximum(-fmin, fmax) + 0.0, fmax)  # max(-0, 0) is either zero: +0
 
     # Mean and deviation in fixed point (module docstring): integer sums, the same in any order.
     base = tl.where(special, -hi, lo)
@@ -272,14 +277,14 @@ def _normal_quantize_kernel(
     c16 = tl.minimum((tl.sum(total, axis=1) + count // 2) // count, 65535)
     squares = tl.zeros((ROWS, WIDTH), tl.int32)
     for i in tl.static_range(SLICES):
-        e = (tl.abs(us[i] - c16[:, None]) + 32) >> DEV_SHIFT
+        e = (tl.abs(us[i] - c16[:, None]) + 32) >> _DEV_SHIFT
         squares += tl.where(fins[i], e * e, 0)
     var = tl.math.div_rn(tl.sum(squares, axis=1).to(tl.float32), count.to(tl.float32))
     d16 = tl.minimum((tl.math.sqrt_rn(var) * 64.0 + 0.5).to(tl.int32), 65535)
     c16 = tl.where(special, 0, c16)
     d16 = tl.where(special, 0, d16)
 
-    mrow = meta_ptr + rows * META_WORDS
+    mrow = meta_ptr + rows * _WORDS
     word0 = tl.where(special, kind, lo.to(tl.int32, bitcast=True))
     word1 = hi.to(tl.int32, bitcast=True)
     word2 = (c16.to(tl.uint32) | (d16.to(tl.uint32) << 16)).to(tl.int32, bitcast=True)
@@ -351,7 +356,7 @@ def _normal_dequantize_kernel(
     WIDTH: tl.constexpr = GROUP // PLANES
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     boffs = rows[:, None] * WIDTH + tl.arange(0, WIDTH).to(tl.int64)[None, :]
-    mrow = meta_ptr + rows * META_WORDS
+    mrow = meta_ptr + rows * _WORDS
     if MASKED:
         in_range = rows < (n + GROUP - 1) // GROUP
         packed = tl.load(codes_ptr + boffs, mask=in_range[:, None], other=0).to(tl.int32)
@@ -484,8 +489,9 @@ def _torch_knots(lo: torch.Tensor, hi: torch.Tensor, c16: torch.Tensor, d16: tor
     spread = d16.float() * unit
     b1 = centre - spread * f["k"]
     b2 = centre + spread * f["k"]
-    lower = (b1 > a0) & ~special
-    upper = (b2 < top) & ~special
+    inner = (b2 - b1) * f["share"]
+    lower = ((b1 - a0) > inner) & ~special
+    upper = ((top - b2) > inner) & ~special
     zero = torch.zeros((), dtype=torch.int32, device=lo.device)
     n0 = torch.where(lower, tail, zero)
     n2 = torch.where(upper, tail, zero)
@@ -521,7 +527,7 @@ def _encode_meta(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     fmin = torch.where(fmin < inf, fmin, 0.0) + 0.0  # -0 as +0, as the kernel (any reduction order)
     fmax = torch.where(fmax > -inf, fmax, 0.0) + 0.0
     lo = torch.where(special, 0.0, fmin)
-    hi = torch.where(special, torch.maximum(-fmin, fmax), fmax)
+    hi = torch.where(special, torch.maximum(-fmin, fmax) + 0.0, fmax)
 
     base = torch.where(special, -hi, lo)
     scale = torch.where(hi - base <= FLT_MAX, 1.0, 0.25)
