@@ -275,3 +275,32 @@ def test_linear_weight_gradient_unbiased_and_input_gradient_exact(shape, bias, b
     draws = torch.stack(grad_ws)
     assert (draws[0] - exact_w).abs().max() > 1e-3, "a single draw is not exact"
     _assert_mean_is(draws, exact_w, draws.std(0) / math.sqrt(draws.shape[0]))
+
+
+def _error(x: torch.Tensor, fraction, bits: int) -> float:
+    """Relative expected squared error: sampling plus the kept rows' rounding (rows that are whole groups)."""
+    from gactx.kernels.variance import rounding_variance
+
+    rounding = rounding_variance(x, bits, 256) if bits <= 8 else torch.zeros(())
+    return float((sketch_variance(x, fraction) + rounding / fraction) / x.square().sum())
+
+
+def test_per_byte_a_sketch_wins_near_one_bit_and_loses_at_four():
+    """The comparison docs/controller.md makes ("Sketched inputs of linear layers"), on Gaussian rows and on rows
+    with outlier channels."""
+    from gactx.kernels.variance import rounding_variance
+
+    g = torch.Generator().manual_seed(0)
+    gaussian = torch.randn(512, 256, generator=g)
+    outliers = gaussian.clone()
+    outliers[:, :4] *= 50
+    for x in (gaussian, outliers):
+        quantized = {b: float(rounding_variance(x, b, 256) / x.square().sum()) for b in (1, 2, 4)}
+        n = x.numel()
+        # 1/2 of the rows at 2 bits holds fewer bytes than 1 bit and errs less
+        assert sketch_nbytes(n, 256, x.dtype, 1 / 2, 2) < sketch_nbytes(n, 256, x.dtype, 1, 1)
+        assert _error(x, 1 / 2, 2) < quantized[1] / 2
+        assert _error(x, 1 / 2, 4) > 5 * quantized[4]  # at 4 bits quantization wins
+    # at 2 bits: quantization on Gaussian rows, the sketch with outlier channels
+    assert _error(gaussian, 1 / 2, 4) > float(rounding_variance(gaussian, 2, 256) / gaussian.square().sum())
+    assert _error(outliers, 1 / 2, 4) < float(rounding_variance(outliers, 2, 256) / outliers.square().sum()) / 2
