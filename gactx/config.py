@@ -35,6 +35,7 @@ _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 _default_level = "L1"
 OP_RULES = ("learn", "always", "off")
 ESTIMATORS = ("gact", "actnn")
+SCHEMES = ("uniform", "normal", "sketch", "samples")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class Config:
             reads each tensor's group ranges and the gradient reaching its module during the ordinary step
             before an adaptation (ActNN's estimate: no extra pass, no closure needed).
         probe_bits: adaptive only: the width at which the ``"gact"`` estimator perturbs one tensor at a time.
+        schemes: adaptive only: the ways the allocator may store a tensor, chosen per tensor by measured variance
+            per byte (see docs/adaptive.md): ``"uniform"`` (codes on the group's min-max grid; always included),
+            ``"normal"`` (codes on levels fitted to the group's normal, after SmaQ), ``"sketch"`` (a fraction of
+            the rows of a linear layer's input, after FewBit's randomized linear) and ``"samples"`` (per-sample
+            widths: the samples of widest range at a wider width, after ActNN).
         strict: adaptive only: a budget that even 1-bit codes exceed raises ``ValueError`` instead of a
             warning (then the narrowest widths are used).
         group_size: elements that share a scale, see :func:`gactx.quantize`.
@@ -83,6 +89,7 @@ class Config:
     adapt_interval: int = 1000
     estimator: str = "gact"
     probe_bits: int = 2
+    schemes: tuple[str, ...] = ("uniform",)
     strict: bool = False
     group_size: int = 256
     min_numel: int = 1024
@@ -121,6 +128,17 @@ class Config:
             raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator={self.estimator!r} is not allowed; allowed values are {ESTIMATORS}")
+        if isinstance(self.schemes, list):  # a list reads as well; the frozen field keeps a tuple
+            object.__setattr__(self, "schemes", tuple(self.schemes))
+        if (
+            not isinstance(self.schemes, tuple)
+            or "uniform" not in self.schemes
+            or any(s not in SCHEMES for s in self.schemes)
+            or len(set(self.schemes)) != len(self.schemes)
+        ):
+            raise ValueError(
+                f"schemes={self.schemes!r} must be a tuple of distinct names from {SCHEMES} that includes 'uniform'"
+            )
         if not _is_int(self.probe_bits) or self.probe_bits not in (1, 2, 4, 8):
             raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")
         if not _is_int(self.group_size) or self.group_size not in GROUP_SIZES:

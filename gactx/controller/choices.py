@@ -84,19 +84,29 @@ class Choice:
 class ChoiceMeter:
     """Measures ``V_l(o)`` for each allocated tensor while :attr:`armed` (an observer of ``PackPath``).
 
-    ``sketchable(slot)`` says whether the slot's save is the input of a linear layer. Inside the hook only device
-    work runs; :meth:`read` makes the one host read, after the pass."""
+    ``sketchable(slot)`` says whether the slot's save is the input of a linear layer; ``also_armed()`` arms it too
+    (the free estimator's collecting step). Inside the hook only device work runs; :meth:`read` makes the one host
+    read, after the pass."""
 
-    def __init__(self, schemes: tuple[str, ...], group_size: int, sketchable: Callable[[Hashable], bool]) -> None:
+    def __init__(
+        self,
+        schemes: tuple[str, ...],
+        group_size: int,
+        sketchable: Callable[[Hashable], bool],
+        also_armed: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.schemes = schemes
         self.group_size = group_size
         self.sketchable = sketchable
+        self.also_armed = also_armed
         self.armed = False
         self._values: dict[Hashable, dict[Choice, torch.Tensor]] = {}
 
     def __call__(self, key, t: torch.Tensor, rule) -> None:
         slot = key[:3]
-        if not self.armed or rule.kind != "quantize" or slot in self._values or not t.is_floating_point():
+        if not (self.armed or self.also_armed()) or rule.kind != "quantize" or slot in self._values:
+            return
+        if not t.is_floating_point():
             return
         from gactx.kernels.format import memory_order
         from gactx.kernels.variance import rounding_variance
@@ -121,6 +131,10 @@ class ChoiceMeter:
         if "samples" in self.schemes:
             values |= _split_values(x, g)
         self._values[slot] = values
+
+    def clear(self) -> None:
+        """Forget what was measured (no host read): a new measured pass begins."""
+        self._values = {}
 
     def read(self) -> dict[Hashable, dict[Choice, float]]:
         """What was measured since the last read, as floats (one host read), and forget it."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
+from gactx.controller.choices import Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import Key, ModuleTracker
@@ -59,6 +60,27 @@ def _slots(state: dict, field: str, kind: type) -> dict:
         if not ok or not math.isfinite(row[3]):
             raise ValueError(f"gactx Controller state: {field!r} has a malformed row {row!r}")
         out[(row[0], row[1], row[2])] = kind(row[3])
+    return out
+
+
+def _choices(rows, bits: dict) -> dict:
+    """``state["choices"]``: rows ``[module, call, index, scheme, fraction, high]`` (a slot of ``bits``) as Choices,
+    or a ValueError naming the first bad row."""
+    from gactx.config import SCHEMES
+
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(
+            "gactx Controller state: 'choices' must be a list of [module, call, index, scheme, fraction, high] rows"
+        )
+    out = {}
+    for row in rows:
+        ok = isinstance(row, (list, tuple)) and len(row) == 6 and tuple(row[:3]) in bits
+        ok = ok and row[3] in SCHEMES and isinstance(row[4], (int, float)) and not isinstance(row[4], bool)
+        ok = ok and isinstance(row[5], int) and not isinstance(row[5], bool) and 0 < row[4] <= 1
+        if not ok:
+            raise ValueError(f"gactx Controller state: 'choices' has a malformed row {row!r}")
+        slot = tuple(row[:3])
+        out[slot] = Choice(bits[slot], row[3], float(row[4]), row[5])
     return out
 
 
@@ -135,6 +157,7 @@ class Controller:
         self._step_seed = (-1, 0)  # (step, the seeds' part of it)
         self._probe: Probe | None = None
         self._slot_bits: dict[tuple, int] = {}  # the allocation, by slot (module, call, index)
+        self._slot_choice: dict[tuple, Choice] = {}  # where the allocation chose another scheme than uniform codes
         self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
         self._warned_no_closure = False
@@ -148,8 +171,16 @@ class Controller:
             self._seed,
             self._offloader,
             self._warn_offload,
+            self.choice_for,
         )
         self._warned_offload = False
+        # The stored error of each scheme, measured on each allocated tensor in the estimator's pass (choices.py).
+        self._meter: ChoiceMeter | None = None
+        if self.config.adaptive and len(self.config.schemes) > 1:
+            self._meter = ChoiceMeter(
+                self.config.schemes, self.config.group_size, self._sketchable, lambda: self._collector.armed
+            )
+            self._path.observers.append(self._meter)
         self._compiled = CompiledPath(self.config, self._tracker, self._path, self._compiled_width)
         self._graph_hooks: tuple[HookGraph, HookGraph] | None = None
         self._discovered: PassStats | None = None  # the eager pass an adaptation allocated for
@@ -291,10 +322,12 @@ class Controller:
         settled = frozenset(
             r.key[:3] for r in discovered.records if not (r.cls in ALLOCATED and isinstance(r.bits, int))
         )
-        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity))
-        if allocation.bits != self._slot_bits and self._compiled.saves:
+        measured = self._meter.read() if self._meter is not None else None
+        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured)
+        choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
+        if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
             self._renew_graph_hooks()
-        self._slot_bits = dict(allocation.bits)
+        self._slot_bits, self._slot_choice = dict(allocation.bits), choices
         self._discovered = eager
         self.last_adaptation = Adaptation(
             step=self.step,
@@ -327,6 +360,7 @@ class Controller:
             "step": self.step,
             "sensitivity": [[*slot, c] for slot, c in self.sensitivity.items()],
             "bits": [[*slot, b] for slot, b in self._slot_bits.items()],
+            "choices": [[*slot, c.scheme, c.fraction, c.high] for slot, c in self._slot_choice.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -344,7 +378,8 @@ class Controller:
             raise ValueError(f"gactx Controller state: 'step' must be an int >= 0, got {step!r}")
         sensitivity = _slots(state, "sensitivity", float)
         bits = _slots(state, "bits", int)
-        self.step, self.sensitivity, self._slot_bits = step, sensitivity, bits
+        choices = _choices(state.get("choices", []), bits)
+        self.step, self.sensitivity, self._slot_bits, self._slot_choice = step, sensitivity, bits, choices
 
     def _renew_graph_hooks(self) -> None:
         """New hooks, so that compiled graphs are traced again with the new allocation."""
@@ -363,7 +398,7 @@ class Controller:
         if not cfg.adaptive or self._discovered is None:
             return cfg.bits
         widths = [
-            self._slot_bits[r.key[:3]]
+            self._slot_choice[r.key[:3]].fallback_bits if r.key[:3] in self._slot_choice else self._slot_bits[r.key[:3]]
             for r in self._discovered.records
             if r.key[:3] in self._slot_bits
             and r.key.shape == shape
@@ -371,6 +406,12 @@ class Controller:
             and any(r.key.module == m or (m and r.key.module.endswith("." + m)) for m in modules)
         ]
         return max(widths, default=default_width(cfg.bits))
+
+    def choice_for(self, key: Key) -> Choice | None:
+        """The scheme the allocation chose for the tensor named ``key`` where not uniform codes (``choices.py``)."""
+        if not self._slot_choice or self._probing(key):
+            return None
+        return self._slot_choice.get(key[:3])
 
     def bits_for(self, key: Key) -> int | None:
         """Bits given to the tensor named ``key`` if its class is allocated (``None``: kept as it is)."""
@@ -411,8 +452,22 @@ class Controller:
 
     def _discover(self, run: Callable[[], object]) -> list[tuple]:
         self._pass, self._path.fresh = PassStats(), False
-        run()
+        if self._meter is not None:
+            self._meter.clear()  # nothing left from an earlier pass
+            self._meter.armed = True
+        try:
+            run()
+        finally:
+            if self._meter is not None:
+                self._meter.armed = False
         return [r.key[:3] for r in self._pass.records if r.cls in ALLOCATED and isinstance(r.bits, int)]
+
+    def _sketchable(self, slot: tuple) -> bool:
+        """Whether the save of ``slot`` is the input of a linear layer, as its op was learned."""
+        from gactx.controller.rules import sketchable
+
+        learned = self._path.sites.get(slot)
+        return learned is not None and sketchable(learned[0])
 
     def _set_probe(self, probe: Probe | None) -> None:
         self._probe = probe
@@ -470,6 +525,8 @@ class Controller:
             cfg = self.config
             if cfg.adaptive and cfg.estimator == "actnn" and (self._due(self.step + 1) or self._collect_pending):
                 self._collector.arm()  # the step before an adaptation: read the free estimate
+                if self._meter is not None:
+                    self._meter.clear()  # and measure the choices' errors again
 
     def _pass_end(self) -> None:
         self._path.end_forward()

@@ -1,0 +1,229 @@
+"""Where the ancestors' other methods win: gradient error at equal bytes, and training, for each storage choice.
+
+    python -m benchmarks.schemes                  # the zoo and the models benchmark's small models
+    python -m benchmarks.schemes --quick --out /tmp/quick   # two models, few draws: checks that it runs
+
+1. Gradient error at equal bytes. Each model runs at level L2.2 (an average of 2 bits a compressed element: the
+   same budget for every row) with the allocator offered: uniform codes only (today's default), each other scheme
+   beside them (``normal``: SmaQ's normal-fitted levels; ``sketch``: FewBit's randomized linear; ``samples``:
+   ActNN's per-sample widths), and all of them; with GACT's estimator and with ActNN's free one. One adaptation
+   after the first step, then the parameter gradient of the same batch (the same dropout masks) is drawn again with
+   fresh rounding noise, and compared with plain PyTorch's: ``E ||g' - g||^2 / ||g||^2``, the mean over draws.
+   ``predicted`` is the allocator's own model of that error, ``sum C_l S_l(choice)`` over ``||g||^2``. Bytes are
+   gactx's accounting of what one forward pass holds (compressed and kept tensors).
+2. Training: each small model of the models benchmark trains at L2.2 with uniform codes only and with every scheme
+   offered, from the same initialisation on the same batches; final training loss and held-out accuracy.
+
+Writes schemes.json and schemes.md under ``benchmarks/results/<device>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks import workloads
+from benchmarks.device import device_name, device_slug, summary
+from benchmarks.table import markdown_table
+from gactx import Controller
+from gactx.config import ESTIMATORS, SCHEMES
+
+ALL = SCHEMES
+CONFIGS = {  # label -> (schemes, estimator)
+    "uniform (default)": (("uniform",), "gact"),
+    "+normal": (("uniform", "normal"), "gact"),
+    "+sketch": (("uniform", "sketch"), "gact"),
+    "+samples": (("uniform", "samples"), "gact"),
+    "all schemes": (ALL, "gact"),
+    "uniform, actnn": (("uniform",), "actnn"),
+    "all schemes, actnn": (ALL, "actnn"),
+}
+ZOO = ("mlp", "resnet", "transformer_layer", "bert", "gcn", "sage", "gat", "lstm", "conv3d")
+WORKLOADS = ("gcn", "sage", "gat", "bert-base", "vit-b16", "resnet50")
+TRAIN_CONFIGS = ("uniform (default)", "all schemes")
+
+
+def _model(name: str) -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable | None]:
+    """``(model, loss closure, workload)`` of a zoo model (``zoo:NAME``) or a small model of the models benchmark."""
+    if name.startswith("zoo:"):
+        from tests.controller.zoo import build
+
+        model, run = build(name[4:], 1)
+        return model, run, None
+    w = workloads.build(name, "small")
+    inputs, target = w.make_batch(w.default_batch, torch.Generator().manual_seed(0))
+    return w.model, lambda: w.loss(w.model, inputs, target), w
+
+
+def _gradient(model: torch.nn.Module, run: Callable[[], torch.Tensor], seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)  # the same dropout masks in every pass
+    for p in model.parameters():
+        p.grad = None
+    run().backward()
+    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
+
+
+def gradient_error(name: str, label: str, draws: int) -> dict:
+    schemes, estimator = CONFIGS[label]
+    model, run, _ = _model(name)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    exact = _gradient(model, run, 0)
+    norm = float(exact.square().sum())
+    controller = Controller(model, "L2.2", schemes=schemes, estimator=estimator, adapt_interval=10**9)
+    with controller:
+        _gradient(model, run, 0)
+        start = time.perf_counter()
+        controller.iterate(lambda: _gradient(model, run, 0))
+        adapt_s = time.perf_counter() - start
+        errors = []
+        for _ in range(draws):
+            controller.step += 1  # new rounding noise: the seeds follow the step
+            errors.append(float((_gradient(model, run, 0) - exact).square().sum()) / norm)
+        stats = controller.memory_stats()
+        chosen = collections.Counter(c.scheme for c in controller._slot_choice.values())
+        a = controller.last_adaptation
+    model.load_state_dict(state)
+    return {
+        "model": name,
+        "config": label,
+        "relative_error": statistics.mean(errors),
+        "error_stdev": statistics.stdev(errors) if len(errors) > 1 else 0.0,
+        "predicted": a.predicted_variance / norm if a is not None else None,
+        "packed_bytes": stats.packed_bytes,
+        "original_bytes": stats.original_bytes,
+        "allocated_bytes": a.allocated_bytes if a is not None else None,
+        "budget_bytes": a.budget_bytes if a is not None else None,
+        "tensors": len(controller.allocation),
+        "chosen": dict(chosen),
+        "adaptation_s": adapt_s,
+    }
+
+
+def train(name: str, label: str, steps: int) -> dict:
+    schemes, estimator = CONFIGS[label]
+    w = workloads.build(name, "small", seed=0)
+    gen = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
+    controller = Controller(w.model, "L2.2", schemes=schemes, estimator=estimator)
+    losses = []
+    with controller:
+        for step in range(steps):
+            inputs, target = w.make_batch(w.default_batch, gen)
+            torch.manual_seed(step)
+
+            def backprop(inputs=inputs, target=target):
+                loss = w.loss(w.model, inputs, target)
+                optimizer.zero_grad()
+                loss.backward()
+                return loss
+
+            losses.append(float(backprop()))
+            optimizer.step()
+            controller.iterate(backprop)
+        chosen = collections.Counter(c.scheme for c in controller._slot_choice.values())
+    held_out = w.make_batch(w.default_batch, torch.Generator().manual_seed(12345))
+    return {
+        "model": name,
+        "config": label,
+        "steps": steps,
+        "final_loss": sum(losses[-5:]) / len(losses[-5:]),
+        "accuracy": workloads.accuracy(w, *held_out),
+        "chosen": dict(chosen),
+    }
+
+
+def _chosen(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
+
+
+def render(errors: list[dict], training: list[dict], env: dict) -> str:
+    lines = [
+        f"# gactx storage choices on {env['device_name']}",
+        "",
+        f"- torch {env['torch']}; run {env['date']}; level L2.2 (2 bits a compressed element on average)",
+        "- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks);",
+        "  predicted = the allocator's model of it; bytes = gactx's accounting of one forward pass",
+        "- chosen = tensors stored under each scheme other than uniform codes",
+        "",
+        "## Gradient error at equal bytes",
+        "",
+    ]
+    base = {r["model"]: r for r in errors if r["config"] == "uniform (default)"}
+    lines += markdown_table(
+        ("model", "choices offered", "estimator", "error", "vs default", "predicted", "bytes", "chosen"),
+        [
+            (r["model"], r["config"].split(",")[0], CONFIGS[r["config"]][1], f"{r['relative_error']:.3g}",
+             f"{r['relative_error'] / base[r['model']]['relative_error']:.2f}x" if r["model"] in base else "",
+             "" if r["predicted"] is None else f"{r['predicted']:.3g}", f"{r['packed_bytes']:,}", _chosen(r["chosen"]))
+            for r in errors
+        ],
+        left=3,
+    )  # fmt: skip
+    if training:
+        lines += ["", "## Training at L2.2", ""]
+        lines += markdown_table(
+            ("model", "choices offered", "steps", "final loss", "held-out accuracy", "chosen"),
+            [
+                (r["model"], r["config"], r["steps"], f"{r['final_loss']:.4f}", f"{r['accuracy']:.3f}",
+                 _chosen(r["chosen"]))
+                for r in training
+            ],
+            left=2,
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=summary(__doc__))
+    parser.add_argument("--quick", action="store_true", help="two models, few draws: a smoke test (needs --out)")
+    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    parser.add_argument("--draws", type=int, default=8, help="gradient draws a row")
+    parser.add_argument("--steps", type=int, default=40, help="training steps a model")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    args = parser.parse_args(argv)
+    if args.quick and args.out is None:
+        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    torch.set_num_threads(args.threads)
+    models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
+    configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS]
+    if args.quick:
+        configs = ["uniform (default)", "all schemes"]
+    draws = 2 if args.quick else args.draws
+    errors = []
+    for name in models:
+        for label in configs:
+            errors.append(gradient_error(name, label, draws))
+            r = errors[-1]
+            print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
+                  f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
+    training = []
+    for name in ["gcn"] if args.quick else WORKLOADS:
+        for label in TRAIN_CONFIGS:
+            training.append(train(name, label, 3 if args.quick else args.steps))
+            r = training[-1]
+            print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = {
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    out = args.out or Path(__file__).parent / "results" / device_slug(device)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"env": env, "gradient_error": errors, "training": training}
+    (out / "schemes.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "schemes.md").write_text(render(errors, training, env))
+    print(f"wrote {out / 'schemes.md'}")
+    return result
+
+
+if __name__ == "__main__":
+    run()
