@@ -89,7 +89,6 @@ from gactx.kernels.format import pack_planes, unpack_planes
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.quantize import (
     FLT_MAX,
-    MAX_REGISTERS,
     MIN_STEP,
     NUM_WARPS,
     ROUNDS,
@@ -119,6 +118,11 @@ META_WORDS = 3  # int32 words a group: 12 bytes
 FRACTION = 65536.0  # C and D are in 1/65536 of the range
 DEV_SHIFT = 6  # deviations summed in units of 64/65536 of the range (1/1024): the sum of squares fits int32
 INV_FRACTION = 1.0 / FRACTION
+# Quantize keeps each element's fraction U as well as its value through the program (two reductions): with 4
+# warps (32 elements a thread) ptxas spills at 128 registers a thread (8-16 bytes, float32) and at 168 (160
+# bytes, 16-bit inputs). 8 warps, 16 elements a thread, hold them in 128.
+NORMAL_MAX_REGISTERS = 128
+NORMAL_WARPS = 8
 _FLT_MAX, _MIN_STEP, _FRACTION, _INV_FRACTION = (constexpr(v) for v in (FLT_MAX, MIN_STEP, FRACTION, INV_FRACTION))
 _ROUNDS, _WORDS, _DEV_SHIFT = constexpr(ROUNDS), constexpr(META_WORDS), constexpr(DEV_SHIFT)
 _SAFETY = constexpr(1.0 + 2.0**-20)  # quantize.py's margin, on the last segment
@@ -419,7 +423,7 @@ def normal_quantize_launch(
     k, tail = SHAPES[bits]
     meta = dict(
         BITS=bits, GROUP=group_size, SLICES=4, STOCHASTIC=stochastic, IN_BF16=dtype == torch.bfloat16,
-        TAIL=tail, KNOT=k, num_warps=NUM_WARPS, enable_fp_fusion=False, maxnreg=MAX_REGISTERS,
+        TAIL=tail, KNOT=k, num_warps=NORMAL_WARPS, enable_fp_fusion=False, maxnreg=NORMAL_MAX_REGISTERS,
     )  # fmt: skip
     return launch_metas(n, rows * group_size, {**meta, "ROWS": rows}, tail_rows * group_size, {"ROWS": tail_rows})
 
