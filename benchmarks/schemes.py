@@ -1,7 +1,7 @@
 """Where the ancestors' other methods win: gradient error at equal bytes, and training, for each storage choice.
 
     python -m benchmarks.schemes                  # the zoo and the models benchmark's small models
-    python -m benchmarks.schemes --quick --out /tmp/quick   # two models, few draws: checks that it runs
+    python -m benchmarks.schemes --quick --out /tmp/quick   # two tiny models, few draws: checks that it runs
 
 1. Gradient error at equal bytes. Each model runs at level L2.2 (an average of 2 bits a compressed element: the
    same budget for every row) with the allocator offered: uniform codes only (today's default), each other scheme
@@ -51,14 +51,14 @@ WORKLOADS = ("gcn", "sage", "gat", "bert-base", "vit-b16", "resnet50")
 TRAIN_CONFIGS = ("uniform (default)", "all schemes")
 
 
-def _model(name: str) -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable | None]:
+def _model(name: str, size: str = "small") -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable | None]:
     """``(model, loss closure, workload)`` of a zoo model (``zoo:NAME``) or a small model of the models benchmark."""
     if name.startswith("zoo:"):
         from tests.controller.zoo import build
 
         model, run = build(name[4:], 1)
         return model, run, None
-    w = workloads.build(name, "small")
+    w = workloads.build(name, size)
     inputs, target = w.make_batch(w.default_batch, torch.Generator().manual_seed(0))
     return w.model, lambda: w.loss(w.model, inputs, target), w
 
@@ -71,9 +71,9 @@ def _gradient(model: torch.nn.Module, run: Callable[[], torch.Tensor], seed: int
     return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
 
 
-def gradient_error(name: str, label: str, draws: int) -> dict:
+def gradient_error(name: str, label: str, draws: int, size: str = "small") -> dict:
     schemes, estimator = CONFIGS[label]
-    model, run, _ = _model(name)
+    model, run, _ = _model(name, size)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     exact = _gradient(model, run, 0)
     norm = float(exact.square().sum())
@@ -107,9 +107,9 @@ def gradient_error(name: str, label: str, draws: int) -> dict:
     }
 
 
-def train(name: str, label: str, steps: int) -> dict:
+def train(name: str, label: str, steps: int, size: str = "small") -> dict:
     schemes, estimator = CONFIGS[label]
-    w = workloads.build(name, "small", seed=0)
+    w = workloads.build(name, size, seed=0)
     gen = torch.Generator().manual_seed(1)
     optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
     controller = Controller(w.model, "L2.2", schemes=schemes, estimator=estimator)
@@ -125,7 +125,7 @@ def train(name: str, label: str, steps: int) -> dict:
                 loss.backward()
                 return loss
 
-            losses.append(float(backprop()))
+            losses.append(float(backprop().detach()))
             optimizer.step()
             controller.iterate(backprop)
         chosen = collections.Counter(c.scheme for c in controller._slot_choice.values())
@@ -192,6 +192,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     torch.set_num_threads(args.threads)
+    size = "tiny" if args.quick else "small"
     models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
     configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS]
     if args.quick:
@@ -200,14 +201,14 @@ def run(argv: list[str] | None = None) -> dict:
     errors = []
     for name in models:
         for label in configs:
-            errors.append(gradient_error(name, label, draws))
+            errors.append(gradient_error(name, label, draws, size))
             r = errors[-1]
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
     training = []
     for name in ["gcn"] if args.quick else WORKLOADS:
         for label in TRAIN_CONFIGS:
-            training.append(train(name, label, 3 if args.quick else args.steps))
+            training.append(train(name, label, 3 if args.quick else args.steps, size))
             r = training[-1]
             print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"

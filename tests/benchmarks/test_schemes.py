@@ -1,0 +1,20 @@
+"""benchmarks/schemes.py runs at tiny sizes and writes its tables, so that it cannot rot."""
+
+import json
+
+from benchmarks.schemes import run
+
+
+def test_quick_schemes_benchmark(tmp_path):
+    result = run(["--quick", "--out", str(tmp_path)])
+    rows = result["gradient_error"]
+    assert [(r["model"], r["config"]) for r in rows] == [
+        (m, c) for m in ("zoo:mlp", "gcn") for c in ("uniform (default)", "all schemes")
+    ]
+    for r in rows:
+        assert 0 < r["relative_error"] < 10 and r["allocated_bytes"] <= r["budget_bytes"]
+        assert r["tensors"] > 0 and r["packed_bytes"] < r["original_bytes"]
+    assert [t["model"] for t in result["training"]] == ["gcn", "gcn"]
+    assert json.loads((tmp_path / "schemes.json").read_text())["training"] == result["training"]
+    text = (tmp_path / "schemes.md").read_text()
+    assert "## Gradient error at equal bytes" in text and "| gcn | all schemes | gact |" in text
