@@ -96,9 +96,9 @@ def _gact(model, run, seed: int) -> tuple[dict, float, list]:
     return controller.sensitivity, seconds, controller.records
 
 
-# Variants of the free formula (FreeCollector's switches): the default, raw ranges at normalization layers'
-# inputs (no 1/var), and ActNN's per-row pairing of gradient and range.
-VARIANTS = {"actnn": {}, "raw_norm_inputs": {"normalized": False}, "per_row": {"per_row": True}}
+# Variants of the free formula (FreeCollector's switches): the default (rows paired, normalization layers'
+# inputs scaled by 1/var), raw ranges at normalization layers' inputs, and one product per tensor (no rows).
+VARIANTS = {"actnn": {}, "raw_norm_inputs": {"normalized": False}, "per_tensor": {"per_row": False}}
 
 
 def _free(model, run, **switches) -> dict:
@@ -187,7 +187,7 @@ def pooled(rows: list[dict]) -> dict:
         "tensors": sum(r["compared"] for r in rows),
         **{
             key: round(sum(r[key] * r["compared"] for r in valid if np.isfinite(r[key])) / weight, 3)
-            for key in ("spearman", "spearman_raw_norm_inputs", "spearman_per_row")
+            for key in ("spearman", "spearman_raw_norm_inputs", "spearman_per_tensor")
         },
         "gact_self_spearman": round(
             sum(r["gact_self_spearman"] * r["compared"] for r in valid if np.isfinite(r["gact_self_spearman"]))
@@ -211,11 +211,11 @@ def render(rows: list[dict], pool: dict, env: dict) -> str:
         "",
     ]
     lines += markdown_table(
-        ("model", "tensors", "rho", "rho raw norm inputs", "rho per row", "GACT self", "GACT s", "step s",
+        ("model", "tensors", "rho", "rho raw norm inputs", "rho per tensor", "GACT self", "GACT s", "step s",
          "free extra s", "free extra / step", "GACT share", "free share"),
         [
             (r["model"], r["compared"], f"{r['spearman']:.3f}", f"{r['spearman_raw_norm_inputs']:.3f}",
-             f"{r['spearman_per_row']:.3f}", f"{r['gact_self_spearman']:.3f}", r["gact_s"],
+             f"{r['spearman_per_tensor']:.3f}", f"{r['gact_self_spearman']:.3f}", r["gact_s"],
              r["step_s"], r["free_extra_s"], f"{r['free_extra_share_of_step']:.1%}",
              f"{r['gact_share_at_interval']:.3%}", f"{r['free_share_at_interval']:.4%}")
             for r in rows
@@ -224,8 +224,8 @@ def render(rows: list[dict], pool: dict, env: dict) -> str:
     lines += [
         "",
         f"Pooled over {pool['models']} models, {pool['tensors']} tensors (tensor-weighted): "
-        f"rho {pool['spearman']:.3f} (raw norm inputs {pool['spearman_raw_norm_inputs']:.3f}, per row "
-        f"{pool['spearman_per_row']:.3f}), GACT self {pool['gact_self_spearman']:.3f}; "
+        f"rho {pool['spearman']:.3f} (raw norm inputs {pool['spearman_raw_norm_inputs']:.3f}, per tensor "
+        f"{pool['spearman_per_tensor']:.3f}), GACT self {pool['gact_self_spearman']:.3f}; "
         f"{pool['models_at_0_8']} of {pool['models']} models at rho >= 0.8; "
         f"median free extra {pool['free_extra_share_of_step']:.1%} of a step.",
     ]

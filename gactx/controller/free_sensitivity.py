@@ -9,10 +9,13 @@ element (a uniform position between two grid points: ``E[p (1 - p)] = 1/6`` of a
     C = ||g||^2 * sum_groups(n_group * R_group^2 / 6) * fan_in / numel(x)
 
 ``fan_in`` is how many elements of ``x`` one output element reads (``in_features``; ``C_in/groups * k^2``
-for a convolution; the last dimension elsewhere), so that ``fan_in / numel(x)`` is ``1 / rows`` for a linear
+for a convolution; 1 for a leaf module without a weight, an element-wise activation; the last dimension
+elsewhere), so that ``fan_in / numel(x)`` is ``1 / rows`` for a linear
 layer. ``C`` is in GACT's units (added gradient variance per unit of ``S(b)``): the allocator takes either.
-With ``per_row``, rows of ``x`` are paired with the rows of ``g`` they produce (ActNN's per-sample form,
-``sum_n ||g_n||^2 sum_j Var(e_nj)``) where the two have the same rows.
+Where ``x`` and ``g`` have the same rows (``x`` is ``rows x fan_in``), each row of ``x`` is paired with the row
+of ``g`` it produces, ActNN's per-sample form ``sum_n ||g_n||^2 sum_j Var(e_nj)`` (``per_row``; exact for a
+linear layer's input); elsewhere one product per tensor. The input of a normalization layer is read by its
+consumer as ``(x - mean) / std``: its term is scaled by the mean of ``1 / var`` (``normalized``).
 
 What is read, and when: in the step before an adaptation is due (and in the first), each allocated tensor's
 group ranges as it is stored (a ``PackPath`` observer), and the squared norm of the gradient reaching the
@@ -20,7 +23,9 @@ output of the module call that saved it (a tensor hook registered in that call's
 are device reductions; the products are accumulated as device tensors and read once, after the step, by
 :meth:`FreeCollector.take`. A save's consumer is taken to be its module: exact for the inputs of linear and
 convolution layers; for saves a container makes itself (attention's matmuls, functional activations) the
-container's output gradient stands in for the op's.
+container's output gradient stands in for the op's. A saved tensor still alive and unchanged when backward
+runs (the batch the loop holds) is read from where it lives, not decoded (``store.Packed``): its term is 0,
+as GACT's measurement finds.
 """
 
 from __future__ import annotations
@@ -123,7 +128,7 @@ class FreeCollector:
         tracker: ModuleTracker,
         observers: list[Callable[[Key, torch.Tensor, Rule], None]],
         group_size: int,
-        per_row: bool = False,
+        per_row: bool = True,
         normalized: bool = True,
     ) -> None:
         self.model, self.tracker, self.observers = model, tracker, observers
