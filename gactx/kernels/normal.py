@@ -417,7 +417,7 @@ def normal_quantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
 ) -> list[tuple[int, int, dict]]:
     """``(programs, first program, meta-parameters)`` of each launch of ``_normal_quantize_kernel``: the programs
-    of ``quantize.py`` (4096 elements, a masked launch of 2048 for the rest), four slices a group."""
+    of ``quantize.py`` (4096 elements, a masked launch of 2048 for the rest) on 8 warps, four slices a group."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
     tail_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
     k, tail = SHAPES[bits]
