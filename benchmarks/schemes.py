@@ -150,7 +150,9 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
         "",
         f"- torch {env['torch']}; run {env['date']}; level L2.2 (2 bits a compressed element on average)",
         "- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks);",
-        "  predicted = the allocator's model of it; bytes = gactx's accounting of one forward pass",
+        "  predicted = the allocator's model of it; allocated / budget = the bytes the allocation holds for the",
+        "  tensors it allocates over the budget for them (the same for every row of a model); bytes = gactx's",
+        "  accounting of everything one forward pass holds",
         "- chosen = tensors stored under each scheme other than uniform codes",
         "",
         "## Gradient error at equal bytes",
@@ -158,11 +160,14 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     ]
     base = {r["model"]: r for r in errors if r["config"] == "uniform (default)"}
     lines += markdown_table(
-        ("model", "choices offered", "estimator", "error", "vs default", "predicted", "bytes", "chosen"),
+        ("model", "choices offered", "estimator", "error", "vs default", "predicted", "allocated / budget", "bytes",
+         "chosen"),
         [
             (r["model"], r["config"].split(",")[0], CONFIGS[r["config"]][1], f"{r['relative_error']:.3g}",
              f"{r['relative_error'] / base[r['model']]['relative_error']:.2f}x" if r["model"] in base else "",
-             "" if r["predicted"] is None else f"{r['predicted']:.3g}", f"{r['packed_bytes']:,}", _chosen(r["chosen"]))
+             "" if r["predicted"] is None else f"{r['predicted']:.3g}",
+             f"{r['allocated_bytes'] / r['budget_bytes']:.3f}" if r["budget_bytes"] else "",
+             f"{r['packed_bytes']:,}", _chosen(r["chosen"]))
             for r in errors
         ],
         left=3,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gactx.config import Config, parse_bytes
 from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate
-from gactx.controller.choices import choice_options
+from gactx.controller.choices import calibration, choice_options
 from gactx.controller.rules import ALLOCATED, ATTENTION_BITS
 from gactx.controller.stats import PassStats
 
@@ -69,13 +69,16 @@ def plan(
     sensitivity: dict,
     settled: frozenset = frozenset(),
     measured: dict | None = None,
+    probed: dict | None = None,
 ) -> tuple[Allocation, int]:
     """Allocate widths to the tensors compressed in ``last_pass`` (the training forward), by slot.
     ``settled``: slots the estimator's passes stored with a fixed width or not at all (a mask, a pooling
     input whose op the training forward did not know yet): not allocated. ``measured``: by slot, the stored error
     of each choice (``choices.ChoiceMeter``); a measured tensor is offered every measured choice, the others uniform
-    widths under the ``S(b)`` model. Returns the allocation and the bytes it was allowed for compressed tensors."""
-    measured = measured or {}
+    widths under the ``S(b)`` model. ``probed``: by slot, the gradient variance a choice was measured to add
+    (``Estimate.probed``), which calibrates that choice's prediction. Returns the allocation and the bytes it was
+    allowed for compressed tensors."""
+    measured, probed = measured or {}, probed or {}
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
@@ -90,7 +93,8 @@ def plan(
             if slot in measured and record.cls != "smooth":
                 options = choice_options(
                     measured[slot], tuple(record.key.shape), record.dtype, config.group_size, config.probe_bits,
-                    min(widths or WIDTHS), record.storage_bytes,
+                    min(widths or WIDTHS), record.storage_bytes, calibration(measured[slot], probed.get(slot), c,
+                    config.probe_bits),
                 )  # fmt: skip
             items.append(
                 Item(slot, numel, record.dtype, c, record.storage_bytes, widths, record.cls == "smooth", options)

@@ -24,8 +24,13 @@ the levels they would fall between, with device reductions only), and a choice's
     C_l * S(probe) * V_l(o) / V_l(uniform at the probe width)
 
 The gradient of a linear op is linear in the saved tensor, so its variance follows the stored error as long as the
-error is spread over the rows alike; ``benchmarks/schemes.py`` measures how far the prediction holds on real
-models' gradients.
+error is spread over the rows alike. Codes spread it so; a row sketch does not: it drops whole rows, and where the
+gradient reaching some rows is much larger than the rest (a classifier that reads one token of a sequence) its
+error weighs more than its squared size says. So GACT's estimator also measures it: two more passes per tensor a
+sketch may store, with half the rows kept, give the gradient variance the sketch really adds, and the ratio of that
+to the prediction (:func:`calibration`) scales the sampling part of every sketch of that tensor. ActNN's free
+estimator runs no such passes: its sketches stay predicted. ``benchmarks/schemes.py`` measures how far the
+predictions hold on real models' gradients.
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ from fractions import Fraction
 
 import torch
 
-__all__ = ["Choice", "SCHEMES", "SKETCH_FRACTIONS", "ChoiceMeter", "choice_options"]
+__all__ = [
+    "Choice",
+    "SCHEMES",
+    "SKETCH_FRACTIONS",
+    "CALIBRATION_SKETCH",
+    "ChoiceMeter",
+    "calibration",
+    "choice_options",
+]
 
 SCHEMES = ("uniform", "normal", "sketch", "samples")
 # Fractions of rows a sketch keeps: 1/2 to 1/8, so that a sketch of 1-bit rows holds 1/8 bit an element.
@@ -81,6 +94,10 @@ class Choice:
         return max((w for w in CODE_WIDTHS if w <= self.effective_bits), default=1)
 
 
+# What GACT's estimator probes where a sketch may be chosen: half the rows, kept as they are (the sampling alone).
+CALIBRATION_SKETCH = Choice(32, "sketch", 0.5)
+
+
 class ChoiceMeter:
     """Measures ``V_l(o)`` for each allocated tensor while :attr:`armed` (an observer of ``PackPath``).
 
@@ -122,12 +139,8 @@ class ChoiceMeter:
         if "sketch" in self.schemes and x.dim() >= 2 and self.sketchable(slot):
             from gactx.kernels.sketch import sketch_variance
 
-            for f in SKETCH_FRACTIONS:
-                sampled = sketch_variance(x, f)
-                # Kept rows at b: their rounding error, scaled by 1/f and kept for a fraction f of the rows.
-                for b in CODE_WIDTHS:
-                    values[Choice(b, "sketch", f)] = sampled + values[Choice(b)] / f
-                values[Choice(32, "sketch", f)] = sampled
+            for f in SKETCH_FRACTIONS:  # the sampling alone: choice_options adds the kept rows' rounding
+                values[Choice(32, "sketch", f)] = sketch_variance(x, f)
         if "samples" in self.schemes:
             values |= _split_values(x, g)
         self._values[slot] = values
@@ -170,6 +183,19 @@ def _split_values(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor
     return out
 
 
+def calibration(measured: dict[Choice, float], probed: dict | None, sensitivity: float, probe_bits: int) -> float:
+    """How much more gradient variance a sketch of this tensor adds than predicted: the measured variance of
+    :data:`CALIBRATION_SKETCH` over ``C * S(probe) * V(sketch) / V(probe)``; 1 where nothing was measured."""
+    from gactx.controller.allocator import variance_factor
+
+    got = (probed or {}).get(CALIBRATION_SKETCH)
+    reference, sampled = measured.get(Choice(probe_bits), 0.0), measured.get(CALIBRATION_SKETCH, 0.0)
+    predicted = sensitivity * variance_factor(probe_bits) * sampled / reference if reference > 0 else 0.0
+    if got is None or not predicted > 0 or not math.isfinite(got):
+        return 1.0
+    return min(max(got / predicted, 1e-3), 1e3)  # a blown-up pass must not make a sketch free or forbidden
+
+
 def choice_options(
     measured: dict[Choice, float],
     shape: tuple[int, ...],
@@ -178,9 +204,11 @@ def choice_options(
     probe_bits: int,
     min_bits: int = 1,
     as_is_bytes: int | None = None,
+    sketch_scale: float = 1.0,
 ) -> tuple[tuple[Choice, int, float], ...]:
     """The allocator's options of one measured tensor: ``(choice, bytes, variance per unit of sensitivity)``, for
-    every measured choice of at least ``min_bits`` (the class's narrowest width) and the 16- and 32-bit widths."""
+    every measured choice of at least ``min_bits`` (the class's narrowest width), the 16- and 32-bit widths, and
+    each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`)."""
     from gactx.controller.allocator import variance_factor
     from gactx.kernels.format import expected_nbytes
 
@@ -194,8 +222,14 @@ def choice_options(
             return 0.0
         return scale * v if math.isfinite(scale) else 1e30  # a tensor the probe width stores exactly
 
+    sketches = {}
+    for choice, sampled in measured.items():
+        if choice.scheme == "sketch":  # kept rows at b: their rounding error, scaled by 1/f for a fraction f of rows
+            f = choice.fraction
+            sketches[choice] = sketch_scale * sampled
+            sketches |= {Choice(b, "sketch", f): sketch_scale * sampled + measured[Choice(b)] / f for b in CODE_WIDTHS}
     options = []
-    for choice, v in measured.items():
+    for choice, v in ({c: v for c, v in measured.items() if c.scheme != "sketch"} | sketches).items():
         if choice.bits < min_bits:
             continue
         if choice.scheme == "sketch":

@@ -22,7 +22,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.choices import Choice, ChoiceMeter
+from gactx.controller.choices import CALIBRATION_SKETCH, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import Key, ModuleTracker
@@ -307,7 +307,7 @@ class Controller:
                         raise TypeError("adapt() with estimator='gact' needs a backprop closure")
                     estimate = estimate_sensitivities(
                         self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
-                        _Progress(self.step),
+                        _Progress(self.step), self._probed_choices,
                     )  # fmt: skip
         finally:
             if not was_installed:
@@ -323,7 +323,9 @@ class Controller:
             r.key[:3] for r in discovered.records if not (r.cls in ALLOCATED and isinstance(r.bits, int))
         )
         measured = self._meter.read() if self._meter is not None else None
-        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured)
+        allocation, budget = plan(
+            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, estimate.probed
+        )
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
             self._renew_graph_hooks()
@@ -408,8 +410,11 @@ class Controller:
         return max(widths, default=default_width(cfg.bits))
 
     def choice_for(self, key: Key) -> Choice | None:
-        """The scheme the allocation chose for the tensor named ``key`` where not uniform codes (``choices.py``)."""
-        if not self._slot_choice or self._probing(key):
+        """The scheme the allocation chose for the tensor named ``key`` where not uniform codes (``choices.py``); a
+        probe's own choice while the estimator probes it."""
+        if self._probing(key):
+            return self._probe.choice
+        if not self._slot_choice:
             return None
         return self._slot_choice.get(key[:3])
 
@@ -461,6 +466,14 @@ class Controller:
             if self._meter is not None:
                 self._meter.armed = False
         return [r.key[:3] for r in self._pass.records if r.cls in ALLOCATED and isinstance(r.bits, int)]
+
+    def _probed_choices(self, slot: tuple) -> tuple[Choice, ...]:
+        """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,
+        where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
+        the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
+        if self._meter is not None and "sketch" in self.config.schemes and self._sketchable(slot):
+            return (CALIBRATION_SKETCH,)
+        return ()
 
     def _sketchable(self, slot: tuple) -> bool:
         """Whether the save of ``slot`` is the input of a linear layer, as its op was learned."""

@@ -238,7 +238,7 @@ class PackPath:
             return rule, None, None
         bits = self.bits_for(key)
         if self.probing(key):
-            return LINEAR, bits, None
+            return LINEAR, bits, self.choice_for(key)  # the probe's choice, if it measures one
         choice = self.choice_for(key) if rule.kind == "quantize" else None
         return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits, choice
 

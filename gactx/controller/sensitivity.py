@@ -7,8 +7,9 @@ noise alone, so::
 
     C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)
 
-That is ``1 + 2 L`` passes for ``L`` tensors (one pass finds the tensors). Around them, the estimator
-saves and restores the RNG states (CPU and CUDA: dropout draws the same masks in every pass, and training
+That is ``1 + 2 L`` passes for ``L`` tensors (one pass finds the tensors), and two more for each storage choice
+whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). Around them, the
+estimator saves and restores the RNG states (CPU and CUDA: dropout draws the same masks in every pass, and training
 continues with the stream it had), the model's buffers (BatchNorm running statistics, batch counters)
 and every parameter's ``.grad``. Parameters are never written: the closure runs forward and backward only.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,11 +36,13 @@ CAP_FACTOR = 1e6
 
 @dataclass(frozen=True)
 class Probe:
-    """Quantize the tensor of ``slot`` at ``bits`` with ``seed`` (other tensors as usual)."""
+    """Quantize the tensor of ``slot`` at ``bits`` with ``seed`` (other tensors as usual); ``choice``: store it
+    under that storage choice instead (``choices.py``), to measure what the choice itself does to the gradient."""
 
     slot: Hashable
     bits: int
     seed: int
+    choice: object = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Estimate:
     sensitivity: dict  # slot -> C
     passes: int
     seconds: float
+    probed: dict = field(default_factory=dict)  # slot -> {choice: the gradient variance it adds, measured}
 
 
 class ModelSnapshot:
@@ -91,16 +95,18 @@ def estimate_sensitivities(
     probe_bits: int,
     seed_of: Callable[[Hashable, int], int],
     progress: Callable[[int, int], None] | None = None,
+    choices_of: Callable[[Hashable], tuple] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
-    ``progress(done, total)`` is told the passes run so far after each slot."""
+    ``progress(done, total)`` is told the passes run so far after each slot. ``choices_of(slot)``: storage choices
+    whose gradient variance is measured too, two more passes each (``Estimate.probed``)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
         slots = discover(lambda: _gradient(model, backprop, snapshot))
         scale = 0.5 / variance_factor(probe_bits)
-        raw = {}
+        raw, probed, passes = {}, {}, 1 + 2 * len(slots)
         for i, slot in enumerate(slots):
             if progress is not None:
                 progress(1 + 2 * i, 1 + 2 * len(slots))
@@ -110,10 +116,18 @@ def estimate_sensitivities(
                 grads.append(_gradient(model, backprop, snapshot))
             diff = grads[0] - grads[1]
             raw[slot] = scale * float(diff.dot(diff))  # a host read, outside any hook: once per slot
+            for choice in choices_of(slot) if choices_of is not None else ():
+                grads = []
+                for k in (3, 4):
+                    set_probe(Probe(slot, choice.bits, seed_of(slot, k), choice))
+                    grads.append(_gradient(model, backprop, snapshot))
+                diff = grads[0] - grads[1]
+                probed.setdefault(slot, {})[choice] = 0.5 * float(diff.dot(diff))
+                passes += 2
     finally:
         set_probe(None)
         snapshot.restore()
-    return Estimate(cap(raw), 1 + 2 * len(slots), time.perf_counter() - start)
+    return Estimate(cap(raw), passes, time.perf_counter() - start, probed)
 
 
 def cap(raw: dict) -> dict:

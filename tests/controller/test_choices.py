@@ -188,3 +188,40 @@ def test_every_scheme_is_chosen_on_bert_and_its_gradient_stays_unbiased(estimato
     single = statistics.mean(float((g - exact).square().sum()) for g in grads)
     mean = torch.stack(grads).mean(0)
     assert float((mean - exact).square().sum()) < 0.5 * single  # 1/8 of it for unbiased draws
+
+
+def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
+    from gactx.controller.choices import CALIBRATION_SKETCH, calibration
+
+    measured = {Choice(b): 10.0 / 4**b for b in (1, 2, 4, 8)} | {
+        CALIBRATION_SKETCH: 3.0,
+        Choice(32, "sketch", 0.25): 9.0,
+    }
+    c = 2.0
+    predicted = c * variance_factor(2) * 3.0 / measured[Choice(2)]
+    assert calibration(measured, None, c, 2) == 1.0
+    assert calibration(measured, {CALIBRATION_SKETCH: 4 * predicted}, c, 2) == pytest.approx(4.0)
+    assert calibration(measured, {CALIBRATION_SKETCH: float("nan")}, c, 2) == 1.0
+    plain = dict((o[0], o[2]) for o in choice_options(measured, (64, 512), torch.float32, 256, 2))
+    scaled = dict((o[0], o[2]) for o in choice_options(measured, (64, 512), torch.float32, 256, 2, sketch_scale=4.0))
+    assert scaled[Choice(32, "sketch", 0.25)] == pytest.approx(4 * plain[Choice(32, "sketch", 0.25)])
+    rounding = plain[Choice(2, "sketch", 0.25)] - plain[Choice(32, "sketch", 0.25)]  # the kept rows' codes
+    assert rounding == pytest.approx(plain[Choice(2)] / 0.25)
+    assert scaled[Choice(2, "sketch", 0.25)] == pytest.approx(4 * plain[Choice(32, "sketch", 0.25)] + rounding)
+    assert scaled[Choice(4)] == plain[Choice(4)]  # codes are not touched
+
+
+def test_gact_probes_each_sketchable_tensor_twice_more():
+    from tests.controller.zoo import build
+
+    model, run = build("transformer_layer", 1)
+    plain = gactx.Controller(model, "L2.2")
+    sketching = gactx.Controller(model, "L2.2", schemes=("uniform", "sketch"))
+    passes = {}
+    for name, controller in (("plain", plain), ("sketching", sketching)):
+        with controller:
+            _grad(model, run)
+            controller.iterate(lambda: _grad(model, run))
+        passes[name] = controller.last_adaptation.passes
+    sketchable = sum(sketching._sketchable(slot) for slot in sketching.sensitivity)
+    assert sketchable >= 2 and passes["sketching"] == passes["plain"] + 2 * sketchable
