@@ -27,7 +27,8 @@ The gradient of a linear op is linear in the saved tensor, so its variance follo
 error is spread over the rows alike. Codes spread it so; a row sketch does not: it drops whole rows, and where the
 gradient reaching some rows is much larger than the rest (a classifier that reads one token of a sequence) its
 error weighs more than its squared size says. So GACT's estimator also measures it: two more passes per tensor a
-sketch may store, with half the rows kept, give the gradient variance the sketch really adds, and the ratio of that
+sketch may store, half the rows kept and then the other half, give the gradient variance the sketch really adds (see
+:data:`CALIBRATION_PAIR`), and the ratio of that
 to the prediction (:func:`calibration`) scales the sampling part of every sketch of that tensor. ActNN's free
 estimator runs no such passes: its sketches stay predicted. ``benchmarks/schemes.py`` measures how far the
 predictions hold on real models' gradients.
@@ -47,6 +48,7 @@ __all__ = [
     "SCHEMES",
     "SKETCH_FRACTIONS",
     "CALIBRATION_SKETCH",
+    "CALIBRATION_PAIR",
     "ChoiceMeter",
     "calibration",
     "choice_options",
@@ -67,6 +69,7 @@ class Choice:
     scheme: str = "uniform"
     fraction: float = 1.0
     high: int = 0
+    complement: bool = False  # a sketch of the rows its seed does not choose: only GACT's estimator stores one
 
     def __str__(self) -> str:
         if self.scheme == "uniform":
@@ -94,8 +97,12 @@ class Choice:
         return max((w for w in CODE_WIDTHS if w <= self.effective_bits), default=1)
 
 
-# What GACT's estimator probes where a sketch may be chosen: half the rows, kept as they are (the sampling alone).
+# What GACT's estimator probes where a sketch may be chosen: half the rows, kept as they are (the sampling alone), and
+# then the other half with the same seed. The two average to the tensor, so a quarter of their gradients' squared
+# distance is the sketch's gradient variance, even where one row carries the whole gradient (two random draws would
+# keep or drop it together half the time and measure nothing).
 CALIBRATION_SKETCH = Choice(32, "sketch", 0.5)
+CALIBRATION_PAIR = (CALIBRATION_SKETCH, Choice(32, "sketch", 0.5, complement=True))
 
 
 class ChoiceMeter:

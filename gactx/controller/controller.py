@@ -22,7 +22,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.choices import CALIBRATION_SKETCH, Choice, ChoiceMeter
+from gactx.controller.choices import CALIBRATION_PAIR, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import Key, ModuleTracker
@@ -467,12 +467,12 @@ class Controller:
                 self._meter.armed = False
         return [r.key[:3] for r in self._pass.records if r.cls in ALLOCATED and isinstance(r.bits, int)]
 
-    def _probed_choices(self, slot: tuple) -> tuple[Choice, ...]:
+    def _probed_choices(self, slot: tuple) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,
         where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
         the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
         if self._meter is not None and "sketch" in self.config.schemes and self._sketchable(slot):
-            return (CALIBRATION_SKETCH,)
+            return (CALIBRATION_PAIR,)
         return ()
 
     def _sketchable(self, slot: tuple) -> bool:

@@ -99,8 +99,10 @@ def estimate_sensitivities(
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
-    ``progress(done, total)`` is told the passes run so far after each slot. ``choices_of(slot)``: storage choices
-    whose gradient variance is measured too, two more passes each (``Estimate.probed``)."""
+    ``progress(done, total)`` is told the passes run so far after each slot. ``choices_of(slot)``: pairs of storage
+    choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
+    variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
+    (``Estimate.probed``)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
@@ -116,13 +118,13 @@ def estimate_sensitivities(
                 grads.append(_gradient(model, backprop, snapshot))
             diff = grads[0] - grads[1]
             raw[slot] = scale * float(diff.dot(diff))  # a host read, outside any hook: once per slot
-            for choice in choices_of(slot) if choices_of is not None else ():
+            for pair in choices_of(slot) if choices_of is not None else ():
                 grads = []
-                for k in (3, 4):
-                    set_probe(Probe(slot, choice.bits, seed_of(slot, k), choice))
+                for choice in pair:
+                    set_probe(Probe(slot, choice.bits, seed_of(slot, 3), choice))
                     grads.append(_gradient(model, backprop, snapshot))
                 diff = grads[0] - grads[1]
-                probed.setdefault(slot, {})[choice] = 0.5 * float(diff.dot(diff))
+                probed.setdefault(slot, {})[pair[0]] = 0.25 * float(diff.dot(diff))
                 passes += 2
     finally:
         set_probe(None)

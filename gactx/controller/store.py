@@ -291,7 +291,9 @@ def _encode_choice(t: torch.Tensor, choice: Choice, seed: int, group_size: int, 
             t, choice.bits, choice.high, choice.fraction, group_size, stochastic=stochastic, seed=seed, backend=backend
         )
     if choice.scheme == "sketch" and t.dim() >= 2 and t.dtype in FLOAT_DTYPES and site is not None and sketchable(site):
-        return sketch_rows(t, choice.fraction, choice.bits, seed, group_size, stochastic, backend)
+        return sketch_rows(
+            t, choice.fraction, choice.bits, seed, group_size, stochastic, backend, complement=choice.complement
+        )
     return None
 
 

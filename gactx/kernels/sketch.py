@@ -77,10 +77,11 @@ class SketchedTensor:
     dense_shape: torch.Size
     perm: tuple[int, ...] | None
     backend: str = "auto"
+    complement: bool = False  # the rows the seed does not choose (see sketch_rows)
 
     @property
     def n_kept(self) -> int:
-        return _n_kept(self.n_rows, self.fraction)
+        return _n_kept(self.n_rows, self.fraction, self.complement)
 
     @property
     def numel(self) -> int:
@@ -110,7 +111,7 @@ class SketchedTensor:
 
     def rows(self) -> torch.Tensor:
         """The kept rows' indices (int64, increasing), regenerated from the seed on the device."""
-        return kept_rows(self.n_rows, self.n_kept, self.seed, self.device)
+        return kept_rows(self.n_rows, _n_kept(self.n_rows, self.fraction), self.seed, self.device, self.complement)
 
     def decode(self) -> torch.Tensor:
         """The unbiased estimate: kept rows times ``N / k`` at their places, zeros elsewhere, in the original shape,
@@ -144,9 +145,11 @@ def _check_fraction(fraction) -> Fraction:
     return Fraction(fraction).limit_denominator(_DENOMINATOR)
 
 
-def _n_kept(n_rows: int, fraction) -> int:
-    """``ceil(fraction * n_rows)``, at least one row of a tensor that has any."""
-    return min(n_rows, max(1, math.ceil(_check_fraction(fraction) * n_rows))) if n_rows else 0
+def _n_kept(n_rows: int, fraction, complement: bool = False) -> int:
+    """``ceil(fraction * n_rows)``, at least one row of a tensor that has any; of the complement, the other rows (all
+    of them where those are none)."""
+    k = min(n_rows, max(1, math.ceil(_check_fraction(fraction) * n_rows))) if n_rows else 0
+    return (n_rows - k or n_rows) if complement else k
 
 
 def row_length(x: torch.Tensor) -> int:
@@ -175,9 +178,12 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def kept_rows(n_rows: int, n_kept: int, seed: int, device: torch.device | str) -> torch.Tensor:
+def kept_rows(
+    n_rows: int, n_kept: int, seed: int, device: torch.device | str, complement: bool = False
+) -> torch.Tensor:
     """The ``n_kept`` rows of ``n_rows`` that ``seed`` chooses, uniformly without replacement: int64 indices in
-    increasing order on ``device`` (see the module docstring). No host read, no data-dependent shape."""
+    increasing order on ``device`` (see the module docstring). No host read, no data-dependent shape. With
+    ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none)."""
     row = torch.arange(n_rows, dtype=torch.int64, device=device)
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK
     h = _fmix(_mul32(row & _MASK, 0x9E3779B9) ^ k0)
@@ -186,7 +192,12 @@ def kept_rows(n_rows: int, n_kept: int, seed: int, device: torch.device | str) -
     index_bits = max(1, (n_rows - 1).bit_length())
     key = (hi << 31) | (lo >> 1)  # 63 random bits, non-negative
     key = ((key >> index_bits) << index_bits) | row  # distinct keys: ties of the random bits go to lower rows
-    chosen = torch.topk(key, n_kept, largest=False, sorted=False).indices
+    if complement and n_kept < n_rows:
+        chosen = torch.topk(key, n_rows - n_kept, largest=True, sorted=False).indices
+    elif complement:
+        chosen = row
+    else:
+        chosen = torch.topk(key, n_kept, largest=False, sorted=False).indices
     return chosen.sort().values
 
 
@@ -206,6 +217,7 @@ def sketch_rows(
     group_size: int = 256,
     stochastic: bool = True,
     backend: str = "auto",
+    complement: bool = False,
 ) -> SketchedTensor:
     """Keep ``ceil(fraction * N)`` of ``x``'s ``N`` rows, chosen by ``seed``, stored at ``bits``; ``decode()`` gives
     an unbiased estimate of ``x`` (see the module docstring).
@@ -218,6 +230,9 @@ def sketch_rows(
         bits: the kept rows' width, as :func:`gactx.quantize` takes it: 1, 2, 4, 8, 16 or 32.
         seed: an int in [0, 2**62): chooses the rows and, apart, the rounding noise of the kept rows.
         group_size, stochastic, backend: for the kept rows' quantization, as :func:`gactx.quantize`.
+        complement: keep the rows the same ``seed`` does not choose, scaled by ``N / (N - k)``: a sketch and its
+            complement average to the tensor, so half their distance is the sketch's error, with no chance that
+            two draws happen to keep the same rows (what GACT's estimator measures, ``choices.py``).
     """
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         got = type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype
@@ -231,12 +246,13 @@ def sketch_rows(
     flat, dense_shape, perm = memory_order(x)
     d = max(dense_shape[-1], 1) if len(dense_shape) else 1
     n = flat.numel() // d
-    k = _n_kept(n, fraction)
-    rows = flat.view(n, d).index_select(0, kept_rows(n, k, seed, x.device))  # (k, d), contiguous
+    rows = flat.view(n, d).index_select(0, kept_rows(n, _n_kept(n, fraction), seed, x.device, complement))
     kept = quantize(rows, bits, group_size, stochastic=stochastic, seed=_quantize_seed(seed), backend=backend)
     if kept.meta is None and kept.data.dtype == x.dtype:
         kept = kept.data  # at or above the tensor's own width: the rows themselves
-    return SketchedTensor(kept, seed, n, d, float(fraction), bits, x.shape, x.dtype, dense_shape, perm, backend)
+    return SketchedTensor(
+        kept, seed, n, d, float(fraction), bits, x.shape, x.dtype, dense_shape, perm, backend, complement
+    )
 
 
 def sketch_variance(x: torch.Tensor, fraction: float) -> torch.Tensor:

@@ -304,3 +304,17 @@ def test_per_byte_a_sketch_wins_near_one_bit_and_loses_at_four():
     # at 2 bits: quantization on Gaussian rows, the sketch with outlier channels
     assert _error(gaussian, 1 / 2, 4) > float(rounding_variance(gaussian, 2, 256) / gaussian.square().sum())
     assert _error(outliers, 1 / 2, 4) < float(rounding_variance(outliers, 2, 256) / outliers.square().sum()) / 2
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 7, 257])
+def test_a_sketch_and_its_complement_split_the_rows_and_average_to_the_tensor(n_rows):
+    x = torch.randn(n_rows, 5, generator=torch.Generator().manual_seed(n_rows))
+    a = sketch_rows(x, 0.5, 32, 11)
+    b = sketch_rows(x, 0.5, 32, 11, complement=True)
+    if n_rows == 1:  # the sketch keeps the only row; so does its complement
+        assert torch.equal(a.decode(), x) and torch.equal(b.decode(), x)
+        return
+    assert sorted(a.rows().tolist() + b.rows().tolist()) == list(range(n_rows))
+    assert a.n_kept + b.n_kept == n_rows and b.nbytes == b.n_kept * 5 * 4
+    mixed = (a.decode() * a.n_kept + b.decode() * b.n_kept) / n_rows
+    torch.testing.assert_close(mixed, x)
