@@ -49,7 +49,8 @@ of the range, ``e = (|U - C| + 32) >> 6``, ``D = round(sqrt(sum e**2 / count) * 
 most ``count * 2**18 + 2**22 < 2**31`` because no variance of values in a range exceeds a quarter of its
 square. Encoder and decoder both derive the knots from the stored words, in the same float32 operations
 (IEEE division and square root, no fused multiply-add: ``enable_fp_fusion=False``), so the Triton kernels
-and the torch twins agree bit for bit with ``stochastic=False``.
+and the torch twins agree bit for bit with ``stochastic=False``; so do the C++ CPU kernels (``cpu.py``:
+``normal_quantize``, ``normal_dequantize``, a group a thread), which run this scheme on CPU tensors.
 
 Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (as ``quantize.py``'s scale)::
 
@@ -607,8 +608,9 @@ def _padded(flat: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
 def torch_normal_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference and CPU path of :func:`triton_normal_quantize`: same contract, same arithmetic; the noise
-    from ``torch.rand`` of a ``torch.Generator`` seeded with ``seed``."""
+    """The reference of :func:`triton_normal_quantize` and of the C++ kernels (the CPU path where those cannot be
+    built): same contract, same arithmetic; the noise from ``torch.rand`` of a ``torch.Generator`` seeded with
+    ``seed``."""
     assert bits in NORMAL_BITS
     if flat.numel() == 0:
         return _allocate(0, bits, group_size, flat.device)
@@ -626,7 +628,8 @@ def torch_normal_quantize(
 def torch_normal_dequantize(
     codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The reference and CPU path of :func:`triton_normal_dequantize`."""
+    """The reference of :func:`triton_normal_dequantize` and of the C++ kernels (the CPU path where those cannot be
+    built)."""
     if meta.shape[0] == 0:
         return torch.empty(n, dtype=dtype, device=codes.device)
     value, non_finite, kind = _levels(unpack_planes(codes, bits, group_size), meta, bits)

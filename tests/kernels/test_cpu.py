@@ -12,6 +12,7 @@ import gactx
 from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
 from gactx.kernels.dequantize import torch_dequantize
+from gactx.kernels.normal import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.quantize import torch_quantize
 from tests.helpers import assert_unbiased_at_the_edges, extreme_input, group_steps, same_values, special_input
 
@@ -204,3 +205,129 @@ def test_a_mask_is_made_in_one_pass_and_decodes_as_the_tested_one():
     assert decode_codes(coded).stride() == t.stride()
     assert encode_compare(t, "gt", 0.0, 0.0, table, backend="torch") is None
     assert encode_compare(t.double(), "gt", 0.0, 0.0, table.double()) is None
+
+
+# ------------------------------------------------------------------------------------------- the normal scheme
+
+NORMAL_SIZES = [1, 255, 257, 4099]
+
+
+def _normal_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """test_normal.py's samples (an outlier in one group in three), special and extreme groups."""
+    from tests.kernels.test_normal import _sample, _special
+
+    return {"sample": _sample(4099, dtype, "cpu"), "special": _special(dtype, "cpu"), "extreme": extreme_input(dtype)}
+
+
+@pytest.mark.parametrize("n", NORMAL_SIZES)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [32, 256])
+def test_normal_deterministic_bytes_and_decodes_are_the_twins(n, bits, dtype, group):
+    from tests.kernels.test_normal import _same, _sample
+
+    x = _sample(n, dtype, "cpu", seed=n)
+    codes, meta = cpu.normal_quantize(x, bits, group, False, 0)
+    twin_codes, twin_meta = torch_normal_quantize(x, bits, group, False, 0)
+    assert codes.dtype == torch.uint8 and meta.dtype == torch.int32 and meta.shape == (-(-n // group), 3)
+    assert torch.equal(codes, twin_codes) and torch.equal(meta, twin_meta)
+    for out in (dtype, torch.float32):
+        decoded = cpu.normal_dequantize(codes, meta, bits, group, n, out)
+        assert decoded.dtype == out and _same(decoded, torch_normal_dequantize(codes, meta, bits, group, n, out))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_normal_special_and_extreme_groups_are_the_twins(bits, dtype):
+    """NaN and +-Inf groups (the canonical NaN in word 0), constant, tiny and huge groups, spans past FLT_MAX
+    (scale 1/4), values at the dtype's largest: the twin's bytes, and its decodes, saturated in the dtype."""
+    from tests.kernels.test_normal import _same
+
+    for name, x in _normal_inputs(dtype).items():
+        codes, meta = cpu.normal_quantize(x, bits, 32, False, 0)
+        twin_codes, twin_meta = torch_normal_quantize(x, bits, 32, False, 0)
+        assert torch.equal(meta, twin_meta), name
+        assert torch.equal(codes, twin_codes), name
+        for out in (dtype, torch.float32):
+            decoded = cpu.normal_dequantize(codes, meta, bits, 32, x.numel(), out)
+            assert _same(decoded, torch_normal_dequantize(codes, meta, bits, 32, x.numel(), out)), (name, out)
+            assert torch.equal(torch.isfinite(decoded), torch.isfinite(x)), name
+    special_meta = torch_normal_quantize(_normal_inputs(dtype)["special"], bits, 32, False, 0)[1]
+    kinds = set(special_meta[:, 0].tolist())
+    assert {0x7FC00000, 0x7F800000, -0x800000} <= kinds, "NaN, +Inf and -Inf groups in word 0"
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_normal_any_codes_decode_as_the_twin(bits, dtype):
+    """Every code of every group (random bytes, not only those the encoder writes) decodes to the twin's bits,
+    through the metadata of ordinary, special and extreme groups."""
+    from tests.kernels.test_normal import _same
+
+    g = torch.Generator().manual_seed(bits)
+    for name, x in _normal_inputs(dtype).items():
+        for group in (32, 256):
+            codes, meta = torch_normal_quantize(x, bits, group, False, 0)
+            codes = torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8)
+            n = x.numel()
+            for out in (dtype, torch.float32):
+                decoded = cpu.normal_dequantize(codes, meta, bits, group, n, out)
+                assert _same(decoded, torch_normal_dequantize(codes, meta, bits, group, n, out)), (name, group, out)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_normal_stochastic_rounding_is_unbiased_and_seeded(bits):
+    from tests.kernels.test_normal import _gaps, _sample
+
+    n, group, seeds = 257, 32, 400
+    x = _sample(n, torch.float32, "cpu", seed=1)
+    below, above = _gaps(x, bits, group)
+    _, twin_meta = torch_normal_quantize(x, bits, group, False, 0)
+    total = torch.zeros(n, dtype=torch.float64)
+    for seed in range(seeds):
+        codes, meta = cpu.normal_quantize(x, bits, group, True, seed)
+        assert torch.equal(meta, twin_meta), "the metadata does not depend on the noise"
+        y = cpu.normal_dequantize(codes, meta, bits, group, n, torch.float32).double()
+        assert ((y == below) | (y == above)).all(), "an element left its two neighbouring levels"
+        total += y
+    # A draw's variance is at most gap**2 / 4: the mean is within 5 standard errors of x.
+    assert ((total / seeds - x.double()).abs() <= 5 * (above - below) / 2 / seeds**0.5 + 1e-6).all()
+    a, b, c = (cpu.normal_quantize(x, bits, group, True, s)[0] for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_normal_memory_order_round_trip_runs_the_cpp_kernels(backend, dtype):
+    """channels_last and transposed tensors: quantized in memory order without a copy, the twin's bytes, decoded
+    with their strides."""
+    from tests.kernels.test_normal import _same
+
+    base = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(0)) * 2
+    for x, perm in ((base.to(memory_format=torch.channels_last), (0, 2, 3, 1)), (base[0, 0].t(), (1, 0))):
+        x = x.to(dtype)
+        q = gactx.quantize(x, 4, 32, scheme="normal", stochastic=False, backend=backend)
+        flat = x.permute(perm).reshape(-1)
+        twin_codes, twin_meta = torch_normal_quantize(flat, 4, 32, False, 0)
+        assert torch.equal(q.data, twin_codes) and torch.equal(q.meta, twin_meta)
+        y = gactx.dequantize(q, backend=backend)
+        assert y.shape == x.shape and y.dtype == dtype and y.stride() == x.stride()
+        assert _same(
+            y.permute(perm).reshape(-1), torch_normal_dequantize(twin_codes, twin_meta, 4, 32, flat.numel(), dtype)
+        )
+
+
+def test_normal_auto_runs_cpp_and_allocates_the_output_and_a_group_a_thread(monkeypatch):
+    x = torch.randn(1 << 20)  # 4 MiB
+    q = gactx.quantize(x, 4, scheme="normal")
+    with gactx.PeakMemory("cpu") as meter:
+        q2 = gactx.quantize(x, 4, scheme="normal")
+    assert meter.peak <= q2.nbytes + 64 * 1024, (meter.peak, q2.nbytes)
+    with gactx.PeakMemory("cpu") as meter:
+        out = gactx.dequantize(q)
+    assert meter.peak <= out.numel() * 4 + 64 * 1024
+    calls = []
+    monkeypatch.setattr(cpu, "normal_quantize", lambda *args: calls.append(args) or torch_normal_quantize(*args))
+    gactx.quantize(x[:100], 4, scheme="normal")
+    gactx.quantize(x[:100], 4, scheme="normal", backend="torch")
+    assert len(calls) == 1, "auto runs the C++ kernels, torch the twin"
