@@ -38,8 +38,8 @@ from gactx.config import ESTIMATORS, SCHEMES
 
 ALL = SCHEMES
 CONFIGS = {  # label -> (schemes, estimator)
-    "uniform (default)": (("uniform",), "gact"),
-    "+normal": (("uniform", "normal"), "gact"),
+    "uniform only": (("uniform",), "gact"),
+    "+normal (default)": (("uniform", "normal"), "gact"),
     "+sketch": (("uniform", "sketch"), "gact"),
     "+samples": (("uniform", "samples"), "gact"),
     "all schemes": (ALL, "gact"),
@@ -48,7 +48,8 @@ CONFIGS = {  # label -> (schemes, estimator)
 }
 ZOO = ("mlp", "resnet", "transformer_layer", "bert", "gcn", "sage", "gat", "lstm", "conv3d")
 WORKLOADS = ("gcn", "sage", "gat", "bert-base", "vit-b16", "resnet50")
-TRAIN_CONFIGS = ("uniform (default)", "all schemes")
+TRAIN_CONFIGS = ("uniform only", "+normal (default)", "all schemes")
+BASE = "uniform only"
 
 
 def _model(name: str, size: str = "small") -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable | None]:
@@ -158,7 +159,7 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
         "## Gradient error at equal bytes",
         "",
     ]
-    base = {r["model"]: r for r in errors if r["config"] == "uniform (default)"}
+    base = {r["model"]: r for r in errors if r["config"] == BASE}
     lines += markdown_table(
         ("model", "choices offered", "estimator", "error", "vs default", "predicted", "allocated / budget", "bytes",
          "chosen"),
@@ -193,6 +194,10 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draws", type=int, default=8, help="gradient draws a row")
     parser.add_argument("--steps", type=int, default=40, help="training steps a model")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--parts", nargs="+", choices=("errors", "training"), default=["errors", "training"],
+        help="what to run; a part not run keeps its rows from the results folder's schemes.json, if any",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
@@ -201,28 +206,29 @@ def run(argv: list[str] | None = None) -> dict:
     models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
     configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS]
     if args.quick:
-        configs = ["uniform (default)", "all schemes"]
+        configs = [BASE, "all schemes"]
     draws = 2 if args.quick else args.draws
-    errors = []
-    for name in models:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out or Path(__file__).parent / "results" / device_slug(device)
+    previous = json.loads((out / "schemes.json").read_text()) if (out / "schemes.json").exists() else {}
+    errors = [] if "errors" in args.parts else previous.get("gradient_error", [])
+    for name in models if "errors" in args.parts else []:
         for label in configs:
             errors.append(gradient_error(name, label, draws, size))
             r = errors[-1]
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
-    training = []
-    for name in ["gcn"] if args.quick else WORKLOADS:
-        for label in TRAIN_CONFIGS:
+    training = [] if "training" in args.parts else previous.get("training", [])
+    for name in (["gcn"] if args.quick else WORKLOADS) if "training" in args.parts else []:
+        for label in [BASE, "all schemes"] if args.quick else TRAIN_CONFIGS:
             training.append(train(name, label, 3 if args.quick else args.steps, size))
             r = training[-1]
             print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     env = {
         "device_name": device_name(device),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    out = args.out or Path(__file__).parent / "results" / device_slug(device)
     out.mkdir(parents=True, exist_ok=True)
     result = {"env": env, "gradient_error": errors, "training": training}
     (out / "schemes.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -546,7 +546,9 @@ def _encode_meta(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     e = ((u - c16[:, None]).abs() + 32) >> DEV_SHIFT
     squares = torch.where(finite, e * e, 0).sum(1, dtype=torch.int32)
     var = squares.float() / count.float()
-    d16 = (var.sqrt() * 64.0 + 0.5).to(torch.int32).clamp(max=65535)
+    # float64's square root rounded to float32 is IEEE's float32 square root (the kernels' sqrt_rn); torch's own
+    # float32 sqrt on a CPU may be a unit in the last place off.
+    d16 = (var.double().sqrt().float() * 64.0 + 0.5).to(torch.int32).clamp(max=65535)
     c16 = torch.where(special, 0, c16)
     d16 = torch.where(special, 0, d16)
 

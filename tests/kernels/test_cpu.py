@@ -236,6 +236,16 @@ def test_normal_deterministic_bytes_and_decodes_are_the_twins(n, bits, dtype, gr
         assert decoded.dtype == out and _same(decoded, torch_normal_dequantize(codes, meta, bits, group, n, out))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normal_metadata_of_many_small_groups_is_the_twins(dtype):
+    """Thousands of deviations, each a square root: the twin's must be IEEE's, as the kernels' are (a CPU's float32
+    sqrt may be a unit in the last place off, and that moves a stored deviation by one)."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(7)).to(dtype)
+    for seed_x in (x, x * 3 + 1):
+        _, meta = cpu.normal_quantize(seed_x, 4, 32, False, 0)
+        assert torch.equal(meta, torch_normal_quantize(seed_x, 4, 32, False, 0)[1])
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_normal_special_and_extreme_groups_are_the_twins(bits, dtype):
