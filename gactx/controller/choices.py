@@ -43,6 +43,12 @@ from fractions import Fraction
 
 import torch
 
+from gactx.kernels.format import expected_nbytes, memory_order
+from gactx.kernels.normal import NORMAL_BITS
+from gactx.kernels.samples import SPLIT_FRACTIONS, sample_ranges, sample_variances, split_count, split_nbytes
+from gactx.kernels.sketch import sketch_nbytes, sketch_variance
+from gactx.kernels.variance import rounding_variance
+
 __all__ = [
     "Choice",
     "SCHEMES",
@@ -132,20 +138,14 @@ class ChoiceMeter:
             return
         if not t.is_floating_point():
             return
-        from gactx.kernels.format import memory_order
-        from gactx.kernels.variance import rounding_variance
 
         x = t.detach()
         flat = memory_order(x)[0].contiguous()
         g = self.group_size
         values = {Choice(b): rounding_variance(flat, b, g, "uniform") for b in CODE_WIDTHS}
         if "normal" in self.schemes:
-            from gactx.kernels.normal import NORMAL_BITS
-
             values |= {Choice(b, "normal"): rounding_variance(flat, b, g, "normal") for b in NORMAL_BITS}
         if "sketch" in self.schemes and x.dim() >= 2 and self.sketchable(slot):
-            from gactx.kernels.sketch import sketch_variance
-
             for f in SKETCH_FRACTIONS:  # the sampling alone: choice_options adds the kept rows' rounding
                 values[Choice(32, "sketch", f)] = sketch_variance(x, f)
         if "samples" in self.schemes:
@@ -173,8 +173,6 @@ def _split_values(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor
     """Per-sample widths: the stored error of each split, from each sample's error at each width, with the samples
     that :func:`~gactx.kernels.samples.split_samples` would widen (the widest ranges). Empty where the samples are
     not whole groups."""
-    from gactx.kernels.samples import SPLIT_FRACTIONS, sample_ranges, sample_variances, split_count
-
     if x.dim() < 2 or x.shape[0] < 2:
         return {}
     per_width = {b: sample_variances(x, b, group_size) for b in CODE_WIDTHS}
@@ -217,7 +215,6 @@ def choice_options(
     every measured choice of at least ``min_bits`` (the class's narrowest width), the 16- and 32-bit widths, and
     each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`)."""
     from gactx.controller.allocator import variance_factor
-    from gactx.kernels.format import expected_nbytes
 
     numel = torch.Size(shape).numel()
     row_len = shape[-1] if shape else 1
@@ -240,12 +237,8 @@ def choice_options(
         if choice.bits < min_bits:
             continue
         if choice.scheme == "sketch":
-            from gactx.kernels.sketch import sketch_nbytes
-
             nbytes = sketch_nbytes(numel, row_len, dtype, choice.fraction, choice.bits, group_size)
         elif choice.scheme == "samples":
-            from gactx.kernels.samples import split_nbytes
-
             nbytes = split_nbytes(shape, dtype, choice.bits, choice.high, choice.fraction, group_size)
         else:
             nbytes = expected_nbytes(numel, dtype, choice.bits, group_size, scheme=choice.scheme)

@@ -29,7 +29,7 @@ from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
-from gactx.controller.rules import ALLOCATED
+from gactx.controller.rules import ALLOCATED, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
@@ -477,8 +477,6 @@ class Controller:
 
     def _sketchable(self, slot: tuple) -> bool:
         """Whether the save of ``slot`` is the input of a linear layer, as its op was learned."""
-        from gactx.controller.rules import sketchable
-
         learned = self._path.sites.get(slot)
         return learned is not None and sketchable(learned[0])
 

@@ -17,12 +17,14 @@ import torch
 from gactx.controller.choices import Choice
 from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_owner, storage_ptr
-from gactx.controller.rules import Rule
+from gactx.controller.rules import Rule, sketchable
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes, encode_compare
 from gactx.kernels.fewbit import fewbit_table
 from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
 from gactx.kernels.functional import choose_backend, quantize_checked
+from gactx.kernels.samples import SplitTensor, split_samples
+from gactx.kernels.sketch import SketchedTensor, sketch_rows
 
 __all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form"]
 
@@ -282,10 +284,6 @@ def _encode_choice(t: torch.Tensor, choice: Choice, seed: int, group_size: int, 
     (a graph that changed since the allocation: a sketch of a tensor that is no longer a linear layer's input)."""
     if choice.scheme == "normal" and t.dtype in FLOAT_DTYPES:
         return quantize(t, choice.bits, group_size, stochastic=stochastic, seed=seed, backend=backend, scheme="normal")
-    from gactx.controller.rules import sketchable
-    from gactx.kernels.samples import split_samples
-    from gactx.kernels.sketch import sketch_rows
-
     if choice.scheme == "samples" and t.dim() >= 2 and t.shape[0] >= 2 and t.dtype in FLOAT_DTYPES:
         return split_samples(
             t, choice.bits, choice.high, choice.fraction, group_size, stochastic=stochastic, seed=seed, backend=backend
@@ -300,7 +298,7 @@ def _encode_choice(t: torch.Tensor, choice: Choice, seed: int, group_size: int, 
 def stored_form(stored, choice: Choice) -> str:
     """What a record says of a tensor stored under ``choice``: ``""`` for uniform codes (also where the choice did not
     apply and uniform codes were stored instead)."""
-    if choice.scheme in ("sketch", "samples") and not isinstance(stored, QuantizedTensor | torch.Tensor):
+    if isinstance(stored, SketchedTensor | SplitTensor):
         return str(choice).split(" ", 1)[1]
     if isinstance(stored, QuantizedTensor) and stored.scheme != "uniform":
         return stored.scheme
