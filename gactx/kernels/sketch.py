@@ -51,6 +51,7 @@ from gactx.kernels.format import (
     restore_perm,
 )
 from gactx.kernels.functional import SEED_LIMIT, dequantize, quantize
+from gactx.kernels.traced import fmix32, mul32
 
 __all__ = ["SketchedTensor", "sketch_rows", "sketch_variance", "sketch_nbytes", "kept_rows", "row_length"]
 
@@ -164,20 +165,6 @@ def row_length(x: torch.Tensor) -> int:
     return x.shape[perm[-1]] if x.permute(perm).is_contiguous() else x.shape[-1]
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """``h * c mod 2**32`` for ``h`` an int64 tensor of uint32 values, on 16-bit halves (no product overflows)."""
-    return ((h & 0xFFFF) * c + (((h >> 16) * c) << 16)) & _MASK
-
-
-def _fmix(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
 def kept_rows(
     n_rows: int, n_kept: int, seed: int, device: torch.device | str, complement: bool = False
 ) -> torch.Tensor:
@@ -186,9 +173,9 @@ def kept_rows(
     ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none)."""
     row = torch.arange(n_rows, dtype=torch.int64, device=device)
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK
-    h = _fmix(_mul32(row & _MASK, 0x9E3779B9) ^ k0)
-    hi = _fmix(h ^ k1 ^ _mul32(row >> 32, 0x85EBCA77))
-    lo = _fmix(hi ^ 0x2545F491)
+    h = fmix32(mul32(row & _MASK, 0x9E3779B9) ^ k0)
+    hi = fmix32(h ^ k1 ^ mul32(row >> 32, 0x85EBCA77))
+    lo = fmix32(hi ^ 0x2545F491)
     index_bits = max(1, (n_rows - 1).bit_length())
     key = (hi << 31) | (lo >> 1)  # 63 random bits, non-negative
     key = ((key >> index_bits) << index_bits) | row  # distinct keys: ties of the random bits go to lower rows

@@ -51,6 +51,8 @@ __all__ = [
     "quantize",
     "dequantize",
     "uniform_bits",
+    "mul32",
+    "fmix32",
     "fresh_seed",
     "tick",
     "new_token",
@@ -82,7 +84,7 @@ def fresh_seed(like: torch.Tensor) -> torch.Tensor:
     is advanced on the device: nothing is read back)."""
     counter = _counter(like.device)
     counter.add_(1)
-    return _mul32(counter * 0x9E3779B9, 1) | (counter << 32)
+    return mul32(counter * 0x9E3779B9, 1) | (counter << 32)
 
 
 @fresh_seed.register_fake
@@ -151,25 +153,26 @@ def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.unsqueeze(1) >> shifts) & 1).view(-1)[:n].bool()
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+def mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     """``h * c mod 2**32`` for ``h`` an int64 tensor of uint32 values."""
     lo, hi = h & 0xFFFF, h >> 16
     return (lo * c + ((hi * c) << 16)) & _MASK
 
 
-def _fmix(h: torch.Tensor) -> torch.Tensor:
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer of an int64 tensor of uint32 values (the C++ kernels' ``fmix``)."""
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
+    h = mul32(h, 0x85EBCA6B)
     h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
+    h = mul32(h, 0xC2B2AE35)
     return h ^ (h >> 16)
 
 
 def uniform_bits(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     """23 uniform bits (int64) an element of ``index`` (int64 positions), as the C++ kernels draw them."""
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK  # an int or an int64 tensor
-    h = _fmix(_mul32(index & _MASK, 0x9E3779B9) ^ k0)
-    h = _fmix(h ^ k1 ^ _mul32(index >> 32, 0x85EBCA77))
+    h = fmix32(mul32(index & _MASK, 0x9E3779B9) ^ k0)
+    h = fmix32(h ^ k1 ^ mul32(index >> 32, 0x85EBCA77))
     return h >> 9
 
 
