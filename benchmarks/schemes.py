@@ -161,8 +161,8 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     ]
     base = {r["model"]: r for r in errors if r["config"] == BASE}
     lines += markdown_table(
-        ("model", "choices offered", "estimator", "error", "vs default", "predicted", "allocated / budget", "bytes",
-         "chosen"),
+        ("model", "choices offered", "estimator", "error", "vs uniform only", "predicted", "allocated / budget",
+         "bytes", "chosen"),
         [
             (r["model"], r["config"].split(",")[0], CONFIGS[r["config"]][1], f"{r['relative_error']:.3g}",
              f"{r['relative_error'] / base[r['model']]['relative_error']:.2f}x" if r["model"] in base else "",
