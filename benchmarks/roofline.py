@@ -67,6 +67,8 @@ def pick(families: list[str], quick: bool) -> list[aot.KernelSpec]:
             return False
         return not quick or (config.get("bits") == 4 and config.get("dtype") == "fp32")
 
+    if quick:
+        families = [f for f in families if f in ("quantize", "dequantize")]
     return [spec for spec in aot.specs(families) if wanted(spec.config)]
 
 

@@ -106,7 +106,8 @@ def test_collecting_leaves_no_hooks_and_does_not_touch_the_model():
         assert controller._collector.armed and controller._path.observers
         controller.iterate()
         assert not controller._collector.armed
-        assert controller._path.observers == [] and controller._tracker.output_hooks == []
+        # What stays: the storage choices' meter (choices.py), armed only while an estimator measures.
+        assert controller._path.observers == [controller._meter] and controller._tracker.output_hooks == []
         model.zero_grad()
         model(x).square().mean().backward()  # step 2: nothing is due, nothing collects
         assert not controller._collector.armed
