@@ -57,6 +57,7 @@ __all__ = [
     "expected_nbytes",
     "memory_order",
     "contiguous_order",
+    "contiguous_strides",
     "restore_order",
     "restore_perm",
     "check_args",
@@ -208,6 +209,15 @@ def contiguous_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size, tuple[i
         return x, x.shape, None
     flat, dense_shape, perm = memory_order(x.detach())
     return flat.contiguous(), dense_shape, perm
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (size-0 and size-1 dimensions count as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def restore_order(flat: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:

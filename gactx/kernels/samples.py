@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gactx.kernels.format import QuantizedTensor
+from gactx.kernels.format import QuantizedTensor, contiguous_strides
 from gactx.kernels.functional import dequantize, quantize
 
 __all__ = [
@@ -107,16 +107,8 @@ def split_samples(
     lo = quantize(x.index_select(0, order[k:]), bits, seed=seeds[1], **kwargs) if k < batch else None
     # Decoded with the strides it had where they are channels_last's (what convolutions save), else contiguous.
     channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-    stride = x.stride() if channels_last else _contiguous_strides(x.shape)
+    stride = x.stride() if channels_last else contiguous_strides(x.shape)
     return SplitTensor(hi, lo, order.to(torch.int32), x.shape, stride, x.dtype, bits)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def sample_variances(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor | None:

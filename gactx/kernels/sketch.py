@@ -46,6 +46,7 @@ from gactx.kernels.format import (
     ALLOWED_BITS,
     FLOAT_DTYPES,
     QuantizedTensor,
+    contiguous_strides,
     expected_nbytes,
     memory_order,
     restore_perm,
@@ -102,7 +103,7 @@ class SketchedTensor:
 
     def stride(self) -> tuple[int, ...]:
         """The strides :meth:`decode` gives (those of the sketched tensor, when it was dense)."""
-        dense = _contiguous(self.dense_shape)
+        dense = contiguous_strides(self.dense_shape)
         if self.perm is None:
             return dense
         out = [0] * len(dense)
@@ -130,14 +131,6 @@ class SketchedTensor:
             f"SketchedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, rows={self.n_kept}/{self.n_rows}, "
             f"bits={self.bits}, nbytes={self.nbytes}, device={self.device})"
         )
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _check_fraction(fraction) -> Fraction:
