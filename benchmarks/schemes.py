@@ -4,15 +4,19 @@
     python -m benchmarks.schemes --quick --out /tmp/quick   # two tiny models, few draws: checks that it runs
 
 1. Gradient error at equal bytes. Each model runs at level L2.2 (an average of 2 bits a compressed element: the
-   same budget for every row) with the allocator offered: uniform codes only (today's default), each other scheme
-   beside them (``normal``: SmaQ's normal-fitted levels; ``sketch``: FewBit's randomized linear; ``samples``:
-   ActNN's per-sample widths), and all of them; with GACT's estimator and with ActNN's free one. One adaptation
+   same budget for every row) with the allocator offered: uniform codes only (the default before the other
+   schemes), normal-fitted levels beside them (``normal``: SmaQ's), and sketches too (``sketch``: FewBit's
+   randomized linear; the default), per-sample widths beside uniform codes (``samples``: ActNN's), and all of
+   them; with GACT's estimator and with ActNN's free one. One adaptation
    after the first step, then the parameter gradient of the same batch (the same dropout masks) is drawn again with
-   fresh rounding noise, and compared with plain PyTorch's: ``E ||g' - g||^2 / ||g||^2``, the mean over draws.
+   fresh rounding noise, and compared with plain PyTorch's: ``E ||g' - g||^2 / ||g||^2``, the mean over draws. The
+   estimator's own noise (one pair of probes a tensor) moves an allocation's error by tens of percent, so each row
+   repeats this for several estimator seeds (``--seeds``) and reports the mean.
    ``predicted`` is the allocator's own model of that error, ``sum C_l S_l(choice)`` over ``||g||^2``. Bytes are
    gactx's accounting of what one forward pass holds (compressed and kept tensors).
-2. Training: each small model of the models benchmark trains at L2.2 with uniform codes only and with every scheme
-   offered, from the same initialisation on the same batches; final training loss and held-out accuracy.
+2. Training: each small model of the models benchmark trains at L2.2 with uniform codes only, with the default
+   choices and with every scheme offered, from the same initialisation on the same batches; final training loss
+   and held-out accuracy.
 
 Writes schemes.json and schemes.md under ``benchmarks/results/<device>/``.
 """
@@ -39,8 +43,8 @@ from gactx.config import ESTIMATORS, SCHEMES
 ALL = SCHEMES
 CONFIGS = {  # label -> (schemes, estimator)
     "uniform only": (("uniform",), "gact"),
-    "+normal (default)": (("uniform", "normal"), "gact"),
-    "+sketch": (("uniform", "sketch"), "gact"),
+    "+normal": (("uniform", "normal"), "gact"),
+    "+normal +sketch (default)": (("uniform", "normal", "sketch"), "gact"),
     "+samples": (("uniform", "samples"), "gact"),
     "all schemes": (ALL, "gact"),
     "uniform, actnn": (("uniform",), "actnn"),
@@ -48,7 +52,7 @@ CONFIGS = {  # label -> (schemes, estimator)
 }
 ZOO = ("mlp", "resnet", "transformer_layer", "bert", "gcn", "sage", "gat", "lstm", "conv3d")
 WORKLOADS = ("gcn", "sage", "gat", "bert-base", "vit-b16", "resnet50")
-TRAIN_CONFIGS = ("uniform only", "+normal (default)", "all schemes")
+TRAIN_CONFIGS = ("uniform only", "+normal +sketch (default)", "all schemes")
 BASE = "uniform only"
 
 
@@ -72,39 +76,48 @@ def _gradient(model: torch.nn.Module, run: Callable[[], torch.Tensor], seed: int
     return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
 
 
-def gradient_error(name: str, label: str, draws: int, size: str = "small") -> dict:
+def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds: int = 3) -> dict:
+    """One row: for each estimator seed (the probes' noise, and so the allocation), one adaptation and ``draws``
+    gradients; the error is the mean over seeds of each seed's mean over its draws."""
     schemes, estimator = CONFIGS[label]
     model, run, _ = _model(name, size)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     exact = _gradient(model, run, 0)
     norm = float(exact.square().sum())
-    controller = Controller(model, "L2.2", schemes=schemes, estimator=estimator, adapt_interval=10**9)
-    with controller:
-        _gradient(model, run, 0)
-        start = time.perf_counter()
-        controller.iterate(lambda: _gradient(model, run, 0))
-        adapt_s = time.perf_counter() - start
-        errors = []
-        for _ in range(draws):
-            controller.step += 1  # new rounding noise: the seeds follow the step
-            errors.append(float((_gradient(model, run, 0) - exact).square().sum()) / norm)
-        stats = controller.memory_stats()
-        chosen = collections.Counter(c.scheme for c in controller._slot_choice.values())
-        a = controller.last_adaptation
-    model.load_state_dict(state)
+    per_seed, predicted, adapt_s, chosen = [], [], [], collections.Counter()
+    for seed in range(seeds):
+        controller = Controller(
+            model, "L2.2", schemes=schemes, estimator=estimator, adapt_interval=10**9, seed=seed
+        )  # fmt: skip
+        with controller:
+            _gradient(model, run, 0)
+            start = time.perf_counter()
+            controller.iterate(lambda: _gradient(model, run, 0))
+            adapt_s.append(time.perf_counter() - start)
+            errors = []
+            for _ in range(draws):
+                controller.step += 1  # new rounding noise: the seeds follow the step
+                errors.append(float((_gradient(model, run, 0) - exact).square().sum()) / norm)
+            stats = controller.memory_stats()
+            chosen.update(c.scheme for c in controller._slot_choice.values())
+            a = controller.last_adaptation
+        model.load_state_dict(state)
+        per_seed.append(statistics.mean(errors))
+        if a is not None:
+            predicted.append(a.predicted_variance / norm)
     return {
         "model": name,
         "config": label,
-        "relative_error": statistics.mean(errors),
-        "error_stdev": statistics.stdev(errors) if len(errors) > 1 else 0.0,
-        "predicted": a.predicted_variance / norm if a is not None else None,
+        "relative_error": statistics.mean(per_seed),
+        "per_seed": per_seed,
+        "predicted": statistics.mean(predicted) if predicted else None,
         "packed_bytes": stats.packed_bytes,
         "original_bytes": stats.original_bytes,
         "allocated_bytes": a.allocated_bytes if a is not None else None,
         "budget_bytes": a.budget_bytes if a is not None else None,
         "tensors": len(controller.allocation),
-        "chosen": dict(chosen),
-        "adaptation_s": adapt_s,
+        "chosen": {k: v / seeds for k, v in chosen.items()},
+        "adaptation_s": statistics.median(adapt_s),
     }
 
 
@@ -142,7 +155,12 @@ def train(name: str, label: str, steps: int, size: str = "small") -> dict:
 
 
 def _chosen(c: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
+    return ", ".join(f"{k} {v:.3g}" for k, v in sorted(c.items())) or "-"
+
+
+def _spread(r: dict) -> str:
+    seeds = r.get("per_seed") or [r["relative_error"]]
+    return f"{min(seeds) / r['relative_error']:.2f}-{max(seeds) / r['relative_error']:.2f}"
 
 
 def render(errors: list[dict], training: list[dict], env: dict) -> str:
@@ -150,22 +168,24 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
         f"# gactx storage choices on {env['device_name']}",
         "",
         f"- torch {env['torch']}; run {env['date']}; level L2.2 (2 bits a compressed element on average)",
-        "- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks);",
-        "  predicted = the allocator's model of it; allocated / budget = the bytes the allocation holds for the",
-        "  tensors it allocates over the budget for them (the same for every row of a model); bytes = gactx's",
-        "  accounting of everything one forward pass holds",
-        "- chosen = tensors stored under each scheme other than uniform codes",
+        f"- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks),",
+        f"  the mean over {env['seeds']} estimator seeds (each its own probes and allocation), {env['draws']} draws each;",
+        "  seeds = the lowest and highest seed's error over the row's mean; predicted = the allocator's model of it;",
+        "  allocated / budget = the bytes the allocation holds for the tensors it allocates over the budget for them",
+        "  (the same for every row of a model); bytes = gactx's accounting of everything one forward pass holds",
+        "- chosen = tensors stored under each scheme other than uniform codes (the mean over seeds)",
         "",
         "## Gradient error at equal bytes",
         "",
     ]
     base = {r["model"]: r for r in errors if r["config"] == BASE}
     lines += markdown_table(
-        ("model", "choices offered", "estimator", "error", "vs uniform only", "predicted", "allocated / budget",
-         "bytes", "chosen"),
+        ("model", "choices offered", "estimator", "error", "vs uniform only", "seeds", "predicted",
+         "allocated / budget", "bytes", "chosen"),
         [
             (r["model"], r["config"].split(",")[0], CONFIGS[r["config"]][1], f"{r['relative_error']:.3g}",
              f"{r['relative_error'] / base[r['model']]['relative_error']:.2f}x" if r["model"] in base else "",
+             _spread(r),
              "" if r["predicted"] is None else f"{r['predicted']:.3g}",
              f"{r['allocated_bytes'] / r['budget_bytes']:.3f}" if r["budget_bytes"] else "",
              f"{r['packed_bytes']:,}", _chosen(r["chosen"]))
@@ -191,7 +211,8 @@ def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--quick", action="store_true", help="two models, few draws: a smoke test (needs --out)")
     parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    parser.add_argument("--draws", type=int, default=8, help="gradient draws a row")
+    parser.add_argument("--draws", type=int, default=4, help="gradient draws a seed")
+    parser.add_argument("--seeds", type=int, default=3, help="estimator seeds a row (each its own allocation)")
     parser.add_argument("--steps", type=int, default=40, help="training steps a model")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
@@ -214,7 +235,7 @@ def run(argv: list[str] | None = None) -> dict:
     errors = [] if "errors" in args.parts else previous.get("gradient_error", [])
     for name in models if "errors" in args.parts else []:
         for label in configs:
-            errors.append(gradient_error(name, label, draws, size))
+            errors.append(gradient_error(name, label, draws, size, 1 if args.quick else args.seeds))
             r = errors[-1]
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
@@ -228,6 +249,8 @@ def run(argv: list[str] | None = None) -> dict:
         "device_name": device_name(device),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "seeds": 1 if args.quick else args.seeds,
+        "draws": draws,
     }
     out.mkdir(parents=True, exist_ok=True)
     result = {"env": env, "gradient_error": errors, "training": training}

@@ -60,9 +60,9 @@ class Config:
             per byte (see docs/adaptive.md): ``"uniform"`` (codes on the group's min-max grid; always included),
             ``"normal"`` (codes on levels fitted to the group's normal, after SmaQ), ``"sketch"`` (a fraction of
             the rows of a linear layer's input, after FewBit's randomized linear) and ``"samples"`` (per-sample
-            widths: the samples of widest range at a wider width, after ActNN). Default: uniform and normal, which
-            is no worse than uniform alone on the benchmark models; sketches and per-sample widths win on some
-            models and lose on others (docs/adaptive.md, "Storage choices").
+            widths: the samples of widest range at a wider width, after ActNN). Default: uniform, normal and
+            sketch, each chosen where its measured variance per byte wins (docs/adaptive.md, "Storage choices");
+            per-sample widths are rarely chosen and cost a transient copy, so they are opt-in.
         strict: adaptive only: a budget that even 1-bit codes exceed raises ``ValueError`` instead of a
             warning (then the narrowest widths are used).
         group_size: elements that share a scale, see :func:`gactx.quantize`.
@@ -91,7 +91,7 @@ class Config:
     adapt_interval: int = 1000
     estimator: str = "gact"
     probe_bits: int = 2
-    schemes: tuple[str, ...] = ("uniform", "normal")
+    schemes: tuple[str, ...] = ("uniform", "normal", "sketch")
     strict: bool = False
     group_size: int = 256
     min_numel: int = 1024

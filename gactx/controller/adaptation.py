@@ -42,14 +42,19 @@ def default_width(average_bits: float) -> int:
     return max(w for w in WIDTHS if w <= average_bits)
 
 
-def reduce_across_ranks(sensitivity: dict) -> dict:
-    """Average the sensitivities over the ranks of ``torch.distributed`` so that every rank allocates the
-    same bits. The ranks must have measured the same slots; otherwise a clear error."""
+def reduce_across_ranks(sensitivity: dict, *tables: dict) -> dict | tuple[dict, ...]:
+    """Average the sensitivities, and any tables of numbers by slot (``{slot: {name: number}}``: the measured
+    errors of each choice, the probed variances), over the ranks of ``torch.distributed``, so that every rank
+    allocates the same bits and choices. The ranks must have measured the same slots and names; otherwise a clear
+    error. Returns the sensitivities alone where no table is given, else the sensitivities and each table."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return sensitivity
-    slots = sorted(sensitivity, key=repr)
+        return (sensitivity, *tables) if tables else sensitivity
+    names = [(0, s, None) for s in sensitivity] + [
+        (i, slot, name) for i, table in enumerate(tables, 1) for slot, row in table.items() for name in row
+    ]
+    names.sort(key=repr)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    fingerprint = zlib.crc32(repr(slots).encode())
+    fingerprint = zlib.crc32(repr(names).encode())
     check = torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX)
     if check[0].item() != fingerprint or -check[1].item() != fingerprint:
@@ -57,10 +62,18 @@ def reduce_across_ranks(sensitivity: dict) -> dict:
             "gactx: ranks measured different saved tensors; every rank must run the same model on "
             "batches of the same shape in the backprop closure"
         )
-    values = torch.tensor([sensitivity[s] for s in slots], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    values /= dist.get_world_size()
-    return dict(zip(slots, values.tolist(), strict=True))
+    source = (sensitivity, *tables)
+    values = [source[i][slot] if i == 0 else source[i][slot][name] for i, slot, name in names]
+    reduced = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    reduced /= dist.get_world_size()
+    out: tuple[dict, ...] = ({}, *({} for _ in tables))
+    for (i, slot, name), value in zip(names, reduced.tolist(), strict=True):
+        if i == 0:
+            out[0][slot] = value
+        else:
+            out[i].setdefault(slot, {})[name] = value
+    return out if tables else out[0]
 
 
 def plan(
@@ -70,15 +83,17 @@ def plan(
     settled: frozenset = frozenset(),
     measured: dict | None = None,
     probed: dict | None = None,
+    curves: dict | None = None,
 ) -> tuple[Allocation, int]:
     """Allocate widths to the tensors compressed in ``last_pass`` (the training forward), by slot.
     ``settled``: slots the estimator's passes stored with a fixed width or not at all (a mask, a pooling
     input whose op the training forward did not know yet): not allocated. ``measured``: by slot, the stored error
     of each choice (``choices.ChoiceMeter``); a measured tensor is offered every measured choice, the others uniform
     widths under the ``S(b)`` model. ``probed``: by slot, the gradient variance a choice was measured to add
-    (``Estimate.probed``), which calibrates that choice's prediction. Returns the allocation and the bytes it was
-    allowed for compressed tensors."""
-    measured, probed = measured or {}, probed or {}
+    (``Estimate.probed``), which calibrates that choice's prediction. ``curves``: by slot, the shape of a curved
+    tensor's variance (``Estimate.curves``). Returns the allocation and the bytes it was allowed for compressed
+    tensors."""
+    measured, probed, curves = measured or {}, probed or {}, curves or {}
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
@@ -89,16 +104,20 @@ def plan(
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)
             widths = CLASS_WIDTHS.get(record.cls)
+            response = curves.get(slot, (1.0, 0.0))
             options = None
             if slot in measured and record.cls != "smooth":
                 options = choice_options(
                     measured[slot], tuple(record.key.shape), record.dtype, config.group_size, config.probe_bits,
                     min(widths or WIDTHS), record.storage_bytes, calibration(measured[slot], probed.get(slot), c,
-                    config.probe_bits),
+                    config.probe_bits), response,
                 )  # fmt: skip
             items.append(
-                Item(slot, numel, record.dtype, c, record.storage_bytes, widths, record.cls == "smooth", options)
-            )
+                Item(
+                    slot, numel, record.dtype, c, record.storage_bytes, widths, record.cls == "smooth", options,
+                    response,
+                )
+            )  # fmt: skip
         elif isinstance(record.bits, int):
             fixed += record.packed_bytes  # masks, signs, dropout masks: a fixed width, lossless
     if config.budget is not None:

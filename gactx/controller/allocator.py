@@ -8,6 +8,9 @@ variances of different tensors add up, and::
                                     its error is at least 4x smaller than 8-bit codes' (16x in variance)
     S(32) = 0                       stored as is (and 16 for fp16/bf16 inputs, which are stored as is)
 
+The input of a normalisation is read twice over by backward (``rules.curved``): its variance is ``C_l (a S(b) +
+q S(b)**2)``, the shape ``(a, q)`` measured at two widths (``sensitivity.fit_curve``; ``(1, 0)`` for the others).
+
 Where the values of a tensor were measured (``choices.py``), its item lists explicit options instead: every way it may
 be stored (a width of uniform codes, of normal-fitted levels, a sketch of its rows) with the bytes it holds and the
 variance it adds per unit of sensitivity, from that tensor's own rounding and sampling errors.
@@ -62,6 +65,7 @@ class Item:
     coded: bool = False  # widths up to 8 are FewBit codes: no per-group metadata, a table
     # Measured options, (choice, bytes, variance per unit of sensitivity) each: they replace ``widths`` (choices.py).
     options: tuple[tuple[Choice, int, float], ...] | None = None
+    response: tuple[float, float] = (1.0, 0.0)  # (a, q): the variance at S(b) = x is sensitivity * (a x + q x**2)
 
 
 def _bytes(item: Item, bits: int, group_size: int) -> int:
@@ -134,7 +138,8 @@ def _options(item: Item, group_size: int) -> tuple[tuple[Choice, ...], np.ndarra
         return choices, nbytes, np.array([c * o[2] for o in item.options])
     widths = tuple(w for w in widths_for(item.dtype) if item.widths is None or w in item.widths)
     nbytes = np.array([_bytes(item, b, group_size) for b in widths], dtype=np.int64)
-    var = np.array([c * variance_factor(b, item.dtype) for b in widths])
+    a, q = item.response
+    var = np.array([c * (a * x + q * x * x) for x in (variance_factor(b, item.dtype) for b in widths)])
     return tuple(Choice(b) for b in widths), nbytes, var
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "SKETCH_FRACTIONS",
     "CALIBRATION_SKETCH",
     "CALIBRATION_PAIR",
+    "CALIBRATION_PAIRS",
     "ChoiceMeter",
     "calibration",
     "choice_options",
@@ -109,6 +110,9 @@ class Choice:
 # keep or drop it together half the time and measure nothing).
 CALIBRATION_SKETCH = Choice(32, "sketch", 0.5)
 CALIBRATION_PAIR = (CALIBRATION_SKETCH, Choice(32, "sketch", 0.5, complement=True))
+# Pairs of passes a sketchable tensor's calibration averages, each with its own seed: one pair's measure is off by
+# 30-40% (a few rows carry most of the gradient), and the allocator picks the sketches that one measured low.
+CALIBRATION_PAIRS = 3
 
 
 class ChoiceMeter:
@@ -210,10 +214,13 @@ def choice_options(
     min_bits: int = 1,
     as_is_bytes: int | None = None,
     sketch_scale: float = 1.0,
+    response: tuple[float, float] = (1.0, 0.0),
 ) -> tuple[tuple[Choice, int, float], ...]:
     """The allocator's options of one measured tensor: ``(choice, bytes, variance per unit of sensitivity)``, for
     every measured choice of at least ``min_bits`` (the class's narrowest width), the 16- and 32-bit widths, and
-    each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`)."""
+    each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`). ``response``:
+    ``(a, q)``, the variance per unit of sensitivity is ``a x + q x**2`` at the choice's ``x = S(probe) V(choice) /
+    V(probe)`` (``sensitivity.fit_curve``; linear, ``(1, 0)``, but for a normalisation's input)."""
     from gactx.controller.allocator import variance_factor
 
     numel = torch.Size(shape).numel()
@@ -221,10 +228,15 @@ def choice_options(
     reference = measured.get(Choice(probe_bits), 0.0)
     scale = variance_factor(probe_bits) / reference if reference > 0 else math.inf
 
+    a, q = response
+
     def factor(v: float) -> float:
         if v <= 0:
             return 0.0
-        return scale * v if math.isfinite(scale) else 1e30  # a tensor the probe width stores exactly
+        if not math.isfinite(scale):
+            return 1e30  # a tensor the probe width stores exactly
+        x = scale * v
+        return a * x + q * x * x
 
     sketches = {}
     for choice, sampled in measured.items():

@@ -22,14 +22,14 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.choices import CALIBRATION_PAIR, Choice, ChoiceMeter
+from gactx.controller.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
-from gactx.controller.rules import ALLOCATED, sketchable
+from gactx.controller.rules import ALLOCATED, curved, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
@@ -293,6 +293,27 @@ class Controller:
             )
         if not self._pass.records:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
+        # GACT's estimator measures each tensor with the others stored as they are now. A tensor's effect on the
+        # gradient depends on theirs (a normalisation's input on a BERT layer: 10 times larger with the others at
+        # the default width than at the widths then allocated), so the first adaptation measures again around the
+        # allocation it found, as every later one does.
+        rounds = 2 if cfg.estimator == "gact" and not self._slot_bits else 1
+        first = self._adapt_once(backprop)
+        a = self._adapt_once(backprop) if rounds == 2 else first
+        self.last_adaptation = a = dataclasses.replace(
+            a, passes=a.passes + (first.passes if rounds == 2 else 0),
+            seconds=a.seconds + (first.seconds if rounds == 2 else 0.0),
+        )  # fmt: skip
+        logger.info(
+            "gactx adaptation at step %d: %d passes of the closure in %.2f s; %s allocated of a %s budget%s",
+            a.step, a.passes, a.seconds, format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
+            "" if a.feasible else " (not met: the narrowest widths)",
+        )  # fmt: skip
+        return a
+
+    def _adapt_once(self, backprop: Callable[[], object] | None) -> Adaptation:
+        """One estimate and one allocation (:meth:`adapt`)."""
+        cfg = self.config
         training_pass, was_installed = self._pass, self.installed
         if not was_installed:
             self.install_hook()
@@ -307,13 +328,21 @@ class Controller:
                         raise TypeError("adapt() with estimator='gact' needs a backprop closure")
                     estimate = estimate_sensitivities(
                         self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
-                        _Progress(self.step), self._probed_choices,
+                        _Progress(self.step), self._probed_choices, self._curved,
                     )  # fmt: skip
         finally:
             if not was_installed:
                 self.uninstall_hook()
             discovered, self._pass, self._path.fresh = self._pass, training_pass, True
-        self.sensitivity = reduce_across_ranks(estimate.sensitivity)
+        measured = self._meter.read() if self._meter is not None else {}
+        # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
+        absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
+                    estimate.curves.items()}  # fmt: skip
+        self.sensitivity, measured, probed, absolute = reduce_across_ranks(
+            estimate.sensitivity, measured, estimate.probed, absolute
+        )
+        curves = {s: (p["a"] / self.sensitivity[s], p["q"] / self.sensitivity[s]) for s, p in absolute.items()
+                  if self.sensitivity[s] > 0}  # fmt: skip
         # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
         # compiled saves take widths from it by module, shape and dtype (_compiled_width).
         eager = training_pass if not training_pass.graph_runs else discovered
@@ -322,10 +351,7 @@ class Controller:
         settled = frozenset(
             r.key[:3] for r in discovered.records if not (r.cls in ALLOCATED and isinstance(r.bits, int))
         )
-        measured = self._meter.read() if self._meter is not None else None
-        allocation, budget = plan(
-            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, estimate.probed
-        )
+        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves)
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
             self._renew_graph_hooks()
@@ -340,12 +366,6 @@ class Controller:
             predicted_variance=allocation.variance,
             feasible=allocation.feasible,
         )
-        a = self.last_adaptation
-        logger.info(
-            "gactx adaptation at step %d: %d passes of the closure in %.2f s; %s allocated of a %s budget%s",
-            a.step, a.passes, a.seconds, format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
-            "" if a.feasible else " (not met: the narrowest widths)",
-        )  # fmt: skip
         return self.last_adaptation
 
     # -- checkpoints ----------------------------------------------------------------------------------------
@@ -472,13 +492,20 @@ class Controller:
         where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
         the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
         if self._meter is not None and "sketch" in self.config.schemes and self._sketchable(slot):
-            return (CALIBRATION_PAIR,)
+            return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
         return ()
 
     def _sketchable(self, slot: tuple) -> bool:
-        """Whether the save of ``slot`` is the input of a linear layer, as its op was learned."""
+        """Whether the save of ``slot`` is the input of a linear layer, as its op was learned, and so is every later
+        save that shares what it stores (the other projections of one input)."""
         learned = self._path.sites.get(slot)
-        return learned is not None and sketchable(learned[0])
+        sharers = self._path.sharers.get(slot, {}).values()
+        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
+
+    def _curved(self, slot: tuple) -> bool:
+        """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""
+        learned = self._path.sites.get(slot)
+        return learned is not None and curved(learned[0])
 
     def _set_probe(self, probe: Probe | None) -> None:
         self._probe = probe

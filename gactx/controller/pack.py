@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from gactx.config import Config
 from gactx.controller.choices import Choice
@@ -37,6 +38,7 @@ from gactx.controller.rules import (
     node_id,
     output_rule,
     rule_for,
+    sketchable,
 )
 from gactx.controller.stats import KeyRecord, PassStats, counted_range
 from gactx.controller.store import Kept, Packed, encode, stored_form
@@ -82,8 +84,11 @@ class PackPath:
         self.stats = PassStats()
         self.backward_stats = PassStats()  # saves made during backward (recomputation), since the last forward
         self.fresh = True  # a new pass began; its first save replaces self.stats
-        # (storage, view, version, representation) -> a weak reference to the handle made for it this pass
-        self.dedupe: dict[tuple, weakref.ref] = {}
+        # (storage, view, version, form) -> (a weak reference to the handle made for it this pass, one to the storage,
+        # the width and the choice it was stored at)
+        self.dedupe: dict[tuple, tuple[weakref.ref, StorageWeakRef, int | None, Choice | None]] = {}
+        # slot of a first save -> {slot of a later save that shared what it stored: that save's site}
+        self.sharers: dict[tuple, dict[tuple, Site | None]] = {}
         self.sites: dict[tuple, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
@@ -207,12 +212,18 @@ class PackPath:
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
         rule, bits, choice = self._width(key, rule)
-        # Same storage, view, version and representation (LINEAR and ATTENTION share quantized codes).
-        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form, bits, choice)
-        ref = self.dedupe.get(shape) if cfg.dedupe else None
-        hit = None if ref is None else ref()
-        if hit is not None and hit.source() is not None:
+        # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
+        # that several ops save (the input of the Q, K and V projections) is one tensor to the allocator, under
+        # the slot of its first save: the later saves share whatever that one stored (its width, its scheme, a
+        # probe's noise), so what the estimator measures and what the budget counts is what training stores.
+        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form)
+        entry = self.dedupe.get(shape) if cfg.dedupe else None
+        # The address names the same storage only while that lives: asked of the storage itself, not of a Python
+        # tensor that holds it (a base's wrapper can be freed, and made afresh, while its storage lives on).
+        hit = None if entry is None or entry[1].expired() else entry[0]()
+        if hit is not None and _shares(entry[2], entry[3], rule, site):
             self.stats.deduplicated += 1
+            self.sharers.setdefault(hit.key[:3], {})[key[:3]] = site
             if handle is None:
                 return hit
             handle.stored = hit.stored
@@ -224,8 +235,8 @@ class PackPath:
             handle = Packed(stored, key, t, cfg.backend, ptr)
         else:
             handle.stored = stored
-        if cfg.dedupe:
-            self.dedupe[shape] = weakref.ref(handle)
+        if cfg.dedupe and hit is None:
+            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), bits, choice)
         return handle
 
     def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None, Choice | None]:
@@ -273,6 +284,15 @@ class PackPath:
         op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
         record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form)
         self.stats.add(record, t, ptr, not kept, offloaded, span)
+
+
+def _shares(bits: int | None, choice: Choice | None, rule: Rule, site: Site | None) -> bool:
+    """Whether a later save under ``rule`` at ``site`` may share what a first save stored at ``bits`` under
+    ``choice``: not a row sketch unless this save too only feeds a weight's gradient, not codes narrower than an
+    attention class allows (such a save stores its own)."""
+    if choice is not None and choice.scheme == "sketch" and (site is None or not sketchable(site)):
+        return False
+    return not (rule.cls == "attention" and bits is not None and bits < ATTENTION_BITS)
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

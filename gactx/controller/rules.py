@@ -28,6 +28,9 @@ log domain      sqrt, rsqrt, reciprocal (result); log, log1p, log2, log10,     k
                 denominators; logsumexp, log_softmax, ctc_loss, prod,
                 cumprod, norms and std (results), log_sigmoid, atan2,
                 binary cross-entropy, attention's logsumexp and mask
+statistics      normalisation's saved mean and reciprocal deviation (layer,    kept as is
+                group and batch norm results): backward rescales each row by
+                them, and they are a few values a row
 linear          everything else                                               quantized, bits from the
                                                                               level or the allocator
 ==============  ============================================================  ===========================
@@ -43,6 +46,12 @@ operand is a weight (``Site.weight_operand``, set by the op watcher), and for no
 activations (attention's ``Q K^T``, ``P V``) a sketch of one makes the other's gradient inexact, and the inputs of
 normalisation, convolution and element-wise ops are read by backward in other ways. The flag changes no class:
 ``rule_for`` reads the op and role only.
+
+The input of a normalisation is ``linear`` too, but its backward is not linear in it: the input gradient
+normalises the saved input again and multiplies it by a sum over the row that holds it as well
+(``x_hat * sum(g w x_hat)``), so its rounding error enters twice and the gradient variance grows with the square of
+the stored error as much as with the error. :func:`curved` names these saves; the sensitivity estimator measures
+them at two widths (``sensitivity.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ __all__ = [
     "output_rule",
     "matrix_partner",
     "sketchable",
+    "curved",
     "LINEAR",
     "UNKNOWN",
 ]
@@ -131,6 +141,7 @@ UNKNOWN = Rule("linear (op unknown)", "quantize")
 ATTENTION = Rule("attention", "quantize")
 EQUALITY = Rule("equality", "keep")
 LOG = Rule("log domain", "keep")
+STATISTICS = Rule("statistics", "keep")
 UNUSED = Rule("unused values", "unused")
 DROPOUT = Rule("dropout", "dropout")
 # What a tensor was made by, where its op alone does not tell (watch.py): a float dropout mask (``bernoulli_``
@@ -203,6 +214,17 @@ def _attention(site: Site) -> Rule:
         return LOG
     return LINEAR
 
+
+# Normalisations that save their input and, as results 1 and 2, each row's mean and reciprocal deviation.
+_NORMALISATION = (
+    "native_layer_norm",
+    "native_group_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+)
 
 # (op, role) -> rule or function of the site; role None: any role of the op.
 _TABLE: dict[tuple[str, str | None], object] = {
@@ -288,6 +310,8 @@ _TABLE: dict[tuple[str, str | None], object] = {
     ("binary_cross_entropy", "self"): LOG,
     ("binary_cross_entropy_with_logits", "self"): LOG,
     ("_cdist_forward", "result"): LOG,
+    # normalisation statistics (mean, reciprocal deviation)
+    **{(op, role): STATISTICS for op in _NORMALISATION for role in ("result1", "result2")},
 }
 
 # Saved outputs name their op through their grad_fn, even where the op was not watched: node -> op.
@@ -357,6 +381,12 @@ def sketchable(site: Site) -> bool:
     operand of a product whose other operand is a weight, so backward reads it only for the weight's gradient,
     linearly. A result save, a product of two activations, or any other op: ``False``."""
     return site.weight_operand and not site.result and matrix_partner(site.op, site.role) is not None
+
+
+def curved(site: Site) -> bool:
+    """Whether the save at ``site`` is the input of a normalisation, whose backward normalises it again: its
+    gradient's variance grows with the square of the stored error as well as with the error (module docstring)."""
+    return site.op in _NORMALISATION and site.role == "input"
 
 
 def node_id(fn) -> int:

@@ -8,7 +8,14 @@ noise alone, so::
     C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)
 
 That is ``1 + 2 L`` passes for ``L`` tensors (one pass finds the tensors), and two more for each storage choice
-whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). Around them, the
+whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``).
+
+GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
+read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
+quadratic part makes the 1-bit variance 10 times what the 2-bit probe extrapolates and the 4-bit one a tenth of it.
+Such a tensor is probed at :data:`CURVE_WIDTHS`, a pair of passes each (two more than the others), ``C_lin`` and
+``Q`` are fitted through the two (:func:`fit_curve`), and its ``C`` is the fit's variance at ``probe_bits`` over
+``S(probe_bits)``; :attr:`Estimate.curves` hands the shape to the allocator. Around them, the
 estimator saves and restores the RNG states (CPU and CUDA: dropout draws the same masks in every pass, and training
 continues with the stream it had), the model's buffers (BatchNorm running statistics, batch counters)
 and every parameter's ``.grad``. Parameters are never written: the closure runs forward and backward only.
@@ -26,12 +33,16 @@ from torch import nn
 
 from gactx.controller.allocator import variance_factor
 
-__all__ = ["Probe", "Estimate", "ModelSnapshot", "estimate_sensitivities"]
+__all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
 
 # Sensitivities legitimately span orders of magnitude (first layers vs last); one that is not finite, or
 # more than a million times the median, is a blown-up pass and is capped there, so that it cannot make the
 # allocator starve every other tensor.
 CAP_FACTOR = 1e6
+# The widths a curved tensor is probed at: the narrowest, where the quadratic part shows, and one where it has faded.
+# Every width the allocator may give lies between them or past 4 bits, where the fit is the 4-bit point's line:
+# nothing is extrapolated towards narrower widths.
+CURVE_WIDTHS = (1, 4)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,8 @@ class Estimate:
     passes: int
     seconds: float
     probed: dict = field(default_factory=dict)  # slot -> {choice: the gradient variance it adds, measured}
+    # slot -> (a, q): the gradient variance of a curved tensor at S-equivalent x is C (a x + q x**2) (fit_curve)
+    curves: dict = field(default_factory=dict)
 
 
 class ModelSnapshot:
@@ -96,40 +109,81 @@ def estimate_sensitivities(
     seed_of: Callable[[Hashable, int], int],
     progress: Callable[[int, int], None] | None = None,
     choices_of: Callable[[Hashable], tuple] | None = None,
+    curved: Callable[[Hashable], bool] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
-    ``progress(done, total)`` is told the passes run so far after each slot. ``choices_of(slot)``: pairs of storage
+    ``progress(done, total)`` is told the passes run so far before each slot. ``choices_of(slot)``: pairs of storage
     choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
-    (``Estimate.probed``)."""
+    (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
         slots = discover(lambda: _gradient(model, backprop, snapshot))
-        scale = 0.5 / variance_factor(probe_bits)
-        raw, probed, passes = {}, {}, 1 + 2 * len(slots)
-        for i, slot in enumerate(slots):
+        plans = {
+            slot: (
+                CURVE_WIDTHS if curved is not None and curved(slot) else (probe_bits,),
+                choices_of(slot) if choices_of is not None else (),
+            )
+            for slot in slots
+        }
+        total = 1 + sum(2 * (len(widths) + len(pairs)) for widths, pairs in plans.values())
+        raw, probed, curves, passes = {}, {}, {}, 1
+        for slot, (widths, pairs) in plans.items():
             if progress is not None:
-                progress(1 + 2 * i, 1 + 2 * len(slots))
-            grads = []
-            for k in (1, 2):
-                set_probe(Probe(slot, probe_bits, seed_of(slot, k)))
-                grads.append(_gradient(model, backprop, snapshot))
-            diff = grads[0] - grads[1]
-            raw[slot] = scale * float(diff.dot(diff))  # a host read, outside any hook: once per slot
-            for pair in choices_of(slot) if choices_of is not None else ():
+                progress(passes, total)
+            variance = {}
+            for k, bits in enumerate(widths):
                 grads = []
-                for choice in pair:
-                    set_probe(Probe(slot, choice.bits, seed_of(slot, 3), choice))
+                for j in (1, 2):
+                    set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
                     grads.append(_gradient(model, backprop, snapshot))
                 diff = grads[0] - grads[1]
-                probed.setdefault(slot, {})[pair[0]] = 0.25 * float(diff.dot(diff))
-                passes += 2
+                variance[bits] = 0.5 * float(diff.dot(diff))  # a host read, outside any hook: once per pair
+            if len(widths) == 1:
+                raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
+            else:
+                curves[slot], raw[slot] = fit_curve(variance, probe_bits)
+            measured = {}
+            for n, pair in enumerate(pairs):
+                grads = []
+                for choice in pair:
+                    set_probe(Probe(slot, choice.bits, seed_of(slot, 2 * len(widths) + 1 + n), choice))
+                    grads.append(_gradient(model, backprop, snapshot))
+                diff = grads[0] - grads[1]
+                measured.setdefault(pair[0], []).append(0.25 * float(diff.dot(diff)))
+            if measured:  # a choice probed by several pairs (several seeds): their mean
+                probed[slot] = {choice: sum(v) / len(v) for choice, v in measured.items()}
+            passes += 2 * (len(widths) + len(pairs))
     finally:
         set_probe(None)
         snapshot.restore()
-    return Estimate(cap(raw), passes, time.perf_counter() - start, probed)
+    return Estimate(cap(raw), passes, time.perf_counter() - start, probed, curves)
+
+
+def fit_curve(variance: dict[int, float], probe_bits: int) -> tuple[tuple[float, float], float]:
+    """Fit ``v(b) = C_lin S(b) + Q S(b)**2`` through the gradient variances measured at two widths, ``C_lin`` and
+    ``Q`` at least 0 (where the two points say otherwise, the noise of one pair each, the larger of the two that
+    either point alone gives: the allocator then overrates the tensor, never underrates it). Returns ``((a, q),
+    C)``: the sensitivity ``C = v(probe_bits) / S(probe_bits)`` and the shape of the curve per unit of it,
+    ``v = C (a x + q x**2)`` at ``x = S(b)``. A variance that is not finite is returned as ``C`` (``cap`` ends it)."""
+    (wide, v_wide), (narrow, v_narrow) = sorted(variance.items(), reverse=True)
+    x_wide, x_narrow = variance_factor(wide), variance_factor(narrow)
+    if not (math.isfinite(v_wide) and math.isfinite(v_narrow)):
+        return (1.0, 0.0), math.inf
+    r_wide, r_narrow = v_wide / x_wide, v_narrow / x_narrow
+    q = (r_narrow - r_wide) / (x_narrow - x_wide)
+    lin = r_wide - q * x_wide
+    if q < 0:
+        lin, q = max(r_wide, r_narrow), 0.0
+    elif lin < 0:
+        lin, q = 0.0, max(v_wide / x_wide**2, v_narrow / x_narrow**2)
+    x = variance_factor(probe_bits)
+    c = lin + q * x
+    if c <= 0:
+        return (1.0, 0.0), 0.0
+    return (lin / c, q / c), c
 
 
 def cap(raw: dict) -> dict:

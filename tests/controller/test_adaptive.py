@@ -1,5 +1,6 @@
 """Adaptive levels: the estimator (gactx/controller/sensitivity.py) and its use by the controller."""
 
+import math
 import warnings
 
 import pytest
@@ -75,7 +76,10 @@ def test_adaptation_leaves_the_model_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
     assert torch.equal(before["rng"], torch.get_rng_state())
-    assert adaptation.passes == 1 + 2 * len(controller.sensitivity) and adaptation.seconds > 0
+    # One pass finds the tensors, a pair probes each, a second pair each BatchNorm input (rules.curved).
+    curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
+    assert curved >= 1 and adaptation.passes == 1 + 2 * len(controller.sensitivity) + 2 * curved
+    assert adaptation.seconds > 0
     assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
 
 
@@ -268,10 +272,54 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     monkeypatch.setattr(controller_module, "PROGRESS_SECONDS", 0.0)
     lines, controller = _adaptation_log(caplog)
     total = controller.last_adaptation.passes
-    slots = (total - 1) // 2
-    assert slots >= 2
-    assert lines[:slots] == [
-        f"gactx adaptation at step 1: {1 + 2 * i} of {total} passes of the closure, " + lines[i].rsplit(", ", 1)[1]
-        for i in range(slots)
-    ]
-    assert len(lines) == slots + 1 and "budget" in lines[-1]
+    assert len(lines) == len(controller.sensitivity) + 1 >= 3 and "budget" in lines[-1]
+    prefix = "gactx adaptation at step 1: "
+    assert all(line.startswith(prefix) and f" of {total} passes of the closure, " in line for line in lines[:-1])
+    done = [int(line[len(prefix) :].split(" of ")[0]) for line in lines[:-1]]  # passes run before each slot
+    steps = [b - a for a, b in zip(done, [*done[1:], total], strict=True)]
+    assert done[0] == 1 and set(steps) <= {2, 4}  # a pair a slot, two for a BatchNorm input
+
+
+@pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
+def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
+    from gactx.controller.allocator import variance_factor as S
+    from gactx.controller.sensitivity import fit_curve
+
+    variance = {b: lin * S(b) + q * S(b) ** 2 for b in (1, 4)}
+    (a, qq), c = fit_curve(variance, 2)
+    assert c == pytest.approx(lin + q * S(2))
+    for b in (1, 2, 4, 8):  # C (a x + q x**2) at x = S(b): the curve itself
+        assert c * (a * S(b) + qq * S(b) ** 2) == pytest.approx(lin * S(b) + q * S(b) ** 2, rel=1e-9, abs=1e-18)
+
+
+def test_fit_curve_never_underrates_where_the_two_points_disagree():
+    from gactx.controller.allocator import variance_factor as S
+    from gactx.controller.sensitivity import fit_curve
+
+    # Relative to S(b), the 4-bit point above the 1-bit one: no curve with q >= 0 passes both; the line of the
+    # larger ratio is taken, so that neither width is predicted below what it measured.
+    (a, q), c = fit_curve({1: 0.1 * S(1), 4: 0.3 * S(4)}, 2)
+    assert q == 0 and a == 1 and c == pytest.approx(0.3)
+    (_, _), c = fit_curve({1: math.inf, 4: 1.0}, 2)
+    assert c == math.inf  # left to cap(), like any blown-up probe
+
+
+class Normalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.norm(self.a(x))))
+
+
+def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept():
+    torch.manual_seed(0)
+    model, x = Normalised(), torch.randn(256, 32)
+    controller = _adapted(model, lambda: model(x).square().mean(), min_numel=0)
+    records = {r.key[:3]: r for r in controller.records}
+    assert records[("norm", 1, 0)].op == "native_layer_norm:input"
+    assert [records[("norm", 1, i)].cls for i in (1, 2)] == ["statistics", "statistics"]  # mean, 1/deviation: kept
+    assert all(not isinstance(records[("norm", 1, i)].bits, int) for i in (1, 2))
+    # One pass finds the tensors, a pair probes each, and a second pair the normalisation's input.
+    assert controller.last_adaptation.passes == 1 + 2 * len(controller.sensitivity) + 2

@@ -67,6 +67,17 @@ def test_more_sensitive_tensors_get_more_bits():
     assert bits[3] > bits[0]
 
 
+def test_a_curved_tensor_is_priced_by_its_curve():
+    """A normalisation's input: variance ``C (a S + q S**2)``. Of two tensors alike at the probe width, the one
+    whose variance grows with the square of the error is kept wider, and the narrow widths cost it more."""
+    flat = Item("flat", 100_000, torch.float32, 1.0)
+    bent = Item("bent", 100_000, torch.float32, 1.0, response=(0.1, 8.1))  # a + q S(2) = 1: equal at 2 bits
+    budget = expected_nbytes(100_000, torch.float32, 1) + expected_nbytes(100_000, torch.float32, 2)
+    assert allocate([flat, bent], budget).bits == {"flat": 1, "bent": 2}  # 1-bit bent: 8.2 against flat's 1
+    x = variance_factor(1)
+    assert allocate([bent], expected_nbytes(100_000, torch.float32, 1)).variance == pytest.approx(0.1 * x + 8.1 * x * x)
+
+
 def test_many_tensors_stay_fast_and_within_budget():
     import random
     import time

@@ -160,6 +160,35 @@ def test_a_tensor_saved_three_times_is_stored_once(dedupe):
     assert F.cosine_similarity(grad.flatten(), plain.flatten(), dim=0) > 0.99
 
 
+def test_later_saves_of_a_tensor_share_its_first_saves_width():
+    """The allocator sees the input of Q, K and V once, under Q's slot (K's and V's saves share Q's in the pass it
+    measures): whatever width Q gets, K and V must share it, not store another copy outside the budget."""
+    model = QKV()
+    x = torch.randn(4, 64, 64)
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=10**9)
+    with controller:
+        model(x).sum().backward()
+        controller._slot_bits = {("q", 1, 0): 8}  # every other slot at the default width, 2
+        model(x).sum().backward()
+        records = {r.key[:3]: r for r in controller.records}
+        assert records[("q", 1, 0)].bits == 8 and ("k", 1, 0) not in records and ("v", 1, 0) not in records
+        assert controller.memory_stats().deduplicated == 3
+        assert set(controller._path.sharers[("q", 1, 0)]) == {("k", 1, 0), ("v", 1, 0)}
+
+
+def test_what_a_later_save_may_share():
+    from gactx.controller.choices import Choice
+    from gactx.controller.pack import _shares
+    from gactx.controller.rules import ATTENTION, LINEAR, Site
+
+    mat1, product = Site("addmm", role="mat1", weight_operand=True), Site("bmm", role="self")
+    assert _shares(1, None, LINEAR, product) and _shares(4, None, ATTENTION, product)
+    assert not _shares(2, None, ATTENTION, product)  # narrower than attention's floor: it stores its own
+    sketch = Choice(2, "sketch", 0.5)
+    assert _shares(2, sketch, LINEAR, mat1)  # another weight's input: the same rows serve its gradient
+    assert not _shares(2, sketch, LINEAR, product) and not _shares(2, sketch, LINEAR, None)
+
+
 def test_in_place_change_between_saves_is_not_deduplicated():
     x = torch.randn(64, 64)
     w = nn.Linear(64, 64)

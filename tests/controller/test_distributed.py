@@ -1,4 +1,4 @@
-"""Under torch.distributed every rank must allocate the same bits: two gloo processes on the CPU."""
+"""Under torch.distributed every rank must allocate the same bits and choices: two gloo processes on the CPU."""
 
 import torch
 
@@ -19,9 +19,9 @@ def _worker(rank: int) -> dict:
     raw = {}
     reduce = controller_module.reduce_across_ranks
 
-    def spy(sensitivity):
+    def spy(sensitivity, *tables):
         raw.update(sensitivity)
-        return reduce(sensitivity)
+        return reduce(sensitivity, *tables)
 
     controller_module.reduce_across_ranks = spy
     controller = gactx.Controller(model, level="L2.2")
@@ -30,6 +30,8 @@ def _worker(rank: int) -> dict:
         controller.iterate(lambda: F.cross_entropy(model(x[:16]), y[:16]).backward())
     return {
         "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
+        # the default choices (normal-fitted levels) are priced from each rank's measured errors, averaged too
+        "choices": sorted((repr(k), str(c)) for k, c in controller._slot_choice.items()),
         "reduced": sorted((repr(k), v) for k, v in controller.sensitivity.items()),
         "raw": sorted((repr(k), v) for k, v in raw.items()),
     }
@@ -40,5 +42,6 @@ def test_two_gloo_processes_choose_identical_bits(tmp_path):
     assert r0["raw"] != r1["raw"], "the ranks saw different data and should measure different sensitivities"
     assert r0["reduced"] == r1["reduced"]
     assert r0["bits"] == r1["bits"] and len(r0["bits"]) >= 4
+    assert r0["choices"] == r1["choices"]
     for (slot, a), (_, b), (_, mean) in zip(r0["raw"], r1["raw"], r0["reduced"], strict=True):
         assert abs((a + b) / 2 - mean) <= 1e-9 * max(1.0, abs(mean)), slot

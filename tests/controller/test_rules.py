@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gactx.controller.rules import ATTENTION_BITS, Site, matrix_partner, output_rule, rule_for, sketchable
+from gactx.controller.rules import ATTENTION_BITS, Site, curved, matrix_partner, output_rule, rule_for, sketchable
 from gactx.controller.store import mask_values, round_to
 
 SITES = [
@@ -37,6 +37,11 @@ SITES = [
     (Site("clamp", "default", "self", (("min", None), ("max", None))), "linear", "quantize"),
     (Site("addmm", role="mat1"), "linear", "quantize"),
     (Site("mul_", role="?"), "linear", "quantize"),
+    (Site("native_layer_norm", role="input"), "linear", "quantize"),
+    (Site("native_layer_norm", role="result1"), "statistics", "keep"),  # each row's mean
+    (Site("native_layer_norm", role="result2"), "statistics", "keep"),  # and reciprocal deviation
+    (Site("native_group_norm", role="result2"), "statistics", "keep"),
+    (Site("native_batch_norm", role="result1"), "statistics", "keep"),
 ]
 
 
@@ -113,3 +118,18 @@ def test_the_weight_flag_changes_no_class(site):
     flagged = dataclasses.replace(site, weight_operand=not site.weight_operand)
     assert rule_for(flagged) == rule_for(site)
     assert str(flagged) == str(site)
+
+
+@pytest.mark.parametrize(
+    "site, expected",
+    [
+        (Site("native_layer_norm", role="input"), True),
+        (Site("native_batch_norm", role="input"), True),
+        (Site("native_group_norm", role="input"), True),
+        (Site("native_layer_norm", role="weight"), False),
+        (Site("addmm", role="mat1"), False),
+        (Site("linalg_vector_norm", role="self"), False),
+    ],
+)
+def test_curved_saves_are_the_inputs_of_normalisations(site, expected):
+    assert curved(site) is expected
