@@ -168,8 +168,9 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
         f"# gactx storage choices on {env['device_name']}",
         "",
         f"- torch {env['torch']}; run {env['date']}; level L2.2 (2 bits a compressed element on average)",
-        f"- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks),",
-        f"  the mean over {env['seeds']} estimator seeds (each its own probes and allocation), {env['draws']} draws each;",
+        "- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks),",
+        f"  the mean over {env['seeds']} estimator seeds (each its own probes and allocation), "
+        f"{env['draws']} draws each;",
         "  seeds = the lowest and highest seed's error over the row's mean; predicted = the allocator's model of it;",
         "  allocated / budget = the bytes the allocation holds for the tensors it allocates over the budget for them",
         "  (the same for every row of a model); bytes = gactx's accounting of everything one forward pass holds",

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from gactx.config import Config, parse_bytes
 from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate
 from gactx.controller.choices import calibration, choice_options
-from gactx.controller.rules import ALLOCATED, ATTENTION_BITS
-from gactx.controller.stats import PassStats
+from gactx.controller.rules import ATTENTION_BITS
+from gactx.controller.stats import AS_IS, PassStats
 
 __all__ = ["Adaptation", "default_width", "reduce_across_ranks", "plan"]
 
@@ -97,9 +97,10 @@ def plan(
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
-    fixed = sum(n for n, _ in last_pass.kept_storages.values())
+    # Kept storages are paid first, but for tensors kept at the 16 or 32 bits an allocation gave them: items again.
+    fixed = sum(n for n, why in last_pass.kept_storages.values() if not why.endswith(AS_IS))
     for record in last_pass.records:
-        if record.cls in ALLOCATED and isinstance(record.bits, int) and record.key[:3] not in settled:
+        if record.allocated and record.key[:3] not in settled:
             slot = record.key[:3]
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)

@@ -58,7 +58,7 @@ from gactx.controller.graph_nodes import (
 )
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.rules import ATTENTION_BITS
-from gactx.controller.stats import KeyRecord
+from gactx.controller.stats import AS_IS, KeyRecord
 from gactx.kernels import traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 
@@ -270,7 +270,7 @@ class CompiledPath:
         if is_attention(node) or feeds_exp(node, bw_graph):
             return max(bits, ATTENTION_BITS), "attention"
         if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
-            return f"{bits} (as is)", "linear"
+            return f"{bits}{AS_IS}", "linear"
         return bits, "linear"
 
     def _sink_pending(self, bw_graph) -> None:

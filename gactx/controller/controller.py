@@ -29,7 +29,7 @@ from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
-from gactx.controller.rules import ALLOCATED, curved, sketchable
+from gactx.controller.rules import curved, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
@@ -106,17 +106,18 @@ class _Progress:
     """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
     2 passes per compressed tensor of a deep net) says where it is."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.every = step, PROGRESS_SECONDS
+    def __init__(self, step: int, rounds: int = 1) -> None:
+        self.step, self.every, self.rounds, self.round = step, PROGRESS_SECONDS, rounds, 1
         self.start = self.last = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
         if now - self.last >= self.every:
             self.last = now
+            estimate = f", estimate {self.round} of {self.rounds}" if self.rounds > 1 else ""
             logger.info(
-                "gactx adaptation at step %d: %d of %d passes of the closure, %.1f s", self.step, done, total,
-                now - self.start,
+                "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate, done,
+                total, now - self.start,
             )  # fmt: skip
 
 
@@ -282,7 +283,9 @@ class Controller:
         """Measure every compressed tensor's sensitivity with ``backprop`` and allocate bits now.
 
         The model is left as it was: parameters untouched, buffers (BatchNorm statistics) and every
-        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose. With
+        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose (the first adaptation
+        of GACT's estimator estimates twice, the second time around the allocation the first found: its passes and
+        seconds are both rounds'). With
         ``estimator="actnn"``: the estimate collected in the last step if there is one (no pass), else one
         ordinary pass of ``backprop`` read the same way.
         """
@@ -298,8 +301,11 @@ class Controller:
         # the default width than at the widths then allocated), so the first adaptation measures again around the
         # allocation it found, as every later one does.
         rounds = 2 if cfg.estimator == "gact" and not self._slot_bits else 1
-        first = self._adapt_once(backprop)
-        a = self._adapt_once(backprop) if rounds == 2 else first
+        progress = _Progress(self.step, rounds)
+        first = a = self._adapt_once(backprop, progress)
+        if rounds == 2:
+            progress.round = 2
+            a = self._adapt_once(backprop, progress)
         self.last_adaptation = a = dataclasses.replace(
             a, passes=a.passes + (first.passes if rounds == 2 else 0),
             seconds=a.seconds + (first.seconds if rounds == 2 else 0.0),
@@ -311,7 +317,7 @@ class Controller:
         )  # fmt: skip
         return a
 
-    def _adapt_once(self, backprop: Callable[[], object] | None) -> Adaptation:
+    def _adapt_once(self, backprop: Callable[[], object] | None, progress: _Progress) -> Adaptation:
         """One estimate and one allocation (:meth:`adapt`)."""
         cfg = self.config
         training_pass, was_installed = self._pass, self.installed
@@ -328,7 +334,7 @@ class Controller:
                         raise TypeError("adapt() with estimator='gact' needs a backprop closure")
                     estimate = estimate_sensitivities(
                         self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
-                        _Progress(self.step), self._probed_choices, self._curved,
+                        progress, self._probed_choices, self._curved,
                     )  # fmt: skip
         finally:
             if not was_installed:
@@ -348,10 +354,10 @@ class Controller:
         eager = training_pass if not training_pass.graph_runs else discovered
         # A training forward that met an op for the first time stored its tensors as linear inputs; the
         # estimator's passes, watched, know better where they stored one at a fixed width.
-        settled = frozenset(
-            r.key[:3] for r in discovered.records if not (r.cls in ALLOCATED and isinstance(r.bits, int))
+        settled = frozenset(r.key[:3] for r in discovered.records if not r.allocated)
+        allocation, budget = plan(
+            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves
         )
-        allocation, budget = plan(cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves)
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
             self._renew_graph_hooks()
@@ -485,7 +491,7 @@ class Controller:
         finally:
             if self._meter is not None:
                 self._meter.armed = False
-        return [r.key[:3] for r in self._pass.records if r.cls in ALLOCATED and isinstance(r.bits, int)]
+        return [r.key[:3] for r in self._pass.records if r.allocated]
 
     def _probed_choices(self, slot: tuple) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,

@@ -40,7 +40,7 @@ from gactx.controller.rules import (
     rule_for,
     sketchable,
 )
-from gactx.controller.stats import KeyRecord, PassStats, counted_range
+from gactx.controller.stats import AS_IS, KeyRecord, PassStats, counted_range
 from gactx.controller.store import Kept, Packed, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
@@ -261,7 +261,7 @@ class PackPath:
                 observe(key, t, rule)
         stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):
-            label = "kept" if rule.kind in ("keep", "mask") else f"{bits} (as is)"
+            label = "kept" if rule.kind in ("keep", "mask") else f"{bits}{AS_IS}"
             self._record(t, key, ptr, site, rule, label, None)
             return stored
         nbytes, offloaded = stored.nbytes, False

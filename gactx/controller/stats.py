@@ -14,6 +14,9 @@ import torch
 
 from gactx.controller.identity import Key
 from gactx.controller.policy import storage_owner
+from gactx.controller.rules import ALLOCATED
+
+AS_IS = " (as is)"  # the label's end of a tensor stored as it is at the width it was given: "32 (as is)"
 
 __all__ = ["MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
 
@@ -65,6 +68,12 @@ class KeyRecord:
     op: str = ""  # the aten op that saved it, and the argument or result when not self/result
     cls: str = ""  # its rule's class (see rules.py)
     form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see choices.py)
+
+    @property
+    def allocated(self) -> bool:
+        """Whether its width is the allocator's to choose: a class the allocator serves, stored at a width (codes,
+        or as it is because the width given was 16 or 32 bits)."""
+        return self.cls in ALLOCATED and (isinstance(self.bits, int) or str(self.bits).endswith(AS_IS))
 
 
 @dataclass
