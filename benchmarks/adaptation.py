@@ -38,7 +38,7 @@ def measure(name: str, quick: bool) -> dict:
     full_step_s = full.seconds / full.controller.step
     return {
         "model": name,
-        "tensors_measured": (a.passes - 1) // 2,
+        "tensors_measured": len(run.controller.sensitivity),
         "passes": a.passes,
         "adaptation_s": round(a.seconds, 3),
         "step_s": round(step_s, 4),

@@ -159,7 +159,9 @@ def _chosen(c: dict) -> str:
 
 
 def _spread(r: dict) -> str:
-    seeds = r.get("per_seed") or [r["relative_error"]]
+    seeds = r.get("per_seed")
+    if not seeds or len(seeds) < 2:
+        return ""
     return f"{min(seeds) / r['relative_error']:.2f}-{max(seeds) / r['relative_error']:.2f}"
 
 
@@ -167,7 +169,8 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     lines = [
         f"# gactx storage choices on {env['device_name']}",
         "",
-        f"- torch {env['torch']}; run {env['date']}; level L2.2 (2 bits a compressed element on average)",
+        f"- torch {env['torch']}; gradient error run {env.get('errors_date', env['date'])}, training run "
+        f"{env.get('training_date', env['date'])}; level L2.2 (2 bits a compressed element on average)",
         "- error = E ||g' - g||^2 / ||g||^2 over draws of the rounding noise (one batch, the same dropout masks),",
         f"  the mean over {env['seeds']} estimator seeds (each its own probes and allocation), "
         f"{env['draws']} draws each;",
@@ -220,12 +223,17 @@ def run(argv: list[str] | None = None) -> dict:
         "--parts", nargs="+", choices=("errors", "training"), default=["errors", "training"],
         help="what to run; a part not run keeps its rows from the results folder's schemes.json, if any",
     )  # fmt: skip
+    parser.add_argument(
+        "--models", nargs="+", metavar="NAME",
+        help="the models to measure (zoo:NAME or a models-benchmark name); the others keep their rows from the results",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     torch.set_num_threads(args.threads)
     size = "tiny" if args.quick else "small"
     models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
+    models = [m for m in models if args.models is None or m in args.models]
     configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS]
     if args.quick:
         configs = [BASE, "all schemes"]
@@ -233,30 +241,44 @@ def run(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = args.out or Path(__file__).parent / "results" / device_slug(device)
     previous = json.loads((out / "schemes.json").read_text()) if (out / "schemes.json").exists() else {}
-    errors = [] if "errors" in args.parts else previous.get("gradient_error", [])
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    old_env = previous.get("env", {})
+    env = {
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "date": now,
+        "seeds": 1 if args.quick else args.seeds,
+        "draws": draws,
+        # when each part's rows were measured: a part not run keeps its rows, and their date
+        "errors_date": now if "errors" in args.parts else old_env.get("errors_date", old_env.get("date", "")),
+        "training_date": now if "training" in args.parts else old_env.get("training_date", old_env.get("date", "")),
+    }
+    errors = previous.get("gradient_error", []) if "errors" not in args.parts else [
+        r for r in previous.get("gradient_error", []) if args.models is not None and r["model"] not in models
+    ]  # fmt: skip
+    training = [] if "training" in args.parts else previous.get("training", [])
+
+    def save() -> dict:  # after every row: a run cut short leaves what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"env": env, "gradient_error": errors, "training": training}
+        (out / "schemes.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "schemes.md").write_text(render(errors, training, env))
+        return result
+
     for name in models if "errors" in args.parts else []:
         for label in configs:
             errors.append(gradient_error(name, label, draws, size, 1 if args.quick else args.seeds))
             r = errors[-1]
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
-    training = [] if "training" in args.parts else previous.get("training", [])
+            save()
     for name in (["gcn"] if args.quick else WORKLOADS) if "training" in args.parts else []:
         for label in [BASE, "all schemes"] if args.quick else TRAIN_CONFIGS:
             training.append(train(name, label, 3 if args.quick else args.steps, size))
             r = training[-1]
             print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
-    env = {
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "seeds": 1 if args.quick else args.seeds,
-        "draws": draws,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"env": env, "gradient_error": errors, "training": training}
-    (out / "schemes.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "schemes.md").write_text(render(errors, training, env))
+            save()
+    result = save()
     print(f"wrote {out / 'schemes.md'}")
     return result
 

@@ -186,9 +186,16 @@ class PackPath:
     def _recall(self, t: torch.Tensor, key: Key) -> tuple[Site | None, Rule]:
         """The site and rule of a save in an unwatched pass: learned for its slot, or read from a result's
         ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
-        learned = self.sites.get(key[:3])
-        if learned is not None and learned[2] == _signature(t):
+        learned, signature = self.sites.get(key[:3]), _signature(t)
+        if learned is not None and learned[2] == signature:
             return learned[0], learned[3]
+        # A watched pass may number a module call's saves apart from an unwatched one: under the watcher a composite
+        # op (the CTC loss) saves copies of its integer arguments that it does not save otherwise, and the saves after
+        # them shift. The one save of this call learned with the same signature, if there is exactly one, is this.
+        module, call = key[0], key[1]
+        alike = [v for (m, c, _), v in self.sites.items() if m == module and c == call and v[2] == signature]
+        if len(alike) == 1:
+            return alike[0][0], alike[0][3]
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)

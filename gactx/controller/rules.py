@@ -339,12 +339,6 @@ _OUTPUT_NODES = {
 }
 
 
-# Nodes that save several of their results and none of their inputs under their own name: each save whose
-# ``grad_fn`` is the node is one of its results (the CTC loss's likelihood and its log-alpha table, -inf where a
-# path is impossible: kept, never rounded).
-_RESULT_NODES = {"CtcLossBackward0": Site("_ctc_loss", role="result", result=True)}
-
-
 def rule_for(site: Site) -> Rule:
     """The rule of a save at ``site`` (``LINEAR`` for ops the table does not name)."""
     entry = _TABLE.get((site.op, site.role)) or _TABLE.get((site.op, None))
@@ -413,9 +407,6 @@ def output_rule(t: torch.Tensor, claimed: set[int]) -> tuple[Site, Rule] | None:
     fn = t.grad_fn
     if fn is None:
         return None
-    site = _RESULT_NODES.get(type(fn).__name__)
-    if site is not None:
-        return site, rule_for(site)
     site = _OUTPUT_NODES.get(type(fn).__name__)
     if site is None or node_id(fn) in claimed:
         return None

@@ -319,3 +319,33 @@ def test_the_controller_learns_the_flag_with_the_slot():
         _step(model, controller, x)
         learned = {str(site): site for site, *_ in controller._path.sites.values()}
         assert sketchable(learned["addmm:mat1"]) and not sketchable(learned["relu"])
+
+
+class CTCHead(nn.Module):
+    """A loss inside the forward whose composite op saves more copies of its integer arguments when watched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 12)
+
+    def forward(self, x, targets):
+        log_probs = self.proj(x).log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return F.ctc_loss(log_probs, targets, lengths, torch.full((x.shape[0],), targets.shape[1]))
+
+
+def test_a_save_whose_index_shifts_after_the_watched_pass_keeps_its_rule():
+    """CTC's log-alpha table (-inf where a path is impossible) is saved at another index once the watcher is off:
+    it is still recognised, and kept, in every pass (rounded, it makes the gradient NaN)."""
+    torch.manual_seed(0)
+    model, x = CTCHead(), torch.randn(2, 40, 16)
+    targets = torch.randint(1, 12, (2, 6))
+    controller = gactx.Controller(model, level="L1.1", min_numel=0)
+    with controller:
+        for _ in range(3):
+            model.zero_grad()
+            model(x, targets).backward()
+            alpha = [r for r in controller.records if r.dtype == torch.float32 and len(r.key.shape) == 3 and not r.op]
+            assert not alpha, [(r.key, r.bits) for r in alpha]
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert not controller._path.relearn
