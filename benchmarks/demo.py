@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _expected(cuda: bool, size: str) -> str:
     if size == "small" and not cuda:
-        return "about 70 s on 2 cores, 2 to 3 minutes the first time (the C++ kernels and Inductor compile)"
+        return "about 2 min 20 s on 2 cores, a minute more the first time (the C++ kernels and Inductor compile)"
     if size == "tiny":
         return "under a minute"
     return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
