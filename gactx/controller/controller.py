@@ -301,15 +301,12 @@ class Controller:
         # the default width than at the widths then allocated), so the first adaptation measures again around the
         # allocation it found, as every later one does.
         rounds = 2 if cfg.estimator == "gact" and not self._slot_bits else 1
-        progress = _Progress(self.step, rounds)
-        first = a = self._adapt_once(backprop, progress)
-        if rounds == 2:
-            progress.round = 2
-            a = self._adapt_once(backprop, progress)
+        progress, estimates = _Progress(self.step, rounds), []
+        for progress.round in range(1, rounds + 1):
+            estimates.append(self._adapt_once(backprop, progress))
         self.last_adaptation = a = dataclasses.replace(
-            a, passes=a.passes + (first.passes if rounds == 2 else 0),
-            seconds=a.seconds + (first.seconds if rounds == 2 else 0.0),
-        )  # fmt: skip
+            estimates[-1], passes=sum(e.passes for e in estimates), seconds=sum(e.seconds for e in estimates)
+        )
         logger.info(
             "gactx adaptation at step %d: %d passes of the closure in %.2f s; %s allocated of a %s budget%s",
             a.step, a.passes, a.seconds, format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
