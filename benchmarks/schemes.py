@@ -15,8 +15,9 @@
    ``predicted`` is the allocator's own model of that error, ``sum C_l S_l(choice)`` over ``||g||^2``. Bytes are
    gactx's accounting of what one forward pass holds (compressed and kept tensors).
 2. Training: each small model of the models benchmark trains at L2.2 with uniform codes only, with the default
-   choices and with every scheme offered, from the same initialisation on the same batches; final training loss
-   and held-out accuracy.
+   choices and with every scheme offered, from the same initialisation on the same batches, once for each of
+   ``--train-seeds`` controller seeds (the rounding noise and the estimator's probes), and once in full precision
+   for reference; final training loss and held-out accuracy, the mean and range over the runs.
 
 Writes schemes.json and schemes.md under ``benchmarks/results/<device>/``.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import time
@@ -52,7 +54,8 @@ CONFIGS = {  # label -> (schemes, estimator)
 }
 ZOO = ("mlp", "resnet", "transformer_layer", "bert", "gcn", "sage", "gat", "lstm", "conv3d")
 WORKLOADS = ("gcn", "sage", "gat", "bert-base", "vit-b16", "resnet50")
-TRAIN_CONFIGS = ("uniform only", "+normal +sketch (default)", "all schemes")
+FULL = "full precision"  # training only: the reference without gactx
+TRAIN_CONFIGS = (FULL, "uniform only", "+normal +sketch (default)", "all schemes")
 BASE = "uniform only"
 
 
@@ -121,14 +124,41 @@ def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds
     }
 
 
-def train(name: str, label: str, steps: int, size: str = "small") -> dict:
-    schemes, estimator = CONFIGS[label]
+def train(name: str, label: str, steps: int, size: str = "small", seeds: int = 3) -> dict:
+    """One row: the model trains ``steps`` steps from the same initialisation on the same batches (the same
+    dropout masks) once for each controller seed (the rounding noise and the estimator's probes); ``FULL``
+    trains once, without gactx."""
+    losses, accuracies, chosen = [], [], collections.Counter()
+    for seed in range(1 if label == FULL else seeds):
+        loss, accuracy, choices = _train_once(name, label, steps, size, seed)
+        losses.append(loss)
+        accuracies.append(accuracy)
+        chosen.update(choices)
+    runs = len(losses)
+    return {
+        "model": name,
+        "config": label,
+        "steps": steps,
+        "seeds": runs,
+        "final_loss": statistics.mean(losses),
+        "per_seed_loss": losses,
+        "accuracy": statistics.mean(accuracies),
+        "per_seed_accuracy": accuracies,
+        "chosen": {k: v / runs for k, v in chosen.items()},
+    }
+
+
+def _train_once(name: str, label: str, steps: int, size: str, seed: int) -> tuple[float, float, collections.Counter]:
+    """Final training loss (the mean of the last five steps), held-out accuracy and the storage choices made."""
     w = workloads.build(name, size, seed=0)
     gen = torch.Generator().manual_seed(1)
     optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
-    controller = Controller(w.model, "L2.2", schemes=schemes, estimator=estimator)
+    controller = None
+    if label != FULL:
+        schemes, estimator = CONFIGS[label]
+        controller = Controller(w.model, "L2.2", schemes=schemes, estimator=estimator, seed=seed)
     losses = []
-    with controller:
+    with controller or contextlib.nullcontext():
         for step in range(steps):
             inputs, target = w.make_batch(w.default_batch, gen)
             torch.manual_seed(step)
@@ -141,17 +171,12 @@ def train(name: str, label: str, steps: int, size: str = "small") -> dict:
 
             losses.append(float(backprop().detach()))
             optimizer.step()
-            controller.iterate(backprop)
-        chosen = collections.Counter(c.scheme for c in controller._slot_choice.values())
+            if controller is not None:
+                controller.iterate(backprop)
+    chosen = collections.Counter(c.scheme for c in controller._slot_choice.values()) if controller else {}
     held_out = w.make_batch(w.default_batch, torch.Generator().manual_seed(12345))
-    return {
-        "model": name,
-        "config": label,
-        "steps": steps,
-        "final_loss": sum(losses[-5:]) / len(losses[-5:]),
-        "accuracy": workloads.accuracy(w, *held_out),
-        "chosen": dict(chosen),
-    }
+    final = losses[-5:]
+    return sum(final) / len(final), workloads.accuracy(w, *held_out), collections.Counter(chosen)
 
 
 def _chosen(c: dict) -> str:
@@ -163,6 +188,10 @@ def _spread(r: dict) -> str:
     if not seeds or len(seeds) < 2:
         return ""
     return f"{min(seeds) / r['relative_error']:.2f}-{max(seeds) / r['relative_error']:.2f}"
+
+
+def _range(values: list[float] | None, spec: str) -> str:
+    return f"{min(values):{spec}}-{max(values):{spec}}" if values and len(values) > 1 else ""
 
 
 def render(errors: list[dict], training: list[dict], env: dict) -> str:
@@ -199,11 +228,19 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     )  # fmt: skip
     if training:
         lines += ["", "## Training at L2.2", ""]
+        lines += [
+            f"- the mean over the row's runs: {env.get('train_seeds', 1)} controller seeds (rounding noise and probes) "
+            "from the same initialisation on the same batches; full precision trains once (it has no noise); "
+            "range = the lowest and highest run",
+            "",
+        ]
         lines += markdown_table(
-            ("model", "choices offered", "steps", "final loss", "held-out accuracy", "chosen"),
+            ("model", "choices offered", "steps", "runs", "final loss", "range", "held-out accuracy", "range",
+             "chosen"),
             [
-                (r["model"], r["config"], r["steps"], f"{r['final_loss']:.4f}", f"{r['accuracy']:.3f}",
-                 _chosen(r["chosen"]))
+                (r["model"], r["config"], r["steps"], r.get("seeds", 1), f"{r['final_loss']:.4f}",
+                 _range(r.get("per_seed_loss"), ".4f"), f"{r['accuracy']:.3f}",
+                 _range(r.get("per_seed_accuracy"), ".3f"), _chosen(r["chosen"]))
                 for r in training
             ],
             left=2,
@@ -218,6 +255,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draws", type=int, default=4, help="gradient draws a seed")
     parser.add_argument("--seeds", type=int, default=3, help="estimator seeds a row (each its own allocation)")
     parser.add_argument("--steps", type=int, default=40, help="training steps a model")
+    parser.add_argument("--train-seeds", type=int, default=3, help="controller seeds a training row")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--parts", nargs="+", choices=("errors", "training"), default=["errors", "training"],
@@ -247,8 +285,11 @@ def run(argv: list[str] | None = None) -> dict:
         "device_name": device_name(device),
         "torch": torch.__version__,
         "date": now,
-        "seeds": 1 if args.quick else args.seeds,
-        "draws": draws,
+        "seeds": (1 if args.quick else args.seeds) if "errors" in args.parts else old_env.get("seeds", args.seeds),
+        "draws": draws if "errors" in args.parts else old_env.get("draws", draws),
+        "train_seeds": (1 if args.quick else args.train_seeds)
+        if "training" in args.parts
+        else old_env.get("train_seeds", 1),
         # when each part's rows were measured: a part not run keeps its rows, and their date
         "errors_date": now if "errors" in args.parts else old_env.get("errors_date", old_env.get("date", "")),
         "training_date": now if "training" in args.parts else old_env.get("training_date", old_env.get("date", "")),
@@ -273,8 +314,8 @@ def run(argv: list[str] | None = None) -> dict:
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
             save()
     for name in (["gcn"] if args.quick else WORKLOADS) if "training" in args.parts else []:
-        for label in [BASE, "all schemes"] if args.quick else TRAIN_CONFIGS:
-            training.append(train(name, label, 3 if args.quick else args.steps, size))
+        for label in [FULL, BASE, "all schemes"] if args.quick else TRAIN_CONFIGS:
+            training.append(train(name, label, 3 if args.quick else args.steps, size, env["train_seeds"]))
             r = training[-1]
             print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
             save()

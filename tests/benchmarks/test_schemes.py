@@ -14,7 +14,11 @@ def test_quick_schemes_benchmark(tmp_path):
     for r in rows:
         assert 0 < r["relative_error"] < 10 and r["allocated_bytes"] <= r["budget_bytes"]
         assert r["tensors"] > 0 and r["packed_bytes"] < r["original_bytes"]
-    assert [t["model"] for t in result["training"]] == ["gcn", "gcn"]
+    assert [(t["model"], t["config"]) for t in result["training"]] == [
+        ("gcn", c) for c in ("full precision", "uniform only", "all schemes")
+    ]
+    full = result["training"][0]
+    assert full["chosen"] == {} and full["seeds"] == 1 and full["final_loss"] > 0
     assert json.loads((tmp_path / "schemes.json").read_text())["training"] == result["training"]
     text = (tmp_path / "schemes.md").read_text()
     assert "## Gradient error at equal bytes" in text and "| gcn | all schemes | gact |" in text
