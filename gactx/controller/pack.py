@@ -90,6 +90,7 @@ class PackPath:
         # slot of a first save -> {slot of a later save that shared what it stored: that save's site}
         self.sharers: dict[tuple, dict[tuple, Site | None]] = {}
         self.sites: dict[tuple, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
+        self._calls: dict[tuple, dict] = {}  # (module, call) -> {index: what sites holds}: a call's learned saves
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
@@ -192,8 +193,7 @@ class PackPath:
         # A watched pass may number a module call's saves apart from an unwatched one: under the watcher a composite
         # op (the CTC loss) saves copies of its integer arguments that it does not save otherwise, and the saves after
         # them shift. The one save of this call learned with the same signature, if there is exactly one, is this.
-        module, call = key[0], key[1]
-        alike = [v for (m, c, _), v in self.sites.items() if m == module and c == call and v[2] == signature]
+        alike = [v for v in self._calls.get(key[:2], {}).values() if v[2] == signature]
         if len(alike) == 1:
             return alike[0][0], alike[0][3]
         if self.tracker.inside and self.config.op_rules == "learn":
@@ -215,7 +215,8 @@ class PackPath:
         return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
         cfg = self.config
         if learn is not None:
-            self.sites[key[:3]] = (learn[0], learn[1], _signature(t), rule)
+            self.sites[key[:3]] = learned = (learn[0], learn[1], _signature(t), rule)
+            self._calls.setdefault(key[:2], {})[key[2]] = learned
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
         rule, bits, choice = self._width(key, rule)
