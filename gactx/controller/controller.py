@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import warnings
@@ -31,6 +30,7 @@ from gactx.controller.pack import PackPath
 from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import curved, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
+from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
 
@@ -42,46 +42,6 @@ def _top_hooks() -> tuple | None:
     say (then removal order is not checked)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if top is None else top(False) or (None, None)
-
-
-def _slots(state: dict, field: str, kind: type) -> dict:
-    """``state[field]``: rows ``[module, call, index, value]`` as ``{(module, call, index): value}``, or a
-    ValueError naming the field and the first bad row."""
-    rows = state[field]
-    if not isinstance(rows, (list, tuple)):
-        raise ValueError(f"gactx Controller state: {field!r} must be a list of [module, call, index, value] rows")
-    out = {}
-    for row in rows:
-        ok = isinstance(row, (list, tuple)) and len(row) == 4 and isinstance(row[0], str)
-        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:3])
-        ok = ok and isinstance(row[3], (int, float)) and not isinstance(row[3], bool)
-        if ok and kind is int:
-            ok = isinstance(row[3], int) or float(row[3]).is_integer()
-        if not ok or not math.isfinite(row[3]):
-            raise ValueError(f"gactx Controller state: {field!r} has a malformed row {row!r}")
-        out[(row[0], row[1], row[2])] = kind(row[3])
-    return out
-
-
-def _choices(rows, bits: dict) -> dict:
-    """``state["choices"]``: rows ``[module, call, index, scheme, fraction, high]`` (a slot of ``bits``) as Choices,
-    or a ValueError naming the first bad row."""
-    from gactx.config import SCHEMES
-
-    if not isinstance(rows, (list, tuple)):
-        raise ValueError(
-            "gactx Controller state: 'choices' must be a list of [module, call, index, scheme, fraction, high] rows"
-        )
-    out = {}
-    for row in rows:
-        ok = isinstance(row, (list, tuple)) and len(row) == 6 and tuple(row[:3]) in bits
-        ok = ok and row[3] in SCHEMES and isinstance(row[4], (int, float)) and not isinstance(row[4], bool)
-        ok = ok and isinstance(row[5], int) and not isinstance(row[5], bool) and 0 < row[4] <= 1
-        if not ok:
-            raise ValueError(f"gactx Controller state: 'choices' has a malformed row {row!r}")
-        slot = tuple(row[:3])
-        out[slot] = Choice(bits[slot], row[3], float(row[4]), row[5])
-    return out
 
 
 logger = logging.getLogger(__name__)
@@ -373,38 +333,18 @@ class Controller:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 
-    STATE_VERSION = 1
+    STATE_VERSION = STATE_VERSION
 
     def state_dict(self) -> dict:
         """What a resumed run needs to keep its allocation: the step, the sensitivities and the bits (by slot:
         module name, call, index), and the level they belong to. Plain Python values: ``torch.save`` or
         JSON both take it."""
-        return {
-            "version": self.STATE_VERSION,
-            "level": self.config.level,
-            "step": self.step,
-            "sensitivity": [[*slot, c] for slot, c in self.sensitivity.items()],
-            "bits": [[*slot, b] for slot, b in self._slot_bits.items()],
-            "choices": [[*slot, c.scheme, c.fraction, c.high] for slot, c in self._slot_choice.items()],
-        }
+        return write_state(self.config.level, self.step, self.sensitivity, self._slot_bits, self._slot_choice)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output. A state from another level is refused: its bits answer another
         budget."""
-        if not isinstance(state, dict) or state.get("version") != self.STATE_VERSION:
-            raise ValueError(f"not a gactx Controller state (version {self.STATE_VERSION}): {type(state).__name__}")
-        missing = [f for f in ("level", "step", "sensitivity", "bits") if f not in state]
-        if missing:
-            raise ValueError(f"gactx Controller state: missing {', '.join(map(repr, missing))}")
-        if state["level"] != self.config.level:
-            raise ValueError(f"state saved at level {state['level']!r} cannot load into level {self.config.level!r}")
-        step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"gactx Controller state: 'step' must be an int >= 0, got {step!r}")
-        sensitivity = _slots(state, "sensitivity", float)
-        bits = _slots(state, "bits", int)
-        choices = _choices(state.get("choices", []), bits)
-        self.step, self.sensitivity, self._slot_bits, self._slot_choice = step, sensitivity, bits, choices
+        self.step, self.sensitivity, self._slot_bits, self._slot_choice = read_state(state, self.config.level)
 
     def _renew_graph_hooks(self) -> None:
         """New hooks, so that compiled graphs are traced again with the new allocation."""
