@@ -11,17 +11,26 @@ import torch
 import torch.distributed as dist
 
 from gactx.config import Config, parse_bytes
-from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate
+from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate, variance_factor
 from gactx.controller.choices import calibration, choice_options
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import AS_IS, PassStats
 
-__all__ = ["Adaptation", "default_width", "reduce_across_ranks", "plan"]
+__all__ = ["Adaptation", "NOISE_CEILING", "default_width", "noise_floor", "reduce_across_ranks", "plan"]
 
 logger = logging.getLogger(__name__)
 
 # Widths a class allows, where not every width (see rules.py).
 CLASS_WIDTHS = {"attention": tuple(w for w in WIDTHS if w >= ATTENTION_BITS)}
+# A normalization input that ActNN's estimator rated is given no width at which the rounding noise its normalized
+# values carry, rho * S(b), exceeds their own variance times this (free_sensitivity's docstring).
+NOISE_CEILING = 1.0
+
+
+def noise_floor(widths: tuple[int, ...], rho: float) -> tuple[int, ...]:
+    """``widths`` without those at which a normalization input's normalized noise ``rho * S(b)`` exceeds
+    :data:`NOISE_CEILING`."""
+    return tuple(w for w in widths if rho * variance_factor(w) <= NOISE_CEILING)
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,7 @@ def plan(
     measured: dict | None = None,
     probed: dict | None = None,
     curves: dict | None = None,
+    ratios: dict | None = None,
 ) -> tuple[Allocation, int]:
     """Allocate widths to the tensors compressed in ``last_pass`` (the training forward), by slot.
     ``settled``: slots the estimator's passes stored with a fixed width or not at all (a mask, a pooling
@@ -91,9 +101,10 @@ def plan(
     of each choice (``choices.ChoiceMeter``); a measured tensor is offered every measured choice, the others uniform
     widths under the ``S(b)`` model. ``probed``: by slot, the gradient variance a choice was measured to add
     (``Estimate.probed``), which calibrates that choice's prediction. ``curves``: by slot, the shape of a curved
-    tensor's variance (``Estimate.curves``). Returns the allocation and the bytes it was allowed for compressed
-    tensors."""
-    measured, probed, curves = measured or {}, probed or {}, curves or {}
+    tensor's variance (``Estimate.curves``). ``ratios``: by slot, a normalization input's normalized noise at
+    ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered. Returns
+    the allocation and the bytes it was allowed for compressed tensors."""
+    measured, probed, curves, ratios = measured or {}, probed or {}, curves or {}, ratios or {}
     items = []
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
@@ -105,6 +116,8 @@ def plan(
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)
             widths = CLASS_WIDTHS.get(record.cls)
+            if slot in ratios:
+                widths = noise_floor(widths or WIDTHS, ratios[slot])
             response = curves.get(slot, (1.0, 0.0))
             options = None
             if slot in measured and record.cls != "smooth":

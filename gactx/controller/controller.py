@@ -301,8 +301,9 @@ class Controller:
         # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
         absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
                     estimate.curves.items()}  # fmt: skip
-        self.sensitivity, measured, probed, absolute = reduce_across_ranks(
-            estimate.sensitivity, measured, estimate.probed, absolute
+        ratios = {s: {"rho": r} for s, r in estimate.ratios.items()}
+        self.sensitivity, measured, probed, absolute, ratios = reduce_across_ranks(
+            estimate.sensitivity, measured, estimate.probed, absolute, ratios
         )
         curves = {s: (p["a"] / self.sensitivity[s], p["q"] / self.sensitivity[s]) for s, p in absolute.items()
                   if self.sensitivity[s] > 0}  # fmt: skip
@@ -313,8 +314,9 @@ class Controller:
         # estimator's passes, watched, know better where they stored one at a fixed width.
         settled = frozenset(r.key[:3] for r in discovered.records if not r.allocated)
         allocation, budget = plan(
-            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves
-        )
+            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves,
+            {s: r["rho"] for s, r in ratios.items()},
+        )  # fmt: skip
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
             self._renew_graph_hooks()

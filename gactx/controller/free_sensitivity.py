@@ -17,6 +17,15 @@ of ``g`` it produces, ActNN's per-sample form ``sum_n ||g_n||^2 sum_j Var(e_nj)`
 linear layer's input); elsewhere one product per tensor. The input of a normalization layer is read by its
 consumer as ``(x - mean) / std``: its term is scaled by the mean of ``1 / var`` (``normalized``).
 
+That formula is linear in the noise; a normalization input is not (:func:`gactx.controller.rules.curved`). Its
+noise reaches the normalized values as ``e / std``, and where that is larger than the values themselves (unit
+variance) the input gradient it gives is mostly noise, which the layers below carry and the next normalization
+input at few bits multiplies again: one LayerNorm input of a small ViT at 1 bit took its gradient error to 800
+times the gradient, all of them to 1e16. GACT's estimator measures that; this one cannot, so it also reports
+each normalization input's ratio ``rho = mean(R^2 / 6) * mean(1 / var)`` (the normalized noise at ``S(b) = 1``
+over the normalized values' variance), and the allocator gives it no width where ``rho * S(b) > 1``
+(:data:`gactx.controller.adaptation.NOISE_CEILING`).
+
 What is read, and when: in the step before an adaptation is due (and in the first), each allocated tensor's
 group ranges as it is stored (a ``PackPath`` observer), and the squared norm of the gradient reaching the
 output of the module call that saved it (a tensor hook registered in that call's forward post-hook). Both
@@ -137,6 +146,7 @@ class FreeCollector:
         self._modules: dict[str, nn.Module] = {}
         self._frames: dict[tuple[str, int], list] = {}  # (module, call) -> [(slot, range term, rows)]
         self._sums: dict[tuple, torch.Tensor] = {}  # slot -> accumulated C (device)
+        self._ratios: dict[tuple, torch.Tensor] = {}  # normalization input's slot -> rho, the largest seen (device)
         self._seconds = 0.0
 
     @property
@@ -160,15 +170,18 @@ class FreeCollector:
             self.tracker.output_hooks.remove(self._on_output)
             self._frames, self._modules = {}, {}
 
-    def take(self) -> tuple[dict, float]:
-        """The estimate accumulated so far, by slot (one host read), and its cost in seconds; disarms."""
+    def take(self) -> tuple[dict, float, dict]:
+        """The estimate accumulated so far, by slot, its cost in seconds, and each normalization input's ``rho``
+        by slot (the module docstring); one host read; disarms."""
         start = time.perf_counter()
         self.disarm()
-        slots = list(self._sums)
-        values = torch.stack([self._sums[s].double() for s in slots]).tolist() if slots else []
+        slots, normalized = list(self._sums), [s for s in self._ratios if s in self._sums]
+        tensors = [self._sums[s].double() for s in slots] + [self._ratios[s].double() for s in normalized]
+        values = torch.stack(tensors).tolist() if tensors else []
         seconds = self._seconds + time.perf_counter() - start
-        self._sums, self._seconds = {}, 0.0
-        return dict(zip(slots, values, strict=True)), seconds
+        self._sums, self._ratios, self._seconds = {}, {}, 0.0
+        ratios = dict(zip(normalized, values[len(slots) :], strict=True))
+        return dict(zip(slots, values[: len(slots)], strict=True)), seconds, ratios
 
     # -- hooks: device work only -------------------------------------------------------------------------------
 
@@ -184,9 +197,11 @@ class FreeCollector:
             term = _row_variance(t, self.group_size, rows)  # sum_n ||g_n||^2 v_n: no 1 / rows
         else:
             term, rows = range_variance(t, self.group_size) * (fan / t.numel()), None
+        slot = key[:3]
         if inverse is not None:
             term = term * inverse
-        slot = key[:3]
+            seen = self._ratios.get(slot)
+            self._ratios[slot] = term if seen is None else torch.maximum(seen, term)
         if slot not in self._sums:
             self._sums[slot] = term.new_zeros(())  # observed: 0 unless a gradient reaches it
         # A tensor still alive and unchanged when backward needs it is read from where it lives, not decoded
@@ -226,8 +241,8 @@ def free_estimate(model: nn.Module, collector: FreeCollector, backprop: Callable
     """The estimate ``collector`` read in the last step (``passes=0``), or, where it read none, from one ordinary
     pass of ``backprop`` (``passes=1``; the model's RNG states, buffers and gradients restored after it)."""
     if collector.collected:
-        sensitivity, seconds = collector.take()
-        return Estimate(cap(sensitivity), 0, seconds)
+        sensitivity, seconds, ratios = collector.take()
+        return Estimate(cap(sensitivity), 0, seconds, ratios=ratios)
     if backprop is None:
         raise RuntimeError(
             "gactx estimator 'actnn': no step under the controller collected sensitivities yet; run a training "
@@ -240,8 +255,8 @@ def free_estimate(model: nn.Module, collector: FreeCollector, backprop: Callable
             p.grad = None
         collector.arm()
         backprop()
-        sensitivity, _ = collector.take()
+        sensitivity, _, ratios = collector.take()
     finally:
         collector.disarm()
         snapshot.restore()
-    return Estimate(cap(sensitivity), 1, time.perf_counter() - start)
+    return Estimate(cap(sensitivity), 1, time.perf_counter() - start, ratios=ratios)
