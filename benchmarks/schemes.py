@@ -265,6 +265,10 @@ def run(argv: list[str] | None = None) -> dict:
         "--models", nargs="+", metavar="NAME",
         help="the models to measure (zoo:NAME or a models-benchmark name); the others keep their rows from the results",
     )  # fmt: skip
+    parser.add_argument(
+        "--configs", nargs="+", choices=tuple(CONFIGS), metavar="LABEL",
+        help=f"the choices whose error rows to measure, of {', '.join(map(repr, CONFIGS))}; the others keep theirs",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
@@ -272,9 +276,9 @@ def run(argv: list[str] | None = None) -> dict:
     size = "tiny" if args.quick else "small"
     models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
     models = [m for m in models if args.models is None or m in args.models]
-    configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS]
+    configs = [c for c in CONFIGS if CONFIGS[c][1] in ESTIMATORS and (args.configs is None or c in args.configs)]
     if args.quick:
-        configs = [BASE, "all schemes"]
+        configs = [c for c in (BASE, "all schemes") if args.configs is None or c in args.configs]
     draws = 2 if args.quick else args.draws
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = args.out or Path(__file__).parent / "results" / device_slug(device)
@@ -294,9 +298,9 @@ def run(argv: list[str] | None = None) -> dict:
         "errors_date": now if "errors" in args.parts else old_env.get("errors_date", old_env.get("date", "")),
         "training_date": now if "training" in args.parts else old_env.get("training_date", old_env.get("date", "")),
     }
-    errors = previous.get("gradient_error", []) if "errors" not in args.parts else [
-        r for r in previous.get("gradient_error", []) if args.models is not None and r["model"] not in models
-    ]  # fmt: skip
+    # A run of some models or some choices measures their rows again, in their places; the others stay.
+    partial = args.models is not None or args.configs is not None
+    errors = previous.get("gradient_error", []) if "errors" not in args.parts or partial else []
     training = [] if "training" in args.parts else previous.get("training", [])
 
     def save() -> dict:  # after every row: a run cut short leaves what it measured
@@ -308,8 +312,12 @@ def run(argv: list[str] | None = None) -> dict:
 
     for name in models if "errors" in args.parts else []:
         for label in configs:
-            errors.append(gradient_error(name, label, draws, size, 1 if args.quick else args.seeds))
-            r = errors[-1]
+            r = gradient_error(name, label, draws, size, 1 if args.quick else args.seeds)
+            place = [i for i, e in enumerate(errors) if (e["model"], e["config"]) == (name, label)]
+            if place:
+                errors[place[0]] = r
+            else:
+                errors.append(r)
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
             save()

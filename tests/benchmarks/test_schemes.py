@@ -22,3 +22,14 @@ def test_quick_schemes_benchmark(tmp_path):
     assert json.loads((tmp_path / "schemes.json").read_text())["training"] == result["training"]
     text = (tmp_path / "schemes.md").read_text()
     assert "## Gradient error at equal bytes" in text and "| gcn | all schemes | gact |" in text
+
+
+def test_a_partial_run_measures_its_rows_again_in_their_places(tmp_path):
+    first = run(["--quick", "--out", str(tmp_path), "--parts", "errors"])
+    for r in first["gradient_error"]:
+        r["relative_error"] = -1.0  # marks a row not measured again
+    (tmp_path / "schemes.json").write_text(json.dumps(first))
+    again = run(["--quick", "--out", str(tmp_path), "--parts", "errors", "--models", "gcn", "--configs", "all schemes"])
+    rows = again["gradient_error"]
+    assert [(r["model"], r["config"]) for r in rows] == [(r["model"], r["config"]) for r in first["gradient_error"]]
+    assert [r["relative_error"] > 0 for r in rows] == [False, False, False, True]
