@@ -207,6 +207,7 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
         "  allocated / budget = the bytes the allocation holds for the tensors it allocates over the budget for them",
         "  (the same for every row of a model); bytes = gactx's accounting of everything one forward pass holds",
         "- chosen = tensors stored under each scheme other than uniform codes (the mean over seeds)",
+        *([f"- {env['note']}"] if env.get("note") else []),
         "",
         "## Gradient error at equal bytes",
         "",
@@ -248,6 +249,24 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _provenance(args: argparse.Namespace, old: dict, now: str) -> dict:
+    """When each part's rows were measured (a part not run keeps its rows and their date; a run of some models or
+    choices adds its own), and the note on the kept rows' provenance (written by hand) while any are kept."""
+    partial = args.models is not None or args.configs is not None
+    errors, training = old.get("errors_date", old.get("date", "")), old.get("training_date", old.get("date", ""))
+    if "errors" in args.parts:
+        rows = ", ".join((args.models or []) + (args.configs or []))
+        errors = f"{errors}; rows of {rows} {now}" if partial else now
+    if "training" in args.parts:
+        training = now
+    kept = partial or set(args.parts) != {"errors", "training"}
+    return {
+        "errors_date": errors,
+        "training_date": training,
+        **({"note": old["note"]} if kept and "note" in old else {}),
+    }
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--quick", action="store_true", help="two models, few draws: a smoke test (needs --out)")
@@ -285,6 +304,7 @@ def run(argv: list[str] | None = None) -> dict:
     previous = json.loads((out / "schemes.json").read_text()) if (out / "schemes.json").exists() else {}
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     old_env = previous.get("env", {})
+    partial = args.models is not None or args.configs is not None
     env = {
         "device_name": device_name(device),
         "torch": torch.__version__,
@@ -294,12 +314,9 @@ def run(argv: list[str] | None = None) -> dict:
         "train_seeds": (1 if args.quick else args.train_seeds)
         if "training" in args.parts
         else old_env.get("train_seeds", 1),
-        # when each part's rows were measured: a part not run keeps its rows, and their date
-        "errors_date": now if "errors" in args.parts else old_env.get("errors_date", old_env.get("date", "")),
-        "training_date": now if "training" in args.parts else old_env.get("training_date", old_env.get("date", "")),
+        **_provenance(args, old_env, now),
     }
     # A run of some models or some choices measures their rows again, in their places; the others stay.
-    partial = args.models is not None or args.configs is not None
     errors = previous.get("gradient_error", []) if "errors" not in args.parts or partial else []
     training = [] if "training" in args.parts else previous.get("training", [])
 
