@@ -50,6 +50,7 @@ CONFIGS = {  # label -> (schemes, estimator)
     "+samples": (("uniform", "samples"), "gact"),
     "all schemes": (ALL, "gact"),
     "uniform, actnn": (("uniform",), "actnn"),
+    "+normal (its default), actnn": (("uniform", "normal"), "actnn"),
     "all schemes, actnn": (ALL, "actnn"),
 }
 ZOO = ("mlp", "resnet", "transformer_layer", "bert", "gcn", "sage", "gat", "lstm", "conv3d")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+import os
+import sys
+import warnings
+from dataclasses import dataclass, fields
 
 from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES
 
@@ -35,6 +38,8 @@ _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 _default_level = "L1"
 OP_RULES = ("learn", "always", "off")
 ESTIMATORS = ("gact", "actnn")
+# The schemes offered where none are given, by estimator: ActNN's measures no sketch (docs/adaptive.md).
+DEFAULT_SCHEMES = {"gact": ("uniform", "normal", "sketch"), "actnn": ("uniform", "normal")}
 SCHEMES = ("uniform", "normal", "sketch", "samples")
 
 
@@ -60,9 +65,11 @@ class Config:
             per byte (see docs/adaptive.md): ``"uniform"`` (codes on the group's min-max grid; always included),
             ``"normal"`` (codes on levels fitted to the group's normal, after SmaQ), ``"sketch"`` (a fraction of
             the rows of a linear layer's input, after FewBit's randomized linear) and ``"samples"`` (per-sample
-            widths: the samples of widest range at a wider width, after ActNN). Default: uniform, normal and
-            sketch, each chosen where its measured variance per byte wins (docs/adaptive.md, "Storage choices");
-            per-sample widths are rarely chosen and cost a transient copy, so they are opt-in.
+            widths: the samples of widest range at a wider width, after ActNN). Default (``None``): uniform,
+            normal and sketch with GACT's estimator, each chosen where its measured variance per byte wins
+            (docs/adaptive.md, "Storage choices"); uniform and normal with ActNN's, which does not measure what a
+            sketch adds (asked for, a sketch is priced on its prediction alone, with a warning). Per-sample widths
+            are rarely chosen and cost a transient copy, so they are opt-in.
         strict: adaptive only: a budget that even 1-bit codes exceed raises ``ValueError`` instead of a
             warning (then the narrowest widths are used).
         group_size: elements that share a scale, see :func:`gactx.quantize`.
@@ -91,7 +98,7 @@ class Config:
     adapt_interval: int = 1000
     estimator: str = "gact"
     probe_bits: int = 2
-    schemes: tuple[str, ...] = ("uniform", "normal", "sketch")
+    schemes: tuple[str, ...] | None = None  # None: DEFAULT_SCHEMES[estimator]
     strict: bool = False
     group_size: int = 256
     min_numel: int = 1024
@@ -132,6 +139,16 @@ class Config:
             raise ValueError(f"estimator={self.estimator!r} is not allowed; allowed values are {ESTIMATORS}")
         if isinstance(self.schemes, list):  # a list reads as well; the frozen field keeps a tuple
             object.__setattr__(self, "schemes", tuple(self.schemes))
+        if self.schemes is None:
+            object.__setattr__(self, "schemes", DEFAULT_SCHEMES.get(self.estimator, DEFAULT_SCHEMES["gact"]))
+        elif self.adaptive and self.estimator == "actnn" and "sketch" in self.schemes:
+            warnings.warn(
+                "gactx: estimator='actnn' does not measure what a sketch adds to the gradient, so sketches are priced "
+                "on their prediction alone (measured: 0.4x to 15x the gradient error of codes alone at the same "
+                "bytes); estimator='gact' measures them",
+                RuntimeWarning,
+                stacklevel=_caller_level(),
+            )
         if (
             not isinstance(self.schemes, tuple)
             or "uniform" not in self.schemes
@@ -200,6 +217,18 @@ def get_optimization_level() -> str:
     return _default_level
 
 
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside gactx (a dataclass's generated ``__init__`` is inside), for a
+    warning issued in a function that calls this: it points at the user's line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename[0] == "<"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def make_config(level: str | None = None, **options) -> Config:
     """The level's settings, then ``options`` on top (options win). Unknown options raise ``TypeError``."""
     level = _check_level(_default_level if level is None else level)
@@ -207,4 +236,4 @@ def make_config(level: str | None = None, **options) -> Config:
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are {', '.join(sorted(known))}")
-    return replace(Config(level=level, **LEVELS[level]), **options)
+    return Config(level=level, **{**LEVELS[level], **options})  # one construction: a default resolves once

@@ -1,6 +1,7 @@
 """gactx/config.py: levels, options and their validation."""
 
 import pytest
+import torch
 
 import gactx
 from gactx.config import LEVELS, make_config, parse_bytes
@@ -105,3 +106,20 @@ def test_estimator_field():
         make_config("L2", estimator="free")
     with pytest.raises(ValueError, match="estimator=None"):
         make_config("L2.2", estimator=None)
+
+
+def test_the_default_schemes_follow_the_estimator():
+    """GACT's estimator measures what a sketch adds; ActNN's does not, so its default offers none, and a sketch asked
+    for under it is priced on its prediction alone: said, not refused."""
+    import warnings
+
+    assert make_config("L2.2").schemes == ("uniform", "normal", "sketch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_config("L2.2", estimator="actnn").schemes == ("uniform", "normal")
+        assert make_config("L2.2", estimator="actnn", schemes=("uniform", "samples")).schemes == ("uniform", "samples")
+        assert make_config("L1", estimator="actnn", schemes=("uniform", "sketch")).schemes == ("uniform", "sketch")
+    with pytest.warns(RuntimeWarning, match="sketches are priced on their prediction alone") as caught:
+        assert make_config("L2.2", estimator="actnn", schemes=("uniform", "sketch")).schemes == ("uniform", "sketch")
+        gactx.Controller(torch.nn.Linear(4, 4), "L2.2", estimator="actnn", schemes=("uniform", "sketch"))
+    assert [w.filename for w in caught] == [__file__, __file__]  # the caller's line, not gactx's
