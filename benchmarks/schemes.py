@@ -180,6 +180,12 @@ def _train_once(name: str, label: str, steps: int, size: str, seed: int) -> tupl
     return sum(final) / len(final), workloads.accuracy(w, *held_out), collections.Counter(chosen)
 
 
+def _order(row: dict) -> tuple[int, int]:
+    """A row's place in the table: by model, then by choices as CONFIGS lists them."""
+    models = [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
+    return models.index(row["model"]) if row["model"] in models else len(models), list(CONFIGS).index(row["config"])
+
+
 def _chosen(c: dict) -> str:
     return ", ".join(f"{k} {v:.3g}" for k, v in sorted(c.items())) or "-"
 
@@ -336,6 +342,7 @@ def run(argv: list[str] | None = None) -> dict:
                 errors[place[0]] = r
             else:
                 errors.append(r)
+                errors.sort(key=_order)
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
             save()
