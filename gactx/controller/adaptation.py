@@ -105,7 +105,7 @@ def plan(
     ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered. Returns
     the allocation and the bytes it was allowed for compressed tensors."""
     measured, probed, curves, ratios = measured or {}, probed or {}, curves or {}, ratios or {}
-    items = []
+    items, average = [], 0
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
     # Kept storages are paid first, but for tensors kept at the 16 or 32 bits an allocation gave them: items again.
@@ -116,6 +116,9 @@ def plan(
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)
             widths = CLASS_WIDTHS.get(record.cls)
+            # The average width, or a class's narrowest where that is wider (attention: 4 bits at L2.2); a noise
+            # floor is paid from that budget, not added to it.
+            average += int(numel * max(config.bits, min(widths or WIDTHS)) / 8) + 8 * -(-numel // config.group_size)
             if slot in ratios:
                 widths = noise_floor(widths or WIDTHS, ratios[slot])
             response = curves.get(slot, (1.0, 0.0))
@@ -134,14 +137,7 @@ def plan(
             )  # fmt: skip
         elif isinstance(record.bits, int):
             fixed += record.packed_bytes  # masks, signs, dropout masks: a fixed width, lossless
-    if config.budget is not None:
-        budget = parse_bytes(config.budget) - fixed
-    else:
-        # The average width, or a class's narrowest where that is wider (attention: 4 bits at L2.2).
-        budget = sum(
-            int(it.numel * max(config.bits, min(it.widths or WIDTHS)) / 8) + 8 * -(-it.numel // config.group_size)
-            for it in items
-        )
+    budget = parse_bytes(config.budget) - fixed if config.budget is not None else average
     allocation = allocate(items, budget, config.group_size)
     if not allocation.feasible:
         message = (

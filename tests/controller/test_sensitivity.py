@@ -201,7 +201,7 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     """The allocator offers a normalization input ActNN's estimator rated only the widths w with rho S(w) <= 1;
     without that, the zoo transformer layer's gradient error at L2.2 was 11 to 15 times the gradient (1e16 on a
     small ViT): its LayerNorm inputs got 1 bit, the free formula does not see them multiply the noise below."""
-    from gactx.controller.adaptation import NOISE_CEILING, noise_floor
+    from gactx.controller.adaptation import NOISE_CEILING, noise_floor, plan
     from gactx.controller.allocator import WIDTHS, variance_factor
     from gactx.controller.free_sensitivity import free_estimate
     from tests.controller.zoo import build
@@ -215,6 +215,10 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     for slot, rho in ratios.items():
         assert rho * variance_factor(controller._slot_bits[slot]) <= NOISE_CEILING, (slot, rho)
     assert controller._slot_bits[("0.0", 1, 0)] >= 4  # rho over 1000
+    # The floor is paid from the level's budget, not added to it: the bytes stay what L2.2 allows.
+    floored, budget = plan(controller.config, controller._discovered, controller.sensitivity, ratios=ratios)
+    assert budget == plan(controller.config, controller._discovered, controller.sensitivity)[1]
+    assert floored.nbytes <= budget and floored.bits == controller._slot_bits
 
     model, run = build("transformer_layer", 1)
     torch.manual_seed(0)
