@@ -22,13 +22,13 @@ logger = logging.getLogger(__name__)
 
 # Widths a class allows, where not every width (see rules.py).
 CLASS_WIDTHS = {"attention": tuple(w for w in WIDTHS if w >= ATTENTION_BITS)}
-# A normalization input that ActNN's estimator rated is given no width at which the rounding noise its normalized
+# A LayerNorm input that ActNN's estimator rated is given no width at which the rounding noise its normalized
 # values carry, rho * S(b), exceeds their own variance times this (free_sensitivity's docstring).
 NOISE_CEILING = 1.0
 
 
 def noise_floor(widths: tuple[int, ...], rho: float) -> tuple[int, ...]:
-    """``widths`` without those at which a normalization input's normalized noise ``rho * S(b)`` exceeds
+    """``widths`` without those at which a LayerNorm input's normalized noise ``rho * S(b)`` exceeds
     :data:`NOISE_CEILING`."""
     return tuple(w for w in widths if rho * variance_factor(w) <= NOISE_CEILING)
 
@@ -101,7 +101,7 @@ def plan(
     of each choice (``choices.ChoiceMeter``); a measured tensor is offered every measured choice, the others uniform
     widths under the ``S(b)`` model. ``probed``: by slot, the gradient variance a choice was measured to add
     (``Estimate.probed``), which calibrates that choice's prediction. ``curves``: by slot, the shape of a curved
-    tensor's variance (``Estimate.curves``). ``ratios``: by slot, a normalization input's normalized noise at
+    tensor's variance (``Estimate.curves``). ``ratios``: by slot, a LayerNorm input's normalized noise at
     ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered. Returns
     the allocation and the bytes it was allowed for compressed tensors."""
     measured, probed, curves, ratios = measured or {}, probed or {}, curves or {}, ratios or {}

@@ -64,7 +64,7 @@ class Estimate:
     probed: dict = field(default_factory=dict)  # slot -> {choice: the gradient variance it adds, measured}
     # slot -> (a, q): the gradient variance of a curved tensor at S-equivalent x is C (a x + q x**2) (fit_curve)
     curves: dict = field(default_factory=dict)
-    # slot -> rho: a normalization input's normalized noise at S(b) = 1 over its values' variance (ActNN's estimator)
+    # slot -> rho: a LayerNorm input's normalized noise at S(b) = 1 over its values' variance (ActNN's estimator)
     ratios: dict = field(default_factory=dict)
 
 

@@ -195,6 +195,13 @@ def test_the_free_estimate_reports_each_normalization_inputs_noise_ratio():
     expected = float(range_variance(x, 256)) / x.numel() * float((1 / (x.var(-1, unbiased=False) + 1e-12)).mean())
     assert first == pytest.approx(expected, rel=1e-4)
     assert first > 1000 and all(1 < r < 30 for s, r in estimate.ratios.items() if s != ("0.0", 1, 0))
+    # BatchNorm's statistics span the batch: no ratio, no floor (its inputs at 1 bit measured no harm on ResNet-50)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn")
+    with controller:
+        model(torch.randn(256, 64)).square().mean().backward()
+        estimate = free_estimate(model, controller._collector, None)
+    assert ("1", 1, 0) in estimate.sensitivity and estimate.ratios == {}
 
 
 def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it():
