@@ -149,7 +149,7 @@ class FreeCollector:
         self._modules: dict[str, nn.Module] = {}
         self._frames: dict[tuple[str, int], list] = {}  # (module, call) -> [(slot, range term, rows)]
         self._sums: dict[tuple, torch.Tensor] = {}  # slot -> accumulated C (device)
-        self._ratios: dict[tuple, torch.Tensor] = {}  # normalization input's slot -> rho, the largest seen (device)
+        self._ratios: dict[tuple, torch.Tensor] = {}  # LayerNorm input's slot -> rho, the largest seen (device)
         self._seconds = 0.0
 
     @property
@@ -174,7 +174,7 @@ class FreeCollector:
             self._frames, self._modules = {}, {}
 
     def take(self) -> tuple[dict, float, dict]:
-        """The estimate accumulated so far, by slot, its cost in seconds, and each normalization input's ``rho``
+        """The estimate accumulated so far, by slot, its cost in seconds, and each LayerNorm input's ``rho``
         by slot (the module docstring); one host read; disarms."""
         start = time.perf_counter()
         self.disarm()
