@@ -178,7 +178,7 @@ class FreeCollector:
         by slot (the module docstring); one host read; disarms."""
         start = time.perf_counter()
         self.disarm()
-        slots, normalized = list(self._sums), [s for s in self._ratios if s in self._sums]
+        slots, normalized = list(self._sums), list(self._ratios)  # a slot with a ratio has a sum
         tensors = [self._sums[s].double() for s in slots] + [self._ratios[s].double() for s in normalized]
         values = torch.stack(tensors).tolist() if tensors else []
         seconds = self._seconds + time.perf_counter() - start
@@ -203,9 +203,9 @@ class FreeCollector:
         slot = key[:3]
         if inverse is not None:
             term = term * inverse
-        if inverse is not None and isinstance(module, nn.LayerNorm):  # the module docstring: not BatchNorm's
-            seen = self._ratios.get(slot)
-            self._ratios[slot] = term if seen is None else torch.maximum(seen, term)
+            if isinstance(module, nn.LayerNorm):  # rho (the module docstring): not BatchNorm's
+                seen = self._ratios.get(slot)
+                self._ratios[slot] = term if seen is None else torch.maximum(seen, term)
         if slot not in self._sums:
             self._sums[slot] = term.new_zeros(())  # observed: 0 unless a gradient reaches it
         # A tensor still alive and unchanged when backward needs it is read from where it lives, not decoded
