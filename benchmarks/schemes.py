@@ -256,10 +256,9 @@ def render(errors: list[dict], training: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _provenance(args: argparse.Namespace, old: dict, now: str) -> dict:
+def _provenance(args: argparse.Namespace, old: dict, now: str, partial: bool) -> dict:
     """When each part's rows were measured (a part not run keeps its rows and their date; a run of some models or
     choices adds its own), and the note on the kept rows' provenance (written by hand) while any are kept."""
-    partial = args.models is not None or args.configs is not None
     errors, training = old.get("errors_date", old.get("date", "")), old.get("training_date", old.get("date", ""))
     if "errors" in args.parts:
         rows = ", ".join((args.models or []) + (args.configs or []))
@@ -321,7 +320,7 @@ def run(argv: list[str] | None = None) -> dict:
         "train_seeds": (1 if args.quick else args.train_seeds)
         if "training" in args.parts
         else old_env.get("train_seeds", 1),
-        **_provenance(args, old_env, now),
+        **_provenance(args, old_env, now, partial),
     }
     # A run of some models or some choices measures their rows again, in their places; the others stay.
     errors = previous.get("gradient_error", []) if "errors" not in args.parts or partial else []
@@ -337,12 +336,7 @@ def run(argv: list[str] | None = None) -> dict:
     for name in models if "errors" in args.parts else []:
         for label in configs:
             r = gradient_error(name, label, draws, size, 1 if args.quick else args.seeds)
-            place = [i for i, e in enumerate(errors) if (e["model"], e["config"]) == (name, label)]
-            if place:
-                errors[place[0]] = r
-            else:
-                errors.append(r)
-                errors.sort(key=_order)
+            errors[:] = sorted([e for e in errors if (e["model"], e["config"]) != (name, label)] + [r], key=_order)
             print(f"{name:24s} {label:22s} error {r['relative_error']:.4g} bytes {r['packed_bytes']:,} "
                   f"{_chosen(r['chosen'])}", flush=True)  # fmt: skip
             save()
