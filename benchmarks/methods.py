@@ -1,5 +1,6 @@
-"""The ways to train a workload that the benchmarks compare: full precision, gactx levels, per-block
-activation checkpointing, and ``torch.autograd.graph.save_on_cpu``; each optionally under bf16 autocast.
+"""The ways to train a workload that the benchmarks compare: full precision, gactx levels, activation
+checkpointing (the model's own where it has one, else per block), checkpointing with a gactx level
+(``"checkpoint+L1"``), and ``torch.autograd.graph.save_on_cpu``; each optionally under bf16 autocast.
 
 A :class:`Method` wraps one workload for one run: ``with method.forward():`` around the forward pass
 (backward runs outside, as autocast wants), then ``method.after_step()`` after the optimizer step
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gactx
 
-__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method"]
+__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method", "method_names"]
 
 GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2", "L3")
 METHODS = ("fp", *GACTX_LEVELS, "checkpoint", "save_on_cpu")
@@ -25,11 +26,18 @@ COMPILABLE = ("fp", "L1", "L1.2", "L2", "L2.2")  # methods the models benchmark 
 PROBE_SAMPLES = 8  # the estimator's closure runs on this many samples of the batch
 
 
+def method_names() -> tuple[str, ...]:
+    """Every name :class:`Method` takes: METHODS, and checkpointing with each gactx level but L3."""
+    return (*METHODS, *(f"checkpoint+{level}" for level in GACTX_LEVELS if level != "L3"))
+
+
 class Method:
-    def __init__(self, name: str, workload, precision: str = "fp32", compiled: bool = False) -> None:
-        """``compiled``: the model's forward under ``torch.compile`` (Inductor) for the run."""
-        if name not in METHODS:
-            raise ValueError(f"method {name!r} is not one of {METHODS}")
+    def __init__(
+        self, name: str, workload, precision: str = "fp32", compiled: bool = False, compile_backend: str = "inductor"
+    ) -> None:
+        """``compiled``: the model's forward under ``torch.compile`` for the run, with ``compile_backend``."""
+        if name not in method_names():
+            raise ValueError(f"method {name!r} is not one of {method_names()}")
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision {precision!r} is not one of ('fp32', 'bf16')")
         if compiled and name not in COMPILABLE:
@@ -37,58 +45,77 @@ class Method:
         self.name, self.workload, self.precision, self.compiled = name, workload, precision, compiled
         self.device_type = next(workload.model.parameters()).device.type
         self.controller = None
-        if name in GACTX_LEVELS:  # installed for the whole run: installing hooks every module, once
-            self.controller = gactx.Controller(workload.model, level=name).install_hook()
-        self._unwrap: list = []
-        if name == "checkpoint":
-            self._wrap_blocks()
+        level = name.removeprefix("checkpoint+")
+        if level in GACTX_LEVELS:  # installed for the whole run: installing hooks every module, once
+            self.controller = gactx.Controller(workload.model, level=level).install_hook()
+        self.checkpointed = name.startswith("checkpoint")
+        self._wrapped: list = []  # (block, the forward in its __dict__ before, if any) while checkpointed by block
+        self._checkpoint_on = False
+        self._checkpoint(True)
+        self._compiled_model = None
         if compiled:
             torch._dynamo.reset()
             model = workload.model
-            model.forward = torch.compile(model.forward)
-            self._unwrap.append((model, None))
+            model.forward = torch.compile(model.forward, backend=compile_backend)
+            self._compiled_model = model
 
     @property
     def label(self) -> str:
         return self.name + ("" if self.precision == "fp32" else "+bf16") + ("+compile" if self.compiled else "")
 
-    def _wrap_blocks(self) -> None:
-        """Checkpoint every block (non-reentrant): its activations are recomputed in backward."""
-        for block in self.workload.blocks:
-            original = block.forward
+    def _checkpoint(self, on: bool) -> None:
+        """Checkpointing on or off: the model's own where it has it (Hugging Face's), else every block under
+        non-reentrant ``torch.utils.checkpoint``: its activations are recomputed in backward."""
+        if not self.checkpointed or on == self._checkpoint_on:
+            return
+        self._checkpoint_on = on
+        own = getattr(self.workload, "checkpointing", None)
+        if own is not None:
+            own(on)
+        elif on:
+            for block in self.workload.blocks:
+                original = block.forward
 
-            def forward(*args, _original=original, **kwargs):
-                return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+                def forward(*args, _original=original, **kwargs):
+                    return checkpoint(_original, *args, use_reentrant=False, **kwargs)
 
-            block.forward = functools.wraps(original)(forward)
-            self._unwrap.append((block, original))
+                self._wrapped.append((block, vars(block).get("forward")))
+                block.forward = functools.wraps(original)(forward)
+        else:
+            for block, own_forward in self._wrapped:
+                if own_forward is None:
+                    del block.forward
+                else:
+                    block.forward = own_forward
+            self._wrapped.clear()
 
     def close(self) -> None:
-        for block, original in self._unwrap:
-            if original is None:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = original
-        self._unwrap.clear()
-        if self.controller is not None and self.controller.installed:
-            self.controller.uninstall_hook()
+        self.suspend()
+        self.checkpointed = False
+        if self._compiled_model is not None:
+            self._compiled_model.__dict__.pop("forward", None)
+            self._compiled_model = None
 
     def suspend(self) -> None:
-        """Take gactx's hooks off until :meth:`active` (another method's run in between)."""
+        """Take the method off the model (gactx's hooks, checkpointing) until :meth:`active` (another method's run
+        in between)."""
         if self.controller is not None and self.controller.installed:
             self.controller.uninstall_hook()
+        self._checkpoint(False)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """The method's hooks on for the block (after :meth:`suspend`), off again after it."""
+        """The method on for the block (after :meth:`suspend`), off again after it."""
         installed = self.controller is not None and not self.controller.installed
         if installed:
             self.controller.install_hook()
+        self._checkpoint(True)
         try:
             yield
         finally:
             if installed:
                 self.controller.uninstall_hook()
+            self._checkpoint(False)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -115,7 +142,10 @@ class Method:
 
 
 def _sub_batch(workload, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-    """The first few samples of a batch (a graph is trained whole: GNNs get the whole batch)."""
+    """The workload's probe batch where it names one, else the first few samples of a batch (a graph is trained
+    whole: GNNs get the whole batch)."""
+    if getattr(workload, "sub_batch", None) is not None:
+        return workload.sub_batch(inputs, target)
     if workload.family == "gnn":
         return inputs, target
     return tuple(t[:PROBE_SAMPLES] if torch.is_tensor(t) else t for t in inputs), target[:PROBE_SAMPLES]

@@ -47,6 +47,12 @@ class Workload:
     source: str  # where the architecture comes from: "torch_geometric", "transformers (eager attention)",
     # "torchvision" or "compact" (this module's ResNet: no torchvision, or a narrowed small/tiny size)
     lr: float  # an Adam learning rate at which a few dozen steps lift accuracy above chance
+    # The model's own gradient checkpointing, on or off (Hugging Face's ``gradient_checkpointing_enable``);
+    # None: the benchmarks checkpoint each of ``blocks``.
+    checkpointing: Callable[[bool], None] | None = None
+    # The sub-batch the adaptive levels' sensitivity probe runs on, from a batch; None: its first samples.
+    sub_batch: Callable[[tuple, torch.Tensor], Batch] | None = None
+    tokens: int | None = None  # tokens a sample, where throughput is counted in tokens
 
 
 def _classifier(

@@ -1,0 +1,275 @@
+"""The GPU evaluation's tables, goals and plot, from its rows: every figure beside its ratio to plain in the
+same run, every table headed by the device, the versions and the date."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.table import markdown_table
+
+__all__ = ["GOALS", "goals", "render", "plot", "with_ratios"]
+
+GIB = 1 << 30
+PLAIN = "fp"
+TITLES = {
+    "kernels": "Kernels at the sizes activations have",
+    "llama-lora": "Llama-3.2-1B shape, LoRA r=16 on every linear layer, bf16, SDPA, sequence 4096",
+    "resnet50": "ResNet-50 (torchvision), bf16 autocast, channels_last, 224 x 224, batch 256",
+    "bert-large": "BERT-large (transformers, SDPA attention), bf16 autocast, sequence 128, batch 64",
+    "compiled": "Compiled (torch.compile of the whole model's forward), bf16 autocast",
+}
+LABELS = {"fp": "plain", "checkpoint": "checkpointing"}
+# The goals the results are read against (GACT at L1: 0.73x throughput on ResNet-50, 0.90x on BERT-large;
+# maximum batch 4.2x and 5.3x; full checkpointing costs about 28% more step time).
+GOALS = {
+    "throughput_l1": {"llama-lora": 0.90, "bert-large": 0.90, "resnet50": 0.85},
+    "max_batch": {"llama-lora": 2.2, "bert-large": 5.3, "resnet50": 4.2},
+    "compiled_l1": 0.90,
+    "quantize_vs_clone": 0.80,  # from 4 MiB up
+}
+
+
+def label(method: str) -> str:
+    return LABELS.get(method, method.replace("checkpoint+", "checkpointing + "))
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Training rows with their ratios to plain of the same arm, model and compilation."""
+    plain = {(r["arm"], r["model"]): r for r in rows if r.get("kind") == "training" and r["method"] == PLAIN}
+    out = []
+    for r in rows:
+        r = dict(r)
+        base = plain.get((r.get("arm"), r.get("model")))
+        if r.get("kind") == "training" and base is not None:
+            if r.get("per_s") and base.get("per_s"):
+                r["per_s_ratio"] = r["per_s"] / base["per_s"]
+            if r.get("peak_bytes") and base.get("peak_bytes"):
+                r["peak_ratio"] = base["peak_bytes"] / r["peak_bytes"]
+            if r.get("max_batch") and base.get("max_batch"):
+                r["max_batch_ratio"] = r["max_batch"] / base["max_batch"]
+        out.append(r)
+    return out
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}x"
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _training(rows: list[dict], arm: str) -> list[dict]:
+    return [r for r in rows if r.get("kind") == "training" and r["arm"] == arm]
+
+
+def goals(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(goal, measured, verdict) for each goal; "not measured" where the run has no figure for it."""
+    rows = with_ratios(rows)
+    found = []
+    for arm, floor in GOALS["throughput_l1"].items():
+        l1 = next((r for r in _training(rows, arm) if r["method"] == "L1"), {})
+        ratio = l1.get("per_s_ratio")
+        found.append((f"{arm}: L1 throughput at least {floor:.2f}x plain's", _x(ratio), _verdict(ratio, floor)))
+    for arm, floor in GOALS["max_batch"].items():
+        mine = [
+            r for r in _training(rows, arm) if r["method"] not in (PLAIN, "checkpoint") and r.get("max_batch_ratio")
+        ]
+        best = max(mine, key=lambda r: r["max_batch_ratio"], default={})
+        ratio = best.get("max_batch_ratio")
+        shown = f"{_x(ratio)} ({label(best['method'])})" if best else ""
+        found.append((f"{arm}: maximum batch at least {floor:g}x plain's", shown, _verdict(ratio, floor)))
+    for arm in GOALS["max_batch"]:
+        found.append(
+            (f"{arm}: faster than checkpointing at the same or a lower peak", *_against_checkpointing(rows, arm))
+        )
+    for r in (r for r in _training(rows, "compiled") if r["method"] == "L1"):
+        ratio, floor = r.get("per_s_ratio"), GOALS["compiled_l1"]  # plain's step time over L1's
+        found.append(
+            (f"compiled {r['model']}: L1 at least {floor:.2f}x plain's speed", _x(ratio), _verdict(ratio, floor))
+        )
+    kernels = [r for r in rows if r.get("kind") == "kernel" and r["size_mib"] >= 4]
+    worst = min(kernels, key=lambda r: r["quantize_vs_clone"], default=None)
+    floor = GOALS["quantize_vs_clone"]
+    shown = (
+        f"{worst['quantize_vs_clone']:.2f}x ({worst['dtype']}, {worst['bits']} bits, {worst['size_mib']:g} MiB)"
+        if worst
+        else ""
+    )
+    found.append((f"quantize at least {floor:.1f}x clone's bandwidth from 4 MiB up (the worst case)", shown,
+                  _verdict(worst and worst["quantize_vs_clone"], floor)))  # fmt: skip
+    return found
+
+
+def _verdict(value: float | None, floor: float) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if value >= floor else "not met"
+
+
+def _against_checkpointing(rows: list[dict], arm: str) -> tuple[str, str]:
+    mine = _training(rows, arm)
+    ckpt = next((r for r in mine if r["method"] == "checkpoint"), None)
+    if ckpt is None or not ckpt.get("per_s") or not ckpt.get("peak_bytes"):
+        return "", "not measured"
+    gactx = [r for r in mine if r["method"] not in (PLAIN, "checkpoint") and r.get("per_s") and r.get("peak_bytes")]
+    if not gactx:
+        return "", "not measured"
+    low = [r for r in gactx if r["peak_bytes"] <= ckpt["peak_bytes"]]
+    if not low:
+        lowest = min(gactx, key=lambda r: r["peak_bytes"])
+        shown = (f"no gactx method reaches its peak ({_size(ckpt['peak_bytes'])}; lowest "
+                 f"{label(lowest['method'])}, {_size(lowest['peak_bytes'])})")  # fmt: skip
+        return shown, "not met"
+    best = max(low, key=lambda r: r["per_s"])
+    ratio = best["per_s"] / ckpt["per_s"]
+    shown = (f"{label(best['method'])}: {ratio:.2f}x checkpointing's throughput at {_size(best['peak_bytes'])} "
+             f"against {_size(ckpt['peak_bytes'])}")  # fmt: skip
+    return shown, "met" if ratio > 1 else "not met"
+
+
+def _bytes_unit(values) -> tuple[str, int]:
+    """GiB where any of ``values`` (bytes) reaches one, else MiB (a CPU's tiny run)."""
+    return ("GiB", GIB) if any(v and v >= GIB for v in values) else ("MiB", 1 << 20)
+
+
+def _size(nbytes: int) -> str:
+    name, scale = _bytes_unit([nbytes])
+    return f"{nbytes / scale:.3g} {name}"
+
+
+def _heading(env: dict) -> str:
+    return (f"{env.get('device_name', '?')} · torch {env.get('torch', '?')} · triton {env.get('triton', '?')} · "
+            f"{env.get('date', '?')}")  # fmt: skip
+
+
+def _kernel_table(rows: list[dict]) -> list[str]:
+    headers = ["dtype", "bits", "MiB", "kept", "quantize GB/s", "vs clone", "dequantize GB/s", "vs clone",
+               "clone GB/s", "host us: quantize", "dequantize", "clone", "launches: quantize",
+               "dequantize"]  # fmt: skip
+    kernel = sorted(
+        (r for r in rows if r.get("kind") == "kernel"), key=lambda r: (r["dtype"] != "fp32", r["bits"], r["size_mib"])
+    )
+    cells = [
+        [r["dtype"], r["bits"], f"{r['size_mib']:g}", f"{100 * r['kept']:.1f}%", _num(r["quantize_gbps"]),
+         _x(r["quantize_vs_clone"]), _num(r["dequantize_gbps"]), _x(r["dequantize_vs_clone"]), _num(r["clone_gbps"]),
+         *(_num(r[k]) + ("*" if r.get("host_while_busy") is False else "")
+           for k in ("quantize_host_us", "dequantize_host_us", "clone_host_us")),
+         r["quantize_launches"] if r["quantize_launches"] is not None else "n/a",
+         r["dequantize_launches"] if r["dequantize_launches"] is not None else "n/a"]
+        for r in kernel
+    ]  # fmt: skip
+    if not cells:
+        return ["(no kernel rows)"]
+    lines = markdown_table(headers, cells, left=1)
+    if any(r.get("host_while_busy") is False for r in kernel):
+        lines.append("\n\\* the GPU went idle before the calls were queued: the host figure may hold waits for it")
+    return lines
+
+
+def _training_table(rows: list[dict], arm: str) -> list[str]:
+    mine = _training(rows, arm)
+    if not mine:
+        return ["(no rows)"]
+    unit = mine[0]["unit"]
+    size, scale = _bytes_unit(r.get("peak_bytes") for r in mine)
+    headers = ["model", "method", "batch", f"peak {size}", "plain / peak", f"{unit}/s", "vs plain", "step ms",
+               "max batch", "vs plain", "warm-up s", "adaptation"]  # fmt: skip
+    cells = []
+    for r in mine:
+        adapt = f"{r['adapt_s']:.1f} s, {r['adapt_passes']} passes" if r.get("adapt_s") is not None else ""
+        best = r.get("max_batch")
+        shown_best = "" if best is None else f"{best}" + ("" if r.get("max_batch_ended", True) else " (at least)")
+        peak = _num(r["peak_bytes"] / scale) if r.get("peak_bytes") else ""
+        cells.append([r["model"], label(r["method"]), r["batch"], peak, _x(r.get("peak_ratio")), _num(r.get("per_s")),
+                      _x(r.get("per_s_ratio")), _num(r.get("step_ms")), shown_best, _x(r.get("max_batch_ratio")),
+                      _num(r.get("warmup_s")), adapt])  # fmt: skip
+    lines = markdown_table(headers, cells, left=2)
+    for r in mine:
+        lines += [f"- {r['model']}, {label(r['method'])}: {e}" for e in r.get("errors", [])]
+        if not r.get("errors") and r.get("peak_bytes") is None:
+            lines.append(f"- {r['model']}, {label(r['method'])}: begun, not finished (the arm's time ran out)")
+        elif r.get("max_batch") is not None and not r.get("max_batch_ended", True):
+            lines.append(f"- {r['model']}, {label(r['method'])}: the maximum batch search stopped for time")
+    return lines
+
+
+def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
+    rows = with_ratios(rows)
+    lines = [f"# gactx GPU evaluation on {env.get('device_name', 'an unknown device')}", ""]
+    lines += [
+        f"- {_heading(env)}; transformers {env.get('transformers', '?')}, peft {env.get('peft', '?')}; "
+        f"{env.get('memory_gib', 0):.1f} GiB",
+        f"- `{env.get('command', 'python -m benchmarks.gpu')}`" + (" (tiny sizes: a smoke run, not a measurement)"
+                                                                 if env.get("tiny") else ""),
+        "- arms: " + "; ".join(f"{a['name']} {a['status']} in {a['seconds']:.0f} s (limit {a['limit_s']:.0f} s)"
+                               for a in arms),
+        f"- peak: {env.get('peak', '')}",
+        f"- throughput: {env.get('timing', '')}",
+        f"- maximum batch: {env.get('max_batch', '')}",
+        "",
+        "## Goals (reported, not asserted)",
+        "",
+    ]  # fmt: skip
+    lines += markdown_table(["goal", "measured", ""], goals(rows))
+    skipped = sorted(r["id"] for r in rows if r.get("kind") == "skipped")
+    for arm in TITLES:
+        lines += ["", f"## {TITLES[arm]}", "", _heading(env), ""]
+        lines += _kernel_table(rows) if arm == "kernels" else _training_table(rows, arm)
+        sources = sorted({f"{r['model']}: {r['source']}" for r in _training(rows, arm) if r.get("source")})
+        if sources:
+            lines += ["", "Built from: " + "; ".join(sources) + "."]
+        backends = sorted({r["compile_backend"] for r in _training(rows, arm) if r.get("compile_backend")})
+        if backends and backends != ["inductor"]:
+            lines += [
+                "",
+                f"Compiled with the `{'`, `'.join(backends)}` backend (a CPU: Inductor's C++ build is skipped).",
+            ]
+        gone = [s for s in skipped if s.split("/")[0] == arm]
+        if gone:
+            lines += ["", "Not measured (time limit): " + ", ".join(g.split("/", 1)[1] for g in gone)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], env: dict, path: Path) -> bool:
+    """Kernels' share of clone's bandwidth by size; each training arm's throughput, peak and maximum batch
+    against plain. False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = with_ratios(rows)
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    ax = axes[0][0]
+    kernel = [r for r in rows if r.get("kind") == "kernel"]
+    for dtype, style in (("fp32", "-"), ("bf16", "--")):
+        for bits in sorted({r["bits"] for r in kernel}):
+            mine = sorted((r for r in kernel if r["dtype"] == dtype and r["bits"] == bits), key=lambda r: r["size_mib"])
+            if mine:
+                ax.plot([r["size_mib"] for r in mine], [r["quantize_vs_clone"] for r in mine], style, marker="o",
+                        label=f"quantize {dtype} {bits}b")  # fmt: skip
+    ax.axhline(GOALS["quantize_vs_clone"], color="k", linewidth=0.8)
+    ax.set(xscale="log", xlabel="input MiB", ylabel="share of torch.clone's GB/s", title="kernels")
+    if kernel:
+        ax.legend(fontsize=6)
+    training = [r for r in rows if r.get("kind") == "training"]
+    names = [(f"compiled {r['model']}" if r["arm"] == "compiled" else r["arm"]) + f": {label(r['method'])}"
+             for r in training]  # fmt: skip
+    panels = ((axes[0][1], "per_s_ratio", "throughput / plain's"), (axes[1][0], "peak_ratio", "plain's peak / peak"),
+              (axes[1][1], "max_batch_ratio", "maximum batch / plain's"))  # fmt: skip
+    for ax, key, title in panels:
+        values = [r.get(key) or 0 for r in training]
+        ax.bar(range(len(values)), values, color=["0.6" if r["method"] == PLAIN else "C0" for r in training])
+        ax.set_xticks(range(len(values)), names, rotation=90, fontsize=6)
+        ax.axhline(1, color="k", linewidth=0.8)
+        ax.set(title=title)
+    fig.suptitle(f"gactx GPU evaluation: {_heading(env)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
