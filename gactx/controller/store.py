@@ -220,14 +220,16 @@ def _compare_args(pred: tuple) -> tuple[str, float, float]:
     return kind, (0.0 if lo is None else lo), (0.0 if hi is None else hi)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES: dict[tuple, torch.Tensor | tuple[torch.Tensor, ...]] = {}  # a table, or a FewBit table's edges and points
+_SIGNS = (0.0, 1.0, -1.0, math.nan)
 
 
-def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, made once. Filled element by element on the device (``fill_`` takes the
-    value as a kernel argument): a copy from pageable host memory, which ``table[i] = v`` is, would make the
-    host wait for the CUDA stream."""
-    key = (repr(values), dtype, device)
+def _table(values: tuple, dtype: torch.dtype, device: torch.device, name: tuple | None = None) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, made once for ``name`` (default: the values themselves, for a few of
+    them: a key hashes every value at every save, and ``repr`` of a 255-value FewBit table took 130 us). Filled
+    element by element on the device (``fill_`` takes the value as a kernel argument): a copy from pageable host
+    memory, which ``table[i] = v`` is, would make the host wait for the CUDA stream."""
+    key = (values if name is None else name, dtype, device)
     table = _TABLES.get(key)
     if table is None:
         table = torch.empty(len(values), dtype=dtype, device=device)
@@ -235,6 +237,19 @@ def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Ten
             table[i].fill_(v)
         table = _TABLES.setdefault(key, table)
     return table
+
+
+def _fewbit_tables(
+    rule: Rule, bits: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The edges and points of the rule's FewBit table at ``bits`` on ``device``, named by the table's arguments."""
+    name = (rule.fn, rule.fn_params, bits)
+    found = _TABLES.get((name, dtype, device))
+    if found is None:
+        table = fewbit_table(rule.fn, rule.fn_params, bits)
+        edges = _table(table.edges, dtype, device, ("edges", *name))
+        found = _TABLES[(name, dtype, device)] = (edges, _table(table.points, dtype, device, ("points", *name)))
+    return found
 
 
 def encode(
@@ -254,7 +269,7 @@ def encode(
         return coded if coded is not None else encode_codes(_predicate(t, rule.pred), 1, table, backend)
     if kind == "sign":
         code = (t > 0).to(torch.uint8) + 2 * (t < 0).to(torch.uint8) + 3 * t.isnan().to(torch.uint8)
-        return encode_codes(code, 2, _table((0.0, 1.0, -1.0, math.nan), t.dtype, t.device), backend)
+        return encode_codes(code, 2, _table(_SIGNS, t.dtype, t.device, ("signs",)), backend)  # NaN: not a key
     if kind == "unused":
         return Unused(t.shape, t.stride(), t.dtype, t.device)
     if kind == "dropout":
@@ -264,8 +279,7 @@ def encode(
         coded = encode_compare(t, "outside", 0.0, 0.0, table, backend)  # not 0 <= t <= 0: t != 0, NaN included
         return coded if coded is not None else encode_codes(t != 0, 1, table, backend)
     if kind == "fewbit" and bits is not None and bits <= 8:
-        table = fewbit_table(rule.fn, rule.fn_params, bits)
-        edges, points = _table(table.edges, t.dtype, t.device), _table(table.points, t.dtype, t.device)
+        edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
         return encode_bins(t, edges, bits, points, backend)
     if choice is not None and kind == "quantize" and bits is not None:
         stored = _encode_choice(t, choice, seed, group_size, stochastic, backend, site)

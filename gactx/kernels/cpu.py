@@ -501,6 +501,102 @@ void encode_bins_counted(const T* x, int64_t n, const float* e, uint8_t* packed)
   });
 }
 
+// With 255 edges (8 bits) counting edge by edge costs 255 comparisons a value. A value's cell on a uniform grid
+// over the edges' range narrows its count instead. The cell is computed in float32, ((v - first) * inv), which
+// never decreases as v grows: so an edge whose cell is below v's is below v, and one whose cell is above v's is
+// above it. The count of a value of cell c is then lut[c] (the edges of lower cells) plus the count of the edges of
+// cell c below it, whatever the rounding. Cells are made narrow enough (up to kCells of them) that each holds at
+// most one edge, its value kept beside the count (+inf in an empty cell): one comparison finishes the count. Where
+// edges crowd closer than that (a tanh table's, at +-1), a branchless binary search of the cell's edges does (the
+// same steps for every value: no branch to mispredict). Exactly torch.bucketize: NaN past the last edge, -inf at
+// 0, +inf past the last.
+struct BinCell {
+  int32_t below;  // edges in lower cells
+  float edge;  // the cell's one edge, or +inf (cells of one edge at most)
+};
+
+template <typename T>
+void bins_by_cell(const T* x, int64_t n, const BinCell* cells, int64_t count, float first, float inv, float top,
+                  uint8_t* packed) {
+  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float v = to_float(x[i]);
+      // std::max(0, NaN) is 0 (it returns its first argument unless that is less); NaN's code is set below
+      const BinCell& c = cells[int32_t(std::min(top, std::max(0.0f, (v - first) * inv)))];
+      const int32_t code = c.below + int32_t(!(c.edge >= v));
+      packed[i] = uint8_t(v == v ? code : int32_t(count));
+    }
+  });
+}
+
+template <typename T, int STEPS>
+void bins_searched(const T* x, int64_t n, const float* e, const int32_t* lut, int64_t count, float first, float inv,
+                   float top, uint8_t* packed) {
+  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float v = to_float(x[i]);
+      int32_t code = lut[int32_t(std::min(top, std::max(0.0f, (v - first) * inv)))];
+      for (int32_t step = 1 << (STEPS - 1); step > 0; step >>= 1) code += !(e[code + step - 1] >= v) ? step : 0;
+      packed[i] = uint8_t(v == v ? code : int32_t(count));
+    }
+  });
+}
+
+template <typename T>
+void encode_bins_lut(const T* x, int64_t n, const std::vector<float>& edges, uint8_t* packed) {
+  constexpr int64_t kCells = 1 << 16;
+  const int64_t count = int64_t(edges.size());
+  const float first = edges[0], range = edges[count - 1] - edges[0];
+  float gap = range;
+  for (int64_t j = 1; j < count; ++j) {
+    if (edges[j] > edges[j - 1]) gap = std::min(gap, edges[j] - edges[j - 1]);
+  }
+  // Two cells a gap: a cell then holds one edge at most, but for roundings (then the cells double, once).
+  int64_t cells = std::max<int64_t>(1, std::min<int64_t>(kCells, 2 * int64_t(std::ceil(range / gap)) + 1));
+  std::vector<int64_t> in_cell;
+  float inv = 0.0f;
+  int64_t window = 0;
+  for (int attempt = 0;; ++attempt) {
+    inv = float(cells) / range;
+    in_cell.assign(cells + 1, 0);
+    for (int64_t j = 0; j < count; ++j) ++in_cell[int64_t(std::min(float(cells), std::max(0.0f, (edges[j] - first) * inv)))];
+    window = *std::max_element(in_cell.begin(), in_cell.end());
+    if (window <= 1 || cells >= kCells || attempt == 1) break;
+    cells = std::min(kCells, 2 * cells);
+  }
+  const float top = float(cells);
+  if (window <= 1) {
+    std::vector<BinCell> table(cells + 1, BinCell{0, INFINITY});
+    int32_t below = 0;
+    for (int64_t c = 0, j = 0; c <= cells; ++c) {
+      table[c].below = below;
+      if (in_cell[c]) table[c].edge = edges[j++];
+      below += int32_t(in_cell[c]);
+    }
+    bins_by_cell<T>(x, n, table.data(), count, first, inv, top, packed);
+    return;
+  }
+  std::vector<int32_t> lut(cells + 1);
+  int32_t below = 0;
+  for (int64_t c = 0; c <= cells; ++c) {
+    lut[c] = below;
+    below += int32_t(in_cell[c]);
+  }
+  int steps = 0;
+  while ((int64_t(1) << steps) <= window) ++steps;  // the search covers [lut, lut + 2**steps - 1]
+  std::vector<float> e(edges);
+  e.resize(count + (int64_t(1) << steps), INFINITY);  // the search may look past the last edge
+  switch (steps) {  // the search unrolled: a constant number of steps
+    case 2: return bins_searched<T, 2>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    case 3: return bins_searched<T, 3>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    case 4: return bins_searched<T, 4>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    case 5: return bins_searched<T, 5>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    case 6: return bins_searched<T, 6>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    case 7: return bins_searched<T, 7>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+    default: return bins_searched<T, 8>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+  }
+}
+
 template <typename T>
 void encode_bins_impl(const T* x, int64_t n, const T* edges, int64_t count, uint8_t* packed, int bits) {
   const int per_byte = 8 / bits;
@@ -511,6 +607,12 @@ void encode_bins_impl(const T* x, int64_t n, const T* edges, int64_t count, uint
     if (bits == 1) encode_bins_counted<T, 1>(x, n, e.data(), packed);
     else if (bits == 2) encode_bins_counted<T, 2>(x, n, e.data(), packed);
     else encode_bins_counted<T, 4>(x, n, e.data(), packed);
+    return;
+  }
+  bool finite = count > 1;
+  for (int64_t j = 0; j < count && finite; ++j) finite = std::isfinite(e[j]) && (j == 0 || e[j] >= e[j - 1]);
+  if (bits == 8 && finite && e[count - 1] > e[0]) {
+    encode_bins_lut<T>(x, n, e, packed);
     return;
   }
   at::parallel_for(0, bytes, grain(per_byte * int64_t(sizeof(T))), [&](int64_t b0, int64_t b1) {

@@ -1,6 +1,7 @@
 """gactx/kernels/cpu.py: the C++ CPU kernels give the torch twins' bytes, round unbiasedly, and allocate
 nothing but their output."""
 
+import math
 import warnings
 
 import pytest
@@ -341,3 +342,31 @@ def test_normal_auto_runs_cpp_and_allocates_the_output_and_a_group_a_thread(monk
     gactx.quantize(x[:100], 4, scheme="normal")
     gactx.quantize(x[:100], 4, scheme="normal", backend="torch")
     assert len(calls) == 1, "auto runs the C++ kernels, torch the twin"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", ["gelu", "tanh", "sigmoid"])
+def test_8_bit_fewbit_bins_are_bucketize(dtype, fn):
+    """255 edges: found through a grid of cells (one edge a cell: GELU's; crowded edges searched: tanh's at +-1;
+    edges that rounding to bfloat16 made equal), exactly torch.bucketize's bins, NaN and infinities included."""
+    from gactx.kernels.fewbit import fewbit_table
+
+    table = fewbit_table(fn, (), 8)
+    edges = torch.tensor(table.edges).to(dtype)
+    x = torch.cat([torch.randn(5000) * 3, torch.rand(2000) * 2 - 1, edges.float(), edges.float().nextafter(
+        torch.tensor(float("inf"))), torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])])  # fmt: skip
+    x = x.to(dtype)
+    coded = encode_bins(x, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
+    assert torch.equal(coded.codes, torch.bucketize(x, edges).to(torch.uint8))
+
+
+@settings(max_examples=40)
+@given(
+    edges=st.lists(st.floats(-1e3, 1e3, width=32), min_size=255, max_size=255),
+    values=st.lists(st.floats(-2e3, 2e3, width=32) | st.sampled_from([math.nan, math.inf, -math.inf]), max_size=300),
+)
+def test_8_bit_bins_of_any_sorted_edges_are_bucketize(edges, values):
+    e = torch.tensor(sorted(edges), dtype=torch.float32)
+    x = torch.tensor(values + sorted(edges), dtype=torch.float32)
+    coded = encode_bins(x, e, 8, torch.arange(256).to(torch.float32), backend="cpp")
+    assert torch.equal(coded.codes, torch.bucketize(x, e).to(torch.uint8))

@@ -1,0 +1,246 @@
+"""Host cost of gactx a saved tensor: where a step is short, what a step pays is Python, not kernels.
+
+The model is 8 x (``Linear(w, w)`` + GELU) on a batch of ``w`` rows, whose step saves 16 tensors of ``w x w``
+that gactx compresses (the linear layers' inputs as codes, the GELUs' as FewBit codes). Plain PyTorch and
+each method are timed in turns, round after round, in one process (one torch thread by default), and their
+median steps compared. Methods: gactx L0 (hooks installed, nothing compressed), L1 and L1.1, eagerly, and
+plain, L0 and L1 under ``torch.compile`` (of the whole model; against compiled plain).
+
+At ``w = 64`` kernel time vanishes and the difference to plain is host time: it is split, a save, into
+
+- hooks and bookkeeping: L0 against plain (the hooks, the module tracker, the policy, the record);
+- compression: L1 against L0 (choosing the storage, the kernel calls, the handle);
+- pack and unpack: each hook's own wall time under L1, measured by a saved-tensor hook around gactx's;
+
+and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
+GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
+
+    python -m benchmarks.host                  # writes benchmarks/results/<device>/host.{json,md}
+    python -m benchmarks.host --quick --out /tmp/host
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import gactx
+from benchmarks.device import device_name, device_slug, summary
+from benchmarks.table import markdown_table
+
+__all__ = ["METHODS", "measure", "run"]
+
+BLOCKS = 8  # Linear + GELU blocks: 16 compressed saves a step
+METHODS = ("L0", "L1", "L1.1", "L0+compile", "L1+compile")  # each against plain (eager or compiled)
+GACTX = str(Path(gactx.__file__).resolve().parent)
+
+
+def mlp(width: int, device: str) -> torch.nn.Module:
+    layers = [m for _ in range(BLOCKS) for m in (torch.nn.Linear(width, width), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+class Case:
+    """One way to run the MLP's step: its own copy of the model, and gactx's controller where it has one."""
+
+    def __init__(self, name: str, width: int, device: str) -> None:
+        torch.manual_seed(0)
+        self.name, self.model = name, mlp(width, device)
+        self.x = torch.randn(width, width, device=device)
+        level, _, compiled = name.partition("+")
+        self.controller = None if level == "plain" else gactx.Controller(self.model, level=level)
+        self.compiled = bool(compiled)
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.device = device
+
+    def step(self) -> None:
+        self.forward(self.x).sum().backward()
+        self.model.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The case's gactx hooks installed for the block (none for plain). A compiled case then runs a step first:
+        installing gactx registers its module hooks anew, and TorchDynamo, which guards on a module's hooks,
+        compiles the model again (once an installation)."""
+        if self.controller is None:
+            yield
+            return
+        with self.controller:
+            if self.compiled:
+                self.step()
+            yield
+
+    def turn(self, steps: int) -> list[float]:
+        """Seconds of each of ``steps`` steps, with the case's hooks installed."""
+        times = []
+        with self.hooks():
+            for _ in range(steps):
+                _synchronize(self.device)
+                begin = time.perf_counter()
+                self.step()
+                _synchronize(self.device)
+                times.append(time.perf_counter() - begin)
+        return times
+
+    def saves(self) -> int:
+        """Compressed saves a step (gactx's records of the last pass)."""
+        if self.controller is None:
+            return 0
+        return sum(1 for r in self.controller.records if isinstance(r.bits, int))
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def python_calls(case: Case) -> int:
+    """Calls of Python functions of the gactx package during one step (the hooks' and what they call), in this
+    thread: on a GPU, backward's own threads (where unpack runs) are not counted."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(GACTX):
+            calls += 1
+
+    with case.hooks():
+        sys.setprofile(count)
+        try:
+            case.step()
+        finally:
+            sys.setprofile(None)
+    return calls
+
+
+def launches(case: Case) -> int | None:
+    """GPU activities of one step (kernels, memsets, copies); None off a GPU."""
+    if case.device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with case.hooks(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        case.step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA")
+
+
+def hook_us(case: Case, steps: int) -> tuple[float, float]:
+    """Mean wall microseconds of gactx's pack and of its unpack hook a call, under ``case``'s controller: its hooks
+    called from a saved-tensor hook pair of ours (eager only)."""
+    spent = {"pack": [0.0, 0], "unpack": [0.0, 0]}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def hook(x):
+            begin = time.perf_counter()
+            out = fn(x)
+            spent[name][0] += time.perf_counter() - begin
+            spent[name][1] += 1
+            return out
+
+        return hook
+
+    with case.hooks():
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(timed("pack", pack), timed("unpack", unpack)):
+            for _ in range(steps):
+                case.step()
+    return tuple(1e6 * s / max(1, n) for s, n in (spent["pack"], spent["unpack"]))
+
+
+def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = True) -> list[dict]:
+    """Rows of one width: plain, then each method, with their medians, ratios and per-save figures."""
+    torch._dynamo.reset()  # each width's graphs on their own: compiled cases compile again at each turn (Case.hooks)
+    names = ["plain", *(m for m in METHODS if compiled or "+compile" not in m)]
+    if compiled:
+        names.insert(names.index("L0+compile"), "plain+compile")
+    cases = {name: Case(name, width, device) for name in names}
+    for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
+        case.turn(3)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, case in cases.items():
+            times[name] += case.turn(steps)
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    saves = cases["L1"].saves()  # compressed saves a step, as L1's last pass recorded them
+    rows = []
+    for name, case in cases.items():
+        base = "plain+compile" if name.endswith("+compile") else "plain"
+        row = {"width": width, "method": name, "step_ms": median[name], "vs_plain": median[name] / median[base],
+               "saves": saves, "per_save_us": 1e3 * (median[name] - median[base]) / saves,
+               "python_calls_per_save": python_calls(case) / saves}  # fmt: skip
+        plain_launches, own = launches(cases[base]), launches(case)
+        if own is not None:
+            row["launches_per_save"] = (own - plain_launches) / saves
+        if name in ("L0", "L1", "L0+compile", "L1+compile"):
+            row["part"] = "hooks and bookkeeping" if name.startswith("L0") else "compression"
+        if name == "L1":
+            row["pack_us"], row["unpack_us"] = hook_us(case, steps)
+        rows.append(row)
+    by = {r["method"]: r for r in rows}
+    for suffix in ("", "+compile"):
+        if f"L1{suffix}" in by and f"L0{suffix}" in by:  # compression alone: L1 against L0
+            by[f"L1{suffix}"]["compression_us"] = by[f"L1{suffix}"]["per_save_us"] - by[f"L0{suffix}"]["per_save_us"]
+    return rows
+
+
+def render(rows: list[dict], env: dict) -> str:
+    lines = [f"# gactx host cost a saved tensor on {env['device_name']}", "",
+             f"- torch {env['torch']}; run {env['date']}; {env['threads']} torch thread(s); "
+             f"median of {env['rounds']} rounds of {env['steps']} steps, methods in turns",
+             f"- model: {BLOCKS} x (Linear(w, w) + GELU), batch w: 16 compressed saves a step; "
+             "eager methods against plain, compiled ones against compiled plain", ""]  # fmt: skip
+    headers = ["w", "method", "step ms", "vs plain", "us a save", "compression us a save", "pack us", "unpack us",
+               "Python calls a save", "launches a save"]  # fmt: skip
+    cells = [[r["width"], r["method"], f"{r['step_ms']:.3f}", f"{r['vs_plain']:.2f}x", _f(r.get("per_save_us")),
+              _f(r.get("compression_us")), _f(r.get("pack_us")), _f(r.get("unpack_us")),
+              _f(r.get("python_calls_per_save")), _f(r.get("launches_per_save"))] for r in rows]  # fmt: skip
+    return "\n".join(lines + markdown_table(headers, cells, left=2)) + "\n"
+
+
+def _f(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=summary(__doc__))
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=20, help="steps a method's turn")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--no-compile", action="store_true", help="eager methods only")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    p.add_argument("--quick", action="store_true", help="width 64, 2 rounds of 3 steps (needs --out)")
+    args = p.parse_args(argv)
+    if args.quick:
+        if args.out is None:
+            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+        args.widths, args.rounds, args.steps = [64], 2, 3
+    torch.set_num_threads(args.threads)
+    # Compiled cases with hooks are compiled again at every turn (see Case.hooks): room for all of them.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * args.rounds + 32)
+    env = {"device_name": device_name(args.device), "torch": torch.__version__, "threads": args.threads,
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
+           "steps": args.steps}  # fmt: skip
+    rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, not args.no_compile)]
+    out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "host.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    table = render(rows, env)
+    (out / "host.md").write_text(table)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    run()
