@@ -19,7 +19,8 @@ from benchmarks.device import device_name, device_slug
 from benchmarks.gpu import report, training
 from benchmarks.gpu.harness import ArmRun, Deadline, child_command, emit, run_arm
 
-ARM_LIMITS_S = {"kernels": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()}
+ARM_LIMITS_S = {"kernels": 50} | {name: arm.budget_s for name, arm in training.ARMS.items()} | {"host": 40}
+HOST_WIDTHS, HOST_ROUNDS, HOST_STEPS = (64, 256), 5, 20  # the host arm: benchmarks.host's MLP (tiny: 64, 2 x 3)
 BUDGET_S = 480  # the whole command: 8 minutes of a loan of 15 that includes the machine's start
 # --tiny on a 2-core CPU: every arm takes 10 to 70 s alone (the adaptive levels' first adaptations most of it),
 # and more beside other work; its limits are the GPU's times this.
@@ -96,6 +97,8 @@ def child(args: argparse.Namespace) -> int:
             from benchmarks.gpu import kernels
 
             kernels.run(device, args.tiny, deadline)
+        elif args.child == "host":
+            host_arm(device, args.tiny)
         else:
             training.run(training.ARMS[args.child], device, args.tiny, deadline)
     except Exception as error:  # noqa: BLE001 - written into the results, then the arm fails
@@ -110,6 +113,17 @@ def child(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def host_arm(device: str, tiny: bool) -> None:
+    """``benchmarks.host`` on this device: host cost a saved tensor, eager and compiled, a width at a time."""
+    from benchmarks import host
+
+    widths, rounds, steps = ((64,), 2, 3) if tiny else (HOST_WIDTHS, HOST_ROUNDS, HOST_STEPS)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * rounds + 32)
+    for width in widths:
+        for row in host.measure(width, device, rounds, steps):
+            emit({"id": f"host/{width}/{row['method']}", "kind": "host", "arm": "host", **row})
 
 
 class Results:

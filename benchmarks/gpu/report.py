@@ -17,6 +17,7 @@ TITLES = {
     "resnet50": "ResNet-50 (torchvision), bf16 autocast, channels_last, 224 x 224, batch 256",
     "bert-large": "BERT-large (transformers, SDPA attention), bf16 autocast, sequence 128, batch 64",
     "compiled": "Compiled (torch.compile of the whole model's forward), bf16 autocast",
+    "host": "Host cost a saved tensor: 8 x (Linear(w, w) + GELU), batch w, float32 (benchmarks.host)",
 }
 LABELS = {"fp": "plain", "checkpoint": "checkpointing"}
 # The goals the results are read against (GACT at L1: 0.73x throughput on ResNet-50, 0.90x on BERT-large;
@@ -169,6 +170,18 @@ def _kernel_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _host_table(rows: list[dict]) -> list[str]:
+    mine = [r for r in rows if r.get("kind") == "host"]
+    if not mine:
+        return ["(no rows)"]
+    headers = ["w", "method", "step ms", "vs plain", "us a save", "Python calls a save", "launches a save"]
+    cells = [[r["width"], r["method"], _num(r["step_ms"]), _x(r["vs_plain"]), _num(r["per_save_us"]),
+              _num(r["python_calls_per_save"]), _num(r.get("launches_per_save"))] for r in mine]  # fmt: skip
+    return markdown_table(headers, cells, left=2) + [
+        "", "Compiled methods against compiled plain; `us a save`: the step's difference to plain over its 16 "
+        "compressed saves. Python calls: in the calling thread (backward's own threads are not counted)."]  # fmt: skip
+
+
 def _training_table(rows: list[dict], arm: str) -> list[str]:
     mine = _training(rows, arm)
     if not mine:
@@ -217,7 +230,10 @@ def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
     skipped = sorted(r["id"] for r in rows if r.get("kind") == "skipped")
     for arm in TITLES:
         lines += ["", f"## {TITLES[arm]}", "", _heading(env), ""]
-        lines += _kernel_table(rows) if arm == "kernels" else _training_table(rows, arm)
+        if arm in ("kernels", "host"):
+            lines += _kernel_table(rows) if arm == "kernels" else _host_table(rows)
+        else:
+            lines += _training_table(rows, arm)
         sources = sorted({f"{r['model']}: {r['source']}" for r in _training(rows, arm) if r.get("source")})
         if sources:
             lines += ["", "Built from: " + "; ".join(sources) + "."]

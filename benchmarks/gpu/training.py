@@ -68,18 +68,18 @@ class TrainingArm:
 ARMS = {
     "llama-lora": TrainingArm(
         "llama-lora", ("llama-lora",), ("fp", "checkpoint", "L1", "checkpoint+L1", "L1.2", "L2.2"), None,
-        budget_s=150,
+        budget_s=145,
     ),
     "resnet50": TrainingArm(
         "resnet50", ("resnet50",), ("fp", "checkpoint", "L1", "L1.2", "L2.2"), 256, tiny_batch=8, channels_last=True,
-        budget_s=90,
+        budget_s=85,
     ),
     "bert-large": TrainingArm(
-        "bert-large", ("bert-large",), ("fp", "checkpoint", "L1", "L2", "L2.2"), 64, tiny_batch=8, budget_s=80
+        "bert-large", ("bert-large",), ("fp", "checkpoint", "L1", "L2", "L2.2"), 64, tiny_batch=8, budget_s=75
     ),
     "compiled": TrainingArm(
         "compiled", ("bert-large", "llama-lora"), ("fp", "L1"), 64, tiny_batch=8, compiled=True, max_batch=False,
-        budget_s=100,
+        budget_s=85,
     ),
 }  # fmt: skip
 

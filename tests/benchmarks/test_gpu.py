@@ -75,12 +75,16 @@ def test_the_tiny_evaluation_runs_the_kernels_the_lora_model_and_the_compiled_ar
 
 
 @pytest.mark.slow
-def test_the_tiny_evaluation_runs_resnet_and_bert_large(tmp_path):
-    saved = _evaluate(tmp_path, "resnet50", "bert-large")
+def test_the_tiny_evaluation_runs_resnet_bert_large_and_the_host_cost(tmp_path):
+    saved = _evaluate(tmp_path, "resnet50", "bert-large", "host")
     _check_arm(saved, "resnet50")
     bert = _check_arm(saved, "bert-large")
     assert bert[("bert-large", "L1")]["peak_ratio"] > 1.2
     assert bert[("bert-large", "L1")]["max_batch_ratio"] > 1
+    host = {r["method"]: r for r in saved["rows"] if r.get("kind") == "host"}
+    assert list(host) == ["plain", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile"]
+    assert all(r["step_ms"] > 0 and r["saves"] == 16 for r in host.values())
+    assert f"## {report.TITLES['host']}" in (tmp_path / "gpu.md").read_text()
 
 
 def test_an_arm_past_its_limit_is_cut_and_keeps_what_it_sent(tmp_path):
