@@ -38,6 +38,7 @@ new noise every step without recompiling.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,14 +60,14 @@ from gactx.controller.graph_nodes import (
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import AS_IS, KeyRecord
-from gactx.kernels import traced
+from gactx.kernels import cpu, traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 
 __all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 
 # Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
-# backward graph).
-KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL = 0, 1, 2, 3, 4
+# backward graph). CPP_*: the C++ ops of CPU tensors (``gactx_cpu::*_saved``), which the graph calls with no Python.
+KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL, CPP_KEPT, CPP, CPP_BOOL = range(8)
 _MASK32 = 0xFFFFFFFF
 
 
@@ -135,23 +136,23 @@ class GraphSave:
     group_size: int
     op: str
     cls: str
+    extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's byte)
 
     @property
     def compressed(self) -> bool:
         return isinstance(self.bits, int)
 
-    def record(self, frame: tuple[str, int] | None, call: int, t: torch.Tensor) -> KeyRecord:
-        """The record of one run, ``t`` the saved tensor (its shape is known now, dynamic or not). What the
-        graph holds includes the tick's 8 bytes. Under an eager module (``frame``: its name and call; a
-        compiled block), the module is named from it, as eager saves are."""
-        numel = t.numel()
-        nbytes = numel * t.element_size()
-        packed = 8 + (expected_nbytes(numel, self.dtype, self.bits, self.group_size) if self.compressed else nbytes)
+    def record(self, frame: tuple[str, int] | None, call: int, shape: tuple[int, ...]) -> KeyRecord:
+        """The record of one run, ``shape`` the saved tensor's (known at run time, dynamic or not). Under an eager
+        module (``frame``: its name and call; a compiled block), the module is named from it, as eager saves are."""
+        numel = math.prod(shape)
+        nbytes = numel * self.dtype.itemsize
+        stored = expected_nbytes(numel, self.dtype, self.bits, self.group_size) if self.compressed else nbytes
         module = self.module
         if frame is not None:
             module, call = ".".join(p for p in (frame[0], self.module) if p), frame[1]
-        key = Key(module, call, self.index, tuple(t.shape))
-        return KeyRecord(key, self.dtype, self.bits, nbytes, packed, nbytes, self.op, self.cls)
+        key = Key(module, call, self.index, shape)
+        return KeyRecord(key, self.dtype, self.bits, nbytes, self.extra + stored, nbytes, self.op, self.cls)
 
 
 @dataclass
@@ -180,6 +181,9 @@ class CompiledPath:
         self._starts: dict[tuple, int] = {}  # (graph, node name) -> the forward graph's output position
         self._pending: list[tuple] = []  # (backward graph, saved node name) whose unpack nodes are to sink
         self._alive: list[weakref.ref] = []  # the counts that the graphs of the pass under way hold
+        self.logging = False  # graphs call the C++ ops, which log their runs: read by drain()
+        self._held: dict[int, int] = {}  # token -> its logged saves that graphs still hold
+        self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
 
     # -- tracing ------------------------------------------------------------------------------------------
 
@@ -188,6 +192,8 @@ class CompiledPath:
         self._sink_pending(ctx["_bw_graph"])
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
         cfg = self.config
+        if t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available():
+            return self._pack_cpp(t, token, save)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
         if not save.compressed:
@@ -212,6 +218,25 @@ class CompiledPath:
         codes, meta = traced.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
         return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
 
+    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave):
+        """A CPU tensor's save by the C++ ops, which the graph calls with no Python: they log that they ran, and the
+        controller reads the log when it next looks at its passes (:meth:`drain`)."""
+        if not self.logging:
+            self.logging = True
+            self.path.before_save = self.tracker.on_boundary = self.drain
+        ops, cfg = torch.ops.gactx_cpu, self.config
+        save.extra = 1  # the marker: what the graph holds while it holds the save
+        if not save.compressed:
+            return (CPP_KEPT, ops.keep_saved(t, token), t)
+        shape = tuple(t.shape)
+        if t.dtype == torch.bool:
+            packed, mark = ops.pack_bool_saved(t, token)
+            return (CPP_BOOL, mark, packed, t.numel(), shape)
+        salt = _salt(cfg.seed, token)
+        codes, meta, mark = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
+                                               *cpu.step_factors(save.bits))  # fmt: skip
+        return (CPP, mark, codes, meta, save.bits, cfg.group_size, t.numel(), shape, FLOAT_DTYPES.index(t.dtype))
+
     def unpack(self, packed):
         ctx = _hook_context()
         start = self._starts.pop((id(ctx["_fw_graph"]), ctx["_node"].name), None)
@@ -221,8 +246,16 @@ class CompiledPath:
         if isinstance(packed, torch.Tensor):
             return packed
         tag = packed[0]
-        if tag == KEPT:
+        if tag in (KEPT, CPP_KEPT):
             return packed[2]
+        if tag == CPP_BOOL:
+            _, _, data, n, shape = packed
+            return torch.ops.gactx_cpu.unpack_bool_saved(data, n).view(shape)
+        if tag == CPP:
+            _, _, codes, meta, bits, group_size, n, shape, dtype = packed
+            return torch.ops.gactx_cpu.dequantize_saved(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype]).view(
+                shape
+            )
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:
@@ -288,12 +321,32 @@ class CompiledPath:
 
     def ran(self, token: int, t: torch.Tensor, count: torch.Tensor) -> None:
         """A compiled graph ran the save of ``token`` (``t`` the tensor, ``count`` what the graph saves with
-        it): record it in the pass under way.
+        it), through a Python op: record it in the pass under way."""
+        self.drain()  # the C++ ops' saves before it, if any
+        self._record(token, tuple(t.shape), weakref.ref(count))
 
-        Under an eager model (compiled blocks) the model's forward pre-hook begins passes, and a region run
-        again is its next call. With no eager module of the model running (the whole model compiled), a
-        save begins a new pass when the graphs of the pass under way are gone (their backward has run, or
-        they were dropped) or when its region runs a second time."""
+    def drain(self) -> None:
+        """Record the saves the C++ ops logged since the last call, in order (a decode says its pass's backward
+        ran). Called before the controller reads its passes, at module calls and eager saves (so that records keep
+        the order and the module of their saves), and once a step; nothing to do until a graph calls the ops."""
+        if not self.logging:
+            return
+        log, i = cpu.drain_log(), 0
+        while i < len(log):
+            kind, token, rank = log[i], log[i + 1], log[i + 2]
+            if kind == 2:
+                self._held[token] = self._held.get(token, 1) - 1
+            else:
+                self._record(token, tuple(log[i + 3 : i + 3 + rank]), None)
+                self._held[token] = self._held.get(token, 0) + 1
+            i += 3 + rank
+
+    def _record(self, token: int, shape: tuple[int, ...], alive: weakref.ref | None) -> None:
+        """Record a run of the save of ``token``. Under an eager model (compiled blocks) the model's forward pre-hook
+        begins passes, and a region run again is its next call. With no eager module of the model running (the
+        whole model compiled), a save begins a new pass when the graphs of the pass under way are gone (their
+        backward has run, or they were dropped: what the graphs hold, ``alive`` or a logged save's marker, is
+        freed) or when its region runs a second time."""
         save = self.saves.get(token)
         if save is None:
             return
@@ -302,16 +355,22 @@ class CompiledPath:
         run = stats.graph_runs.get(save.graph)
         if not self.tracker.inside and (stats.graph_runs or stats.records):
             rerun = run is not None and token in run.seen
-            if rerun or not stats.graph_runs or not any(ref() is not None for ref in self._alive):
+            gone = not any(ref() is not None for ref in self._alive) and not any(
+                self._held.get(t, 0) > 0 for t in self._tokens
+            )
+            if rerun or not stats.graph_runs or gone:
                 path.fresh = True
                 stats, run = path._begin_pass_if_fresh(), None
         if not stats.graph_runs:
-            self._alive = []
-        self._alive.append(weakref.ref(count))
+            self._alive, self._tokens = [], set()
+        if alive is None:
+            self._tokens.add(token)
+        else:
+            self._alive.append(alive)
         if run is None or token in run.seen:
             run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
         run.seen.add(token)
-        stats.add_compiled(save.record(self.tracker.frame(), run.call, t), save.compressed)
+        stats.add_compiled(save.record(self.tracker.frame(), run.call, shape), save.compressed)
 
 
 def _hint(shape) -> tuple[int, ...]:

@@ -217,6 +217,7 @@ class Controller:
         if backprop is not None and not callable(backprop):
             raise TypeError(f"backprop must be callable or None, got {type(backprop).__name__}")
         self.step += 1
+        self._compiled.drain()  # what compiled graphs logged this step: read once a step, it does not pile up
         cfg = self.config
         if not cfg.adaptive or not (self._due(self.step) or self._collect_pending):
             return
@@ -407,7 +408,8 @@ class Controller:
 
     @property
     def _pass(self) -> PassStats:
-        """The most recent forward pass that saved anything."""
+        """The most recent forward pass that saved anything (compiled graphs' logged saves recorded first)."""
+        self._compiled.drain()
         return self._path.stats
 
     @_pass.setter

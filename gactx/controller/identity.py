@@ -70,6 +70,9 @@ class ModuleTracker:
         # Called as hook(name, call, module, output) when a followed module call returns normally, before its
         # frame is dropped: the free sensitivity estimate hooks the gradient of the call's output there.
         self.output_hooks: list[Callable[[str, int, nn.Module, object], None]] = []
+        # Called as a followed module call begins or returns, before the stack changes: compiled graphs' logged saves
+        # are recorded then, under the module that ran them (compiled.py).
+        self.on_boundary: Callable[[], None] | None = None
 
     def attach(self) -> None:
         """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
@@ -90,6 +93,8 @@ class ModuleTracker:
         # reentrant checkpoint recomputing) belong to no forward pass.
         if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
             return
+        if self.on_boundary is not None:
+            self.on_boundary()
         if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
             del self._stack[:]
             self.on_pass_end()
@@ -118,6 +123,8 @@ class ModuleTracker:
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
         if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
             return
+        if self.on_boundary is not None:
+            self.on_boundary()
         if self._stack and self._stack[-1][0] == name:
             frame = self._stack.pop()
             for hook in self.output_hooks:

@@ -101,6 +101,8 @@ class PackPath:
         # a tensor shared through dedupe): what the estimators measure on the values themselves. Device work
         # only, never a host read (a hook must not synchronize).
         self.observers: list[Callable[[Key, torch.Tensor, Rule], None]] = []
+        # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
+        self.before_save: Callable[[], None] | None = None
 
     # -- passes ---------------------------------------------------------------------------------------------
 
@@ -140,6 +142,8 @@ class PackPath:
     # -- the path -------------------------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor):
+        if self.before_save is not None:
+            self.before_save()
         if self.watching:
             with self.watcher.quiet():  # what the pack hook itself runs (a detach) is not the model's
                 return self._pack(t)

@@ -48,6 +48,8 @@ _SOURCE = r"""
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -559,7 +561,9 @@ void encode_bins_lut(const T* x, int64_t n, const std::vector<float>& edges, uin
   for (int attempt = 0;; ++attempt) {
     inv = float(cells) / range;
     in_cell.assign(cells + 1, 0);
-    for (int64_t j = 0; j < count; ++j) ++in_cell[int64_t(std::min(float(cells), std::max(0.0f, (edges[j] - first) * inv)))];
+    for (int64_t j = 0; j < count; ++j) {
+      ++in_cell[int64_t(std::min(float(cells), std::max(0.0f, (edges[j] - first) * inv)))];
+    }
     window = *std::max_element(in_cell.begin(), in_cell.end());
     if (window <= 1 || cells >= kCells || attempt == 1) break;
     cells = std::min(kCells, 2 * cells);
@@ -838,11 +842,106 @@ void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t b
   GACTX_DISPATCH(out.scalar_type(), decode_table_impl<scalar>(packed.data_ptr<uint8_t>(), table.data_ptr<scalar>(),
                  out.data_ptr<scalar>(), out.numel(), int(bits)));
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them through the dispatcher, with no Python.
+// Each logs that a save ran (its token and shape) and returns, beside what it stores, a one-byte marker that the
+// graph holds as long as it holds the save, and whose release logs that too (its backward ran, or the graph was
+// dropped); the controller reads the log when it next looks at its passes (compiled.py). Seeds of stochastic
+// rounding come from a counter here: a new one at every call, mixed with the caller's salt.
+namespace {
+
+std::mutex log_mutex;
+std::vector<int64_t> save_log;  // entries: kind (0 saved, 2 released), token, rank, sizes...
+std::atomic<uint64_t> draws{0};
+constexpr size_t kLogLimit = size_t(1) << 22;  // int64s (32 MiB): a log nobody reads is dropped, not grown
+
+void log_event(int64_t kind, int64_t token, at::IntArrayRef sizes) {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  if (save_log.size() > kLogLimit) save_log.clear();
+  save_log.push_back(kind);
+  save_log.push_back(token);
+  save_log.push_back(int64_t(sizes.size()));
+  for (int64_t s : sizes) save_log.push_back(s);
+}
+
+at::Tensor marker(const at::Tensor& t, int64_t token) {  // logs the save now and its release when freed
+  log_event(0, token, t.sizes());
+  void* p = std::malloc(1);
+  TORCH_CHECK(p != nullptr, "gactx: out of memory");
+  return at::from_blob(p, {1}, [token](void* q) { std::free(q); log_event(2, token, {}); },
+                       at::TensorOptions().dtype(at::kByte));
+}
+
+int64_t next_seed(int64_t salt) {  // as traced.py's draws: ((draw * golden) ^ (salt * c)) mod 2**62
+  const uint64_t draw = draws.fetch_add(1) + 1;
+  const uint64_t mixed = (draw * 0x9E3779B97F4A7C15ull) ^ (uint64_t(salt) * 0xC2B2AE3D27D4EB4Full);
+  return int64_t(mixed & ((uint64_t(1) << 62) - 1));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_saved(const at::Tensor& t, int64_t bits, int64_t group,
+                                                              bool stochastic, int64_t salt, int64_t token,
+                                                              double factor, double factor_special) {
+  at::Tensor mark = marker(t, token);
+  auto [codes, meta] = quantize(t.reshape(-1).contiguous(), bits, group, stochastic,
+                                stochastic ? next_seed(salt) : 0, factor, factor_special);
+  return {codes, meta, mark};
+}
+
+at::Tensor dequantize_saved(const at::Tensor& codes, const at::Tensor& meta, int64_t bits, int64_t group, int64_t n,
+                            at::ScalarType dtype) {
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(dtype));
+  dequantize(codes, meta, out, bits, group);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_bool_saved(const at::Tensor& t, int64_t token) {
+  at::Tensor mark = marker(t, token);
+  at::Tensor packed = at::empty({(t.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+  pack_bool(t.reshape(-1).contiguous(), packed);
+  return {packed, mark};
+}
+
+at::Tensor unpack_bool_saved(const at::Tensor& packed, int64_t n) {
+  at::Tensor mask = at::empty({n}, at::TensorOptions().dtype(at::kBool));
+  unpack_bool(packed, mask);
+  return mask;
+}
+
+// A save kept as it is: logged, and its marker (an op's result must be a new tensor).
+at::Tensor keep_saved(const at::Tensor& t, int64_t token) { return marker(t, token); }
+
+std::vector<int64_t> drain_log() {
+  std::lock_guard<std::mutex> lock(log_mutex);
+  std::vector<int64_t> out;
+  out.swap(save_log);
+  return out;
+}
+
+TORCH_LIBRARY(gactx_cpu, m) {
+  const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
+  m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token, float factor, "
+        "float factor_special) -> (Tensor, Tensor, Tensor)", flexible);
+  m.def("dequantize_saved(Tensor codes, Tensor meta, int bits, int group, int n, ScalarType dtype) -> Tensor");
+  m.def("pack_bool_saved(Tensor t, int token) -> (Tensor, Tensor)", flexible);
+  m.def("unpack_bool_saved(Tensor packed, int n) -> Tensor");
+  m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
+}
+
+TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
+  m.impl("quantize_saved", &quantize_saved);
+  m.impl("dequantize_saved", &dequantize_saved);
+  m.impl("pack_bool_saved", &pack_bool_saved);
+  m.impl("unpack_bool_saved", &unpack_bool_saved);
+  m.impl("keep_saved", &keep_saved);
+}
 """
 
 _FUNCTIONS = [
     "quantize", "dequantize", "normal_quantize", "normal_dequantize", "encode_bins", "decode_table", "pack_bool",
-    "pack_compare", "unpack_bool",
+    "pack_compare", "unpack_bool", "drain_log",
 ]  # fmt: skip
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
@@ -860,8 +959,40 @@ def extension():
         return _state["module"]
     with _lock:
         if "module" not in _state:
-            _state["module"] = _build()
+            module = _build()
+            if module is not None:
+                _register_fakes()
+            _state["module"] = module
     return _state["module"]
+
+
+def _register_fakes() -> None:
+    """What the ops of compiled graphs (``gactx_cpu::*_saved``, registered by the extension) return, for tracing."""
+    from gactx.kernels.quantize import _allocate
+
+    def mark(t):
+        return t.new_empty(1, dtype=torch.uint8)
+
+    def quantize_saved(t, bits, group, stochastic, salt, token, factor, factor_special):
+        return (*_allocate(t.reshape(-1), bits, group), mark(t))
+
+    fakes = {
+        "quantize_saved": quantize_saved,
+        "dequantize_saved": lambda codes, meta, bits, group, n, dtype: codes.new_empty(n, dtype=dtype),
+        "pack_bool_saved": lambda t, token: (t.new_empty(-(-t.numel() // 8), dtype=torch.uint8), mark(t)),
+        "unpack_bool_saved": lambda packed, n: packed.new_empty(n, dtype=torch.bool),
+        "keep_saved": lambda t, token: mark(t),
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"gactx_cpu::{name}")(fake)
+
+
+def drain_log() -> list[int]:
+    """The events the ops of compiled graphs logged since the last call, in order: ``kind`` (0 a save ran, 2 the graph
+    released it), ``token``, ``rank``, then ``rank`` sizes (none for a release). Empty where the extension is not
+    built."""
+    module = _state.get("module")
+    return module.drain_log() if module is not None else []
 
 
 def _build():
@@ -891,6 +1022,11 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed
     """``(codes, meta)`` of a contiguous CPU tensor (any shape: its elements in order), in the format of
     ``format.py``."""
     return extension().quantize(x, bits, group_size, stochastic, seed, *_factors(bits))
+
+
+def step_factors(bits: int) -> tuple[float, float]:
+    """The step factors the quantize kernel takes at ``bits`` (see :func:`_factors`)."""
+    return _factors(bits)
 
 
 @functools.cache

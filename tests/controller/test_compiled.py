@@ -170,7 +170,7 @@ def test_bool_masks_attention_and_small_tensors():
     by_cls = {r.cls: r for r in records}
     assert by_cls["attention"].bits == 4, "softmax results get at least 4 bits"
     assert by_cls["bool mask"].bits == 1
-    assert by_cls["bool mask"].packed_bytes == 8 + 4 * 32 * WIDTH // 8
+    assert by_cls["bool mask"].packed_bytes == 1 + 4 * 32 * WIDTH // 8  # and the C++ ops' one-byte marker
     assert all(isinstance(r.bits, int) for r in records if r.original_bytes >= 4096)
 
 
@@ -270,7 +270,7 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
     with gactx.Controller(model, level="L1.1"):
         grads(compiled, model, x)
     fw, bw = list(graphs["fw"].nodes), list(graphs["bw"].nodes)
-    quantize = [n for n in fw if n.target is torch.ops.gactx.quantize_saved.default]
+    quantize = [n for n in fw if n.target is torch.ops.gactx_cpu.quantize_saved.default]  # CPU tensors: the C++ ops
     assert len(quantize) >= 6
     for q in quantize:
         source = q.args[0]  # the saved tensor
@@ -281,7 +281,7 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
         assert all(n.op == "placeholder" or any(p in str(n.target) for p in pack) for n in between), between
     last_addmm = max(i for i, n in enumerate(fw) if "addmm" in str(n.target))
     assert fw.index(quantize[0]) < last_addmm, "packs run during the forward, not after it"
-    dequantize = [n for n in bw if n.target is torch.ops.gactx.dequantize.default]
+    dequantize = [n for n in bw if n.target is torch.ops.gactx_cpu.dequantize_saved.default]
     assert len(dequantize) == len(quantize)
     for d in dequantize[:-1]:  # the last save's stays first: backward uses it first
         user = min(bw.index(u) for v in (d, *d.users) for u in v.users if "gactx" not in str(u.target))
