@@ -12,15 +12,15 @@ Writes adaptation.json and adaptation.md under ``benchmarks/results/<device>/``.
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from benchmarks.charlm import train_charlm
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.device import device_name, summary
 from benchmarks.digits import train_digits
+from benchmarks.output import results_folder, write_results
 from benchmarks.table import markdown_table
 from gactx.config import Config
 
@@ -82,11 +82,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
-    out = args.out or Path(__file__).parent / "results" / device_slug(device)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adaptation.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
     table = render(rows, env)
-    (out / "adaptation.md").write_text(table)
+    write_results(results_folder(args.out, device), "adaptation", env, rows, table)
     print(table)
     return rows
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -34,7 +33,8 @@ from pathlib import Path
 import torch
 
 import gactx
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.device import device_name, summary
+from benchmarks.output import results_folder, write_results
 from benchmarks.table import markdown_table
 
 __all__ = ["METHODS", "measure", "run"]
@@ -233,11 +233,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
            "steps": args.steps}  # fmt: skip
     rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, not args.no_compile)]
-    out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
     table = render(rows, env)
-    (out / "host.md").write_text(table)
+    write_results(results_folder(args.out, args.device), "host", env, rows, table, indent=1)
     print(table)
     return rows
 
