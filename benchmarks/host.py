@@ -34,6 +34,7 @@ import torch
 
 import gactx
 from benchmarks.device import device_name, summary
+from benchmarks.measure import gpu_activities, synchronize
 from benchmarks.output import results_folder, write_results
 from benchmarks.table import markdown_table
 
@@ -84,10 +85,10 @@ class Case:
         times = []
         with self.hooks():
             for _ in range(steps):
-                _synchronize(self.device)
+                synchronize(self.device)
                 begin = time.perf_counter()
                 self.step()
-                _synchronize(self.device)
+                synchronize(self.device)
                 times.append(time.perf_counter() - begin)
         return times
 
@@ -96,11 +97,6 @@ class Case:
         if self.controller is None:
             return 0
         return sum(1 for r in self.controller.records if isinstance(r.bits, int))
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def python_calls(case: Case) -> int:
@@ -124,14 +120,8 @@ def python_calls(case: Case) -> int:
 
 def launches(case: Case) -> int | None:
     """GPU activities of one step (kernels, memsets, copies); None off a GPU."""
-    if case.device != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    with case.hooks(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        case.step()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA")
+    with case.hooks():
+        return gpu_activities(case.step, case.device)
 
 
 def hook_us(case: Case, steps: int) -> tuple[float, float]:

@@ -17,7 +17,10 @@ import torch
 
 from gactx.controller.stats import counted_range, cover
 
-__all__ = ["StepMemory", "count_saved_bytes", "cuda_step_memory", "median_step_seconds", "max_batch"]
+__all__ = [
+    "StepMemory", "count_saved_bytes", "cuda_step_memory", "median_step_seconds", "max_batch", "gpu_activities",
+    "synchronize",
+]  # fmt: skip
 
 
 def count_saved_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -107,3 +110,21 @@ def max_batch(fits: Callable[[int], bool], start: int, doublings: int = 16) -> t
         else:
             hi = mid
     return lo, tried
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU where ``device`` is one (nothing on a CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def gpu_activities(fn: Callable[[], object], device: str) -> int | None:
+    """GPU activities (kernels, memsets, copies) one call of ``fn`` starts, by ``torch.profiler``; None off a GPU."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA")

@@ -19,6 +19,7 @@ import torch
 import gactx
 from benchmarks import throughput
 from benchmarks.gpu.harness import Deadline, emit
+from benchmarks.measure import gpu_activities
 
 __all__ = ["run", "SIZES_MIB", "TINY_SIZES_MIB", "BITS"]
 
@@ -62,17 +63,12 @@ def host_us(fn: Callable[[], object], device: str) -> tuple[float, bool]:
 
 
 def launches(fn: Callable[[], object], device: str) -> int | None:
-    """GPU activities (kernels, memsets, copies) one call of ``fn`` starts; None on a CPU."""
+    """GPU activities one call of ``fn`` starts, after a call that compiles and allocates; None on a CPU."""
     if device != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA")
+    return gpu_activities(fn, device)
 
 
 def run(device: str, tiny: bool, deadline: Deadline) -> None:

@@ -34,6 +34,7 @@ import torch
 import gactx
 from benchmarks import workloads
 from benchmarks.gpu.harness import Deadline, emit
+from benchmarks.measure import synchronize
 from benchmarks.methods import Method
 
 __all__ = ["ARMS", "TrainingArm", "run", "search_max_batch"]
@@ -222,7 +223,7 @@ class Runner:
         step = self.step_fn(self.inputs, self.target)
         begin = time.perf_counter()
         step()
-        _synchronize(memory.device)
+        synchronize(memory.device)
         self.row["first_step_s"] = time.perf_counter() - begin
         adaptation = self.method.controller.last_adaptation if self.method.controller else None
         if adaptation is not None:
@@ -231,7 +232,7 @@ class Runner:
             step()
         last = time.perf_counter()
         step()
-        _synchronize(memory.device)
+        synchronize(memory.device)
         self.seconds = time.perf_counter() - last  # a step's time, for the deadline's estimates
         self.row["warmup_s"] = time.perf_counter() - begin  # compiled: gactx's first pass runs eager, the 2nd compiles
         self.row["peak_bytes"] = memory.step_peak(step)
@@ -272,11 +273,6 @@ class Runner:
 
         best, tried, ended = search_max_batch(peak_at, n, self.row["peak_bytes"], memory.capacity, time_ok)
         self.row |= {"max_batch": best, "max_batch_tries": tried, "max_batch_ended": ended}
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _prepare(arm: TrainingArm, name: str, size: str, device: str, tiny: bool):

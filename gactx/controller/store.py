@@ -220,7 +220,8 @@ def _compare_args(pred: tuple) -> tuple[str, float, float]:
     return kind, (0.0 if lo is None else lo), (0.0 if hi is None else hi)
 
 
-_TABLES: dict[tuple, torch.Tensor | tuple[torch.Tensor, ...]] = {}  # a table, or a FewBit table's edges and points
+_TABLES: dict[tuple, torch.Tensor] = {}
+_FEWBIT: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (fn, params, bits, dtype, device) -> edges, points
 _SIGNS = (0.0, 1.0, -1.0, math.nan)
 
 
@@ -243,12 +244,12 @@ def _fewbit_tables(
     rule: Rule, bits: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The edges and points of the rule's FewBit table at ``bits`` on ``device``, named by the table's arguments."""
-    name = (rule.fn, rule.fn_params, bits)
-    found = _TABLES.get((name, dtype, device))
+    key = (rule.fn, rule.fn_params, bits, dtype, device)
+    found = _FEWBIT.get(key)
     if found is None:
         table = fewbit_table(rule.fn, rule.fn_params, bits)
-        edges = _table(table.edges, dtype, device, ("edges", *name))
-        found = _TABLES[(name, dtype, device)] = (edges, _table(table.points, dtype, device, ("points", *name)))
+        found = _FEWBIT[key] = (_table(table.edges, dtype, device, ("edges", *key[:3])),
+                                _table(table.points, dtype, device, ("points", *key[:3])))  # fmt: skip
     return found
 
 

@@ -1021,16 +1021,11 @@ def available() -> bool:
 def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """``(codes, meta)`` of a contiguous CPU tensor (any shape: its elements in order), in the format of
     ``format.py``."""
-    return extension().quantize(x, bits, group_size, stochastic, seed, *_factors(bits))
-
-
-def step_factors(bits: int) -> tuple[float, float]:
-    """The step factors the quantize kernel takes at ``bits`` (see :func:`_factors`)."""
-    return _factors(bits)
+    return extension().quantize(x, bits, group_size, stochastic, seed, *step_factors(bits))
 
 
 @functools.cache
-def _factors(bits: int) -> tuple[float, float]:
+def step_factors(bits: int) -> tuple[float, float]:
     """The kernel's step factors at ``bits``: of all ``2**bits - 1`` levels, and of one fewer (special groups)."""
     levels = (1 << bits) - 1
     return step_factor(levels), step_factor(levels - 1)
