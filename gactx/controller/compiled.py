@@ -136,7 +136,7 @@ class GraphSave:
     group_size: int
     op: str
     cls: str
-    extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's byte)
+    extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's marker)
 
     @property
     def compressed(self) -> bool:
@@ -219,23 +219,24 @@ class CompiledPath:
         return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
 
     def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave):
-        """A CPU tensor's save by the C++ ops, which the graph calls with no Python: they log that they ran, and the
-        controller reads the log when it next looks at its passes (:meth:`drain`)."""
+        """A CPU tensor's save by the C++ ops, which the graph calls with no Python: each returns one tensor, and logs
+        that it ran and when the graph released it; the controller reads the log when it next looks at its passes
+        (:meth:`drain`)."""
         if not self.logging:
             self.logging = True
             self.path.before_save = self.tracker.on_boundary = self.drain
         ops, cfg = torch.ops.gactx_cpu, self.config
-        save.extra = 1  # the marker: what the graph holds while it holds the save
-        if not save.compressed:
-            return (CPP_KEPT, ops.keep_saved(t, token), t)
         shape = tuple(t.shape)
+        if not save.compressed:
+            save.extra = 1  # the marker: what the graph holds while it holds the save
+            return (CPP_KEPT, ops.keep_saved(t, token), t)
+        save.extra = 0
         if t.dtype == torch.bool:
-            packed, mark = ops.pack_bool_saved(t, token)
-            return (CPP_BOOL, mark, packed, t.numel(), shape)
+            return (CPP_BOOL, ops.pack_bool_saved(t, token), t.numel(), shape)
         salt = _salt(cfg.seed, token)
-        codes, meta, mark = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
-                                               *cpu.step_factors(save.bits))  # fmt: skip
-        return (CPP, mark, codes, meta, save.bits, cfg.group_size, t.numel(), shape, FLOAT_DTYPES.index(t.dtype))
+        stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
+                                    *cpu.step_factors(save.bits))  # fmt: skip
+        return (CPP, stored, save.bits, cfg.group_size, t.numel(), shape, FLOAT_DTYPES.index(t.dtype))
 
     def unpack(self, packed):
         ctx = _hook_context()
@@ -249,13 +250,11 @@ class CompiledPath:
         if tag in (KEPT, CPP_KEPT):
             return packed[2]
         if tag == CPP_BOOL:
-            _, _, data, n, shape = packed
+            _, data, n, shape = packed
             return torch.ops.gactx_cpu.unpack_bool_saved(data, n).view(shape)
         if tag == CPP:
-            _, _, codes, meta, bits, group_size, n, shape, dtype = packed
-            return torch.ops.gactx_cpu.dequantize_saved(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype]).view(
-                shape
-            )
+            _, stored, bits, group_size, n, shape, dtype = packed
+            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, n, FLOAT_DTYPES[dtype]).view(shape)
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:

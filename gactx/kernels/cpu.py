@@ -45,6 +45,7 @@ log = logging.getLogger("gactx")
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -845,10 +846,12 @@ void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t b
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them through the dispatcher, with no Python.
-// Each logs that a save ran (its token and shape) and returns, beside what it stores, a one-byte marker that the
-// graph holds as long as it holds the save, and whose release logs that too (its backward ran, or the graph was
-// dropped); the controller reads the log when it next looks at its passes (compiled.py). Seeds of stochastic
-// rounding come from a counter here: a new one at every call, mixed with the caller's salt.
+// Each logs that a save ran (its token and shape) and returns one tensor, what it stores, from a buffer of torch's CPU
+// allocator (what torch's memory accounting sees) whose release logs that too (its backward ran, or the graph was
+// dropped); a save kept as it is returns a one-byte marker alike. The controller reads the log when it next looks at
+// its passes (compiled.py). One output a save: each output costs the graph's code a Python tensor, a size check and
+// a saved tensor of AOTAutograd's. Seeds of stochastic rounding come from a counter here: a new one at every call,
+// mixed with the caller's salt.
 namespace {
 
 std::mutex log_mutex;
@@ -865,12 +868,32 @@ void log_event(int64_t kind, int64_t token, at::IntArrayRef sizes) {
   for (int64_t s : sizes) save_log.push_back(s);
 }
 
-at::Tensor marker(const at::Tensor& t, int64_t token) {  // logs the save now and its release when freed
+struct Logged {  // an allocation of the CPU allocator, and the save whose release its freeing logs
+  c10::DataPtr inner;
+  int64_t token;
+};
+
+void release_logged(void* context) {
+  auto* logged = static_cast<Logged*>(context);
+  const int64_t token = logged->token;
+  delete logged;  // frees the buffer through its allocator
+  log_event(2, token, {});
+}
+
+// ``nbytes`` bytes (at least one) for the save of ``t`` under ``token``: the save is logged now, its release when the
+// buffer is freed.
+at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
+  nbytes = std::max<int64_t>(nbytes, 1);
+  c10::DataPtr inner = c10::GetCPUAllocator()->allocate(nbytes);
+  void* data = inner.get();
+  auto* logged = new Logged{std::move(inner), token};
+  c10::DataPtr outer(data, logged, &release_logged, c10::Device(c10::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(outer), nullptr, false);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                            caffe2::TypeMeta::Make<uint8_t>());
+  out.unsafeGetTensorImpl()->set_sizes_contiguous({nbytes});
   log_event(0, token, t.sizes());
-  void* p = std::malloc(1);
-  TORCH_CHECK(p != nullptr, "gactx: out of memory");
-  return at::from_blob(p, {1}, [token](void* q) { std::free(q); log_event(2, token, {}); },
-                       at::TensorOptions().dtype(at::kByte));
+  return out;
 }
 
 int64_t next_seed(int64_t salt) {  // as traced.py's draws: ((draw * golden) ^ (salt * c)) mod 2**62
@@ -879,29 +902,43 @@ int64_t next_seed(int64_t salt) {  // as traced.py's draws: ((draw * golden) ^ (
   return int64_t(mixed & ((uint64_t(1) << 62) - 1));
 }
 
+int64_t code_bytes(int64_t n, int64_t bits, int64_t group) { return (n + group - 1) / group * group * bits / 8; }
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_saved(const at::Tensor& t, int64_t bits, int64_t group,
-                                                              bool stochastic, int64_t salt, int64_t token,
-                                                              double factor, double factor_special) {
-  at::Tensor mark = marker(t, token);
-  auto [codes, meta] = quantize(t.reshape(-1).contiguous(), bits, group, stochastic,
-                                stochastic ? next_seed(salt) : 0, factor, factor_special);
-  return {codes, meta, mark};
-}
-
-at::Tensor dequantize_saved(const at::Tensor& codes, const at::Tensor& meta, int64_t bits, int64_t group, int64_t n,
-                            at::ScalarType dtype) {
-  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(dtype));
-  dequantize(codes, meta, out, bits, group);
+// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group.
+at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool stochastic, int64_t salt,
+                          int64_t token, double factor, double factor_special) {
+  const at::Tensor x = t.reshape(-1).contiguous();
+  const int64_t n = x.numel(), groups = (n + group - 1) / group, codes = code_bytes(n, bits, group);
+  at::Tensor out = logged_buffer(t, token, codes + groups * 8);
+  uint8_t* data = out.data_ptr<uint8_t>();
+  if (n) {
+    const int64_t seed = stochastic ? next_seed(salt) : 0;
+    GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), n, data,
+                   reinterpret_cast<float*>(data + codes), int(bits), group, stochastic, seed, float(factor),
+                   float(factor_special)));
+  }
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> pack_bool_saved(const at::Tensor& t, int64_t token) {
-  at::Tensor mark = marker(t, token);
-  at::Tensor packed = at::empty({(t.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
-  pack_bool(t.reshape(-1).contiguous(), packed);
-  return {packed, mark};
+at::Tensor dequantize_saved(const at::Tensor& stored, int64_t bits, int64_t group, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(dtype));
+  if (n) {
+    const uint8_t* data = stored.data_ptr<uint8_t>();
+    const float* meta = reinterpret_cast<const float*>(data + code_bytes(n, bits, group));
+    advise_huge_pages(out.data_ptr(), out.nbytes());
+    GACTX_DISPATCH(dtype, dequantize_impl<scalar>(data, meta, out.data_ptr<scalar>(), n, int(bits), group));
+  }
+  return out;
+}
+
+at::Tensor pack_bool_saved(const at::Tensor& t, int64_t token) {
+  const at::Tensor mask = t.reshape(-1).contiguous();
+  at::Tensor packed = logged_buffer(t, token, (mask.numel() + 7) / 8);
+  pack_bool_impl(reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()), mask.numel(), packed.data_ptr<uint8_t>());
+  return packed;
 }
 
 at::Tensor unpack_bool_saved(const at::Tensor& packed, int64_t n) {
@@ -911,7 +948,7 @@ at::Tensor unpack_bool_saved(const at::Tensor& packed, int64_t n) {
 }
 
 // A save kept as it is: logged, and its marker (an op's result must be a new tensor).
-at::Tensor keep_saved(const at::Tensor& t, int64_t token) { return marker(t, token); }
+at::Tensor keep_saved(const at::Tensor& t, int64_t token) { return logged_buffer(t, token, 1); }
 
 std::vector<int64_t> drain_log() {
   std::lock_guard<std::mutex> lock(log_mutex);
@@ -923,9 +960,9 @@ std::vector<int64_t> drain_log() {
 TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
   m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token, float factor, "
-        "float factor_special) -> (Tensor, Tensor, Tensor)", flexible);
-  m.def("dequantize_saved(Tensor codes, Tensor meta, int bits, int group, int n, ScalarType dtype) -> Tensor");
-  m.def("pack_bool_saved(Tensor t, int token) -> (Tensor, Tensor)", flexible);
+        "float factor_special) -> Tensor", flexible);
+  m.def("dequantize_saved(Tensor stored, int bits, int group, int n, ScalarType dtype) -> Tensor");
+  m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("unpack_bool_saved(Tensor packed, int n) -> Tensor");
   m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
 }
@@ -936,6 +973,13 @@ TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
   m.impl("pack_bool_saved", &pack_bool_saved);
   m.impl("unpack_bool_saved", &unpack_bool_saved);
   m.impl("keep_saved", &keep_saved);
+}
+
+// No autograd kernels: graphs call the ops where nothing is recorded (AOTAutograd's compiled forward and backward),
+// and autograd's fallback for an op without one, which checks every input, cost as much as the op at small sizes.
+TORCH_LIBRARY_IMPL(gactx_cpu, Autograd, m) {
+  for (const char* name : {"quantize_saved", "dequantize_saved", "pack_bool_saved", "unpack_bool_saved", "keep_saved"})
+    m.impl(name, torch::CppFunction::makeFallthrough());
 }
 """
 
@@ -968,20 +1012,20 @@ def extension():
 
 def _register_fakes() -> None:
     """What the ops of compiled graphs (``gactx_cpu::*_saved``, registered by the extension) return, for tracing."""
-    from gactx.kernels.quantize import _allocate
 
-    def mark(t):
-        return t.new_empty(1, dtype=torch.uint8)
+    def stored(t, nbytes):
+        return t.new_empty(nbytes, dtype=torch.uint8)
 
     def quantize_saved(t, bits, group, stochastic, salt, token, factor, factor_special):
-        return (*_allocate(t.reshape(-1), bits, group), mark(t))
+        groups = -(-t.numel() // group)
+        return stored(t, groups * group * bits // 8 + groups * 8)  # codes, then each group's (lo, step)
 
     fakes = {
         "quantize_saved": quantize_saved,
-        "dequantize_saved": lambda codes, meta, bits, group, n, dtype: codes.new_empty(n, dtype=dtype),
-        "pack_bool_saved": lambda t, token: (t.new_empty(-(-t.numel() // 8), dtype=torch.uint8), mark(t)),
+        "dequantize_saved": lambda stored, bits, group, n, dtype: stored.new_empty(n, dtype=dtype),
+        "pack_bool_saved": lambda t, token: stored(t, -(-t.numel() // 8)),
         "unpack_bool_saved": lambda packed, n: packed.new_empty(n, dtype=torch.bool),
-        "keep_saved": lambda t, token: mark(t),
+        "keep_saved": lambda t, token: stored(t, 1),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"gactx_cpu::{name}")(fake)

@@ -170,7 +170,7 @@ def test_bool_masks_attention_and_small_tensors():
     by_cls = {r.cls: r for r in records}
     assert by_cls["attention"].bits == 4, "softmax results get at least 4 bits"
     assert by_cls["bool mask"].bits == 1
-    assert by_cls["bool mask"].packed_bytes == 1 + 4 * 32 * WIDTH // 8  # and the C++ ops' one-byte marker
+    assert by_cls["bool mask"].packed_bytes == 4 * 32 * WIDTH // 8
     assert all(isinstance(r.bits, int) for r in records if r.original_bytes >= 4096)
 
 
