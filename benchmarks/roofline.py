@@ -63,7 +63,7 @@ def pick(families: list[str], quick: bool) -> list[aot.KernelSpec]:
     """Unmasked variants at group size 256, fp32 and bf16; ``quick``: 4-bit fp32 (de)quantize, nothing else."""
 
     def wanted(config: dict) -> bool:
-        if config["masked"] or config.get("group", 256) != 256 or config.get("dtype") == "fp16":
+        if config["rest"] or config.get("group", 256) != 256 or config.get("dtype") == "fp16":
             return False
         return not quick or (config.get("bits") == 4 and config.get("dtype") == "fp32")
 
@@ -108,7 +108,7 @@ def rows_for(device: Device, specs: list[aot.KernelSpec], elements: int, measure
         issue_us = elements * per_element / device.instructions_per_second * 1e6
         row = {
             "kernel": spec.family,
-            "configuration": " ".join(f"{k}={v}" for k, v in spec.config.items() if k != "masked"),
+            "configuration": " ".join(f"{k}={v}" for k, v in spec.config.items() if k != "rest"),
             "registers": compiled.registers,
             "instructions_per_element": round(per_element, 2),
             "bytes_per_element": round(moved, 3),

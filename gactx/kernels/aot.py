@@ -14,10 +14,12 @@ on a GPU:
 - fused multiply-adds in the PTX: ``q * step + lo`` fused rounds once, torch rounds twice, so a kernel whose
   bytes must equal its torch twin's has none;
 - the width of its global loads or stores on 16-byte aligned pointers: 128 bits, or a thread moves too few
-  bytes an instruction to reach memory bandwidth;
+  bytes an instruction to reach memory bandwidth (every access of a variant without a rest; of one with a rest,
+  whose masked program may load less, the widest);
 - SASS instructions per element (``nvdisasm``): the kernels have no loops, so each thread of a program runs
-  each instruction at most once; divided by the elements a thread handles. Counted on the unmasked variant
-  (every program but those holding the end of a tensor, ``_grid.py``). Out-of-line subroutines
+  each instruction at most once; divided by the elements a thread handles. Counted on the variant without a rest
+  (``REST`` false, ``_grid.py``: whole programs only, what every program but the last runs); the variant with
+  one holds the masked program too, behind a branch on the program's index. Out-of-line subroutines
   (``$__internal_*``: IEEE division's slow path, taken for denormal or huge operands, once a group at most)
   are left out; branches inside the kernel are counted whole.
 
@@ -46,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,20 +115,20 @@ def _spec(family: str, config: dict, kernel, pointers: dict, ints: dict, meta: d
     constexprs = {k: v for k, v in meta.items() if k not in OPTIONS}
     options = {k: v for k, v in meta.items() if k in OPTIONS}
     signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr")}
-    return KernelSpec(family, {**config, "masked": meta["MASKED"]}, kernel, signature, constexprs, options, **kwargs)
+    return KernelSpec(family, {**config, "rest": meta["REST"]}, kernel, signature, constexprs, options, **kwargs)
 
 
-# A size that is a whole number of programs for every launcher, and one element more: both launches, unmasked
-# and masked.
+# A size that is a whole number of programs for every launcher, and one element more: the launch without a rest and
+# the one with.
 _WHOLE = 1 << 24
 
 
-_SIZE_SEED = {"n": "i32", "seed": "i64", "first": "i32"}  # sizes below 2**31; seeds drawn below 2**62
+_SIZE_SEED = {"n": "i32", "seed": "i64", "full": "i32"}  # sizes below 2**31; seeds drawn below 2**62
 
 
-def _both(launch) -> list[dict]:
-    """The meta-parameters of each launch of a tensor of ``_WHOLE + 1`` elements: unmasked, then masked."""
-    return [meta for _, _, meta in launch]
+def _both(launcher: Callable[..., tuple[int, int, dict]], *args) -> list[dict]:
+    """The meta-parameters ``launcher(n, *args)`` gives ``_WHOLE`` elements (no rest) and ``_WHOLE + 1`` (a rest)."""
+    return [launcher(_WHOLE, *args)[2], launcher(_WHOLE + 1, *args)[2]]
 
 
 def _quantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = False) -> list[KernelSpec]:
@@ -143,7 +145,7 @@ def _quantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = Fal
         bits_list = [b for b in (bits_filter or widths) if b in widths]
         for bits, group, stochastic in itertools.product(bits_list, GROUP_SIZES, (False, True)):
             config = dict(dtype=name, bits=bits, group=group, stochastic=stochastic)
-            for meta in _both(launcher(_WHOLE + 1, dtype, bits, group, stochastic)):
+            for meta in _both(launcher, dtype, bits, group, stochastic):
                 # Bits a thread can load in one piece: a slice's width, or its share of the slice.
                 width, threads = group // meta["SLICES"], meta["num_warps"] * 32
                 run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
@@ -168,12 +170,12 @@ def _dequantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = F
         pointers = {"codes_ptr": "*u8", "meta_ptr": "*i32" if normal else "*fp32", "out_ptr": POINTER[name]}
         bits_list = [b for b in (bits_filter or widths) if b in widths]
         for bits, group in itertools.product(bits_list, GROUP_SIZES):
-            for meta in _both(launcher(_WHOLE + 1, dtype, bits, group)):
+            for meta in _both(launcher, dtype, bits, group):
                 # Bits a thread can store in one piece: a plane's width (format.py), or its share of the plane.
                 width, threads = group // (8 // bits), meta["num_warps"] * 32
                 run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
                 spec = _spec(family, dict(dtype=name, bits=bits, group=group), kernel, pointers,
-                             {"n": "i32", "first": "i32"}, meta, elements=meta["ROWS"] * group,
+                             {"n": "i32", "full": "i32"}, meta, elements=meta["ROWS"] * group,
                              bytes_per_element=dtype.itemsize + bits / 8 + (12 if normal else 8) / group, exact=True,
                              wide="st",
                              wide_bits=min(128, run))  # fmt: skip
@@ -185,7 +187,7 @@ def _round_bf16_specs() -> list[KernelSpec]:
     out = []
     pointers = {"x_ptr": "*fp32", "out_ptr": "*i16"}
     for stochastic in (False, True):
-        for meta in _both(round_bf16_launch(_WHOLE + 1, stochastic)):
+        for meta in _both(round_bf16_launch, stochastic):
             spec = _spec("round_bf16", dict(stochastic=stochastic), _round_bf16_kernel, pointers, _SIZE_SEED, meta,
                          elements=meta["BLOCK"],
                          bytes_per_element=6.0, exact=True, wide="ld st")  # fmt: skip
@@ -205,14 +207,14 @@ def _bitmask_specs(family: str) -> list[KernelSpec]:
             {},
             kernel,
             pointers,
-            {"n": "i32", "first": "i32"},
+            {"n": "i32", "full": "i32"},
             meta,
             elements=meta["BLOCK"] * 8,
             bytes_per_element=1.125,
             exact=True,
             wide=wide,
         )  # fmt: skip
-        for meta in _both(bitmask_launch(_WHOLE + 1))
+        for meta in _both(bitmask_launch)
     ]
 
 
@@ -235,7 +237,7 @@ def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
     """One meta-parameter set a kernel with int64 sizes, an int32 seed and unaligned pointers."""
     out = []
     for family in families:
-        spec = next(s for s in specs([family]) if s.config["masked"] and s.config.get("bits", 4) == 4)
+        spec = next(s for s in specs([family]) if s.config["rest"] and s.config.get("bits", 4) == 4)
         ints = {k: {"n": "i64", "seed": "i32"}.get(k, v) for k, v in spec.signature.items()}
         config = {**spec.config, "sizes": "int64", "pointers": "unaligned"}
         out.append(
@@ -286,10 +288,12 @@ class Compiled:
             found.append(f"spills {self.spill_bytes} bytes of registers a thread to local memory")
         if self.spec.exact and self.fma:
             found.append(f"{self.fma} fused multiply-adds: results differ from the torch twin in the last bit")
-        if self.spec.aligned and not self.spec.config["masked"]:
+        if self.spec.aligned:
+            rest = self.spec.config["rest"]  # its masked program may load less: its unmasked one's accesses are wide
             for kind, widths in (("ld", self.load_bits), ("st", self.store_bits)):
                 narrow = sorted({w for w in widths if w < self.spec.wide_bits})
-                if kind in self.spec.wide.split() and (not widths or narrow):
+                short = max(widths) < self.spec.wide_bits if rest and widths else bool(narrow)
+                if kind in self.spec.wide.split() and (not widths or short):
                     found.append(f"global {kind} narrower than {self.spec.wide_bits} bits: {narrow or 'none'}")
         return found
 
@@ -377,7 +381,7 @@ def compile_spec(spec: KernelSpec, arch: int) -> Compiled:
     # saves registers there, on that path only.
     result.registers = max(int(n) for n in re.findall(r"Used (\d+) registers", ptxas_log))
     result.spill_bytes = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    if not spec.config["masked"]:  # nvdisasm takes ~0.35 s a call; a masked program a tensor needs no count
+    if not spec.config["rest"]:  # nvdisasm takes ~0.35 s a call; the variant with a rest is counted without it
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()

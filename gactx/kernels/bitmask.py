@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launch_metas
+from gactx.kernels._grid import plan
 from gactx.kernels._triton import jit, tl
 
 __all__ = ["bitmask_launch", "triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
@@ -23,17 +23,29 @@ NUM_WARPS = 4
 INTERPRET_BYTES_PER_PROGRAM = 1 << 15  # the interpreter runs programs one after another: fewer, larger
 
 
-def bitmask_launch(n: int, interpret: bool = False) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of the pack or unpack kernel for ``n``
-    mask elements (see ``aot.py``)."""
+def bitmask_launch(n: int, interpret: bool = False) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of the pack or unpack kernel for ``n`` mask elements
+    (``_grid.plan``, ``aot.py``)."""
     block = INTERPRET_BYTES_PER_PROGRAM if interpret else BYTES_PER_PROGRAM
-    meta = dict(BLOCK=block, num_warps=NUM_WARPS)
-    return launch_metas(n, block * 8, meta)
+    programs, full, rest = plan(n, block * 8)
+    return programs, full, dict(BLOCK=block, REST=rest, num_warps=NUM_WARPS)
 
 
-@jit(do_not_specialize=["n", "first"])
-def _pack_bool_kernel(mask_ptr, out_ptr, n, first, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64) + first
+@jit(do_not_specialize=["n", "full"])
+def _pack_bool_kernel(mask_ptr, out_ptr, n, full, BLOCK: tl.constexpr, REST: tl.constexpr):
+    """``full`` programs of ``BLOCK`` bytes, unmasked, then (``REST``) a masked one (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _pack_bool_program(mask_ptr, out_ptr, n, BLOCK, False)
+        else:
+            _pack_bool_program(mask_ptr, out_ptr, n, BLOCK, True)
+    else:
+        _pack_bool_program(mask_ptr, out_ptr, n, BLOCK, False)
+
+
+@jit
+def _pack_bool_program(mask_ptr, out_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK * 8 + tl.arange(0, BLOCK * 8).to(tl.int64)
     if MASKED:
         m = tl.load(mask_ptr + offs, mask=offs < n, other=0).to(tl.int32)
@@ -47,9 +59,21 @@ def _pack_bool_kernel(mask_ptr, out_ptr, n, first, BLOCK: tl.constexpr, MASKED: 
         tl.store(out_ptr + boffs, packed)
 
 
-@jit(do_not_specialize=["n", "first"])
-def _unpack_bool_kernel(packed_ptr, out_ptr, n, first, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64) + first
+@jit(do_not_specialize=["n", "full"])
+def _unpack_bool_kernel(packed_ptr, out_ptr, n, full, BLOCK: tl.constexpr, REST: tl.constexpr):
+    """``full`` programs of ``BLOCK`` bytes, unmasked, then (``REST``) a masked one (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _unpack_bool_program(packed_ptr, out_ptr, n, BLOCK, False)
+        else:
+            _unpack_bool_program(packed_ptr, out_ptr, n, BLOCK, True)
+    else:
+        _unpack_bool_program(packed_ptr, out_ptr, n, BLOCK, False)
+
+
+@jit
+def _unpack_bool_program(packed_ptr, out_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     if MASKED:
         packed = tl.load(packed_ptr + boffs, mask=boffs < (n + 7) // 8, other=0).to(tl.int32)
@@ -68,8 +92,8 @@ def triton_pack_bool(flat: torch.Tensor, interpret: bool = False) -> torch.Tenso
     n = flat.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
     if n:
-        for programs, first, launch in bitmask_launch(n, interpret):
-            _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, first, **launch)
+        programs, full, launch = bitmask_launch(n, interpret)
+        _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, full, **launch)
     return out
 
 
@@ -77,8 +101,8 @@ def triton_unpack_bool(packed: torch.Tensor, n: int, interpret: bool = False) ->
     """Unpack ``n`` bools from ``packed`` into a new contiguous 1-D bool tensor."""
     out = torch.empty(n, dtype=torch.bool, device=packed.device)
     if n:
-        for programs, first, launch in bitmask_launch(n, interpret):
-            _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, first, **launch)
+        programs, full, launch = bitmask_launch(n, interpret)
+        _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, full, **launch)
     return out
 
 

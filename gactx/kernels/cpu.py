@@ -889,8 +889,8 @@ at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
   auto* logged = new Logged{std::move(inner), token};
   c10::DataPtr outer(data, logged, &release_logged, c10::Device(c10::kCPU));
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(outer), nullptr, false);
-  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                            caffe2::TypeMeta::Make<uint8_t>());
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<uint8_t>());
   out.unsafeGetTensorImpl()->set_sizes_contiguous({nbytes});
   log_event(0, token, t.sizes());
   return out;

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launch_metas
+from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.quantize import FLT_MAX, NUM_WARPS, program_rows
@@ -32,13 +32,29 @@ __all__ = ["triton_dequantize", "torch_dequantize", "dequantize_launch"]
 _FLT_MAX = constexpr(FLT_MAX)
 
 
-@jit(do_not_specialize=["n", "first"])  # one compiled kernel whatever n is (but int32 or int64)
+@jit(do_not_specialize=["n", "full"])  # one compiled kernel whatever n is (but int32 or int64)
 def _dequantize_kernel(
-    codes_ptr, meta_ptr, out_ptr, n, first,
+    codes_ptr, meta_ptr, out_ptr, n, full,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, OUT_MAX: tl.constexpr,
+    EMULATE: tl.constexpr, REST: tl.constexpr,
+):  # fmt: skip
+    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) a masked one (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE, False)
+        else:
+            _dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE, True)
+    else:
+        _dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE, False)
+
+
+@jit
+def _dequantize_program(
+    codes_ptr, meta_ptr, out_ptr, n,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, OUT_MAX: tl.constexpr,
     EMULATE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64) + first
+    pid = tl.program_id(0).to(tl.int64)
     LEVELS: tl.constexpr = (1 << BITS) - 1
     CENTRE: tl.constexpr = (LEVELS - 1) // 2
     PLANES: tl.constexpr = 8 // BITS  # codes a byte
@@ -86,15 +102,16 @@ def _dequantize_kernel(
 
 def dequantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, interpret: bool = False
-) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of ``_dequantize_kernel`` for ``n``
-    elements of ``dtype``; the programs of quantize, for :func:`triton_dequantize` and for ``aot.py``."""
+) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of ``_dequantize_kernel`` for ``n`` elements of ``dtype``
+    (``_grid.plan``; the programs of quantize), for :func:`triton_dequantize` and for ``aot.py``."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
+    programs, full, rest = plan(n, rows * group_size)
     meta = dict(
         BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, OUT_MAX=torch.finfo(dtype).max,
-        EMULATE=interpret, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        EMULATE=interpret, REST=rest, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
-    return launch_metas(n, rows * group_size, meta)
+    return programs, full, meta
 
 
 def triton_dequantize(
@@ -106,8 +123,8 @@ def triton_dequantize(
     if n == 0:
         return out
     target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    for programs, first, launch in dequantize_launch(n, dtype, bits, group_size, interpret):
-        _dequantize_kernel[(programs,)](codes, meta, target, n, first, **launch)
+    programs, full, launch = dequantize_launch(n, dtype, bits, group_size, interpret)
+    _dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
     return out
 
 

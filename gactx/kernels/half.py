@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels._grid import launch_metas
+from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.random import ROUNDS, philox
 
@@ -36,11 +36,11 @@ INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16  # the interpreter runs programs one af
 SLICES = constexpr(8)
 
 
-def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of ``_round_bf16_kernel`` (see ``aot.py``)."""
+def round_bf16_launch(n: int, stochastic: bool, interpret: bool = False) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of ``_round_bf16_kernel`` (``_grid.plan``, ``aot.py``)."""
     block = INTERPRET_ELEMENTS_PER_PROGRAM if interpret else ELEMENTS_PER_PROGRAM
-    meta = dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, num_warps=NUM_WARPS)
-    return launch_metas(n, block, meta)
+    programs, full, rest = plan(n, block)
+    return programs, full, dict(STOCHASTIC=stochastic, BLOCK=block, EMULATE=interpret, REST=rest, num_warps=NUM_WARPS)
 
 
 @jit
@@ -82,10 +82,23 @@ def _stochastic_bf16_bits(x, r):
     return tl.where(x != x, (pattern >> 16) | 0x40, half).to(tl.int16)
 
 
-@jit(do_not_specialize=["n", "seed", "first"])
-def _round_bf16_kernel(x_ptr, out_ptr, n, seed, first, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
-                       EMULATE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64) + first
+@jit(do_not_specialize=["n", "seed", "full"])
+def _round_bf16_kernel(x_ptr, out_ptr, n, seed, full, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+                       EMULATE: tl.constexpr, REST: tl.constexpr):  # fmt: skip
+    """``full`` programs of ``BLOCK`` elements, unmasked, then (``REST``) a masked one (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _round_bf16_program(x_ptr, out_ptr, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
+        else:
+            _round_bf16_program(x_ptr, out_ptr, n, seed, STOCHASTIC, BLOCK, EMULATE, True)
+    else:
+        _round_bf16_program(x_ptr, out_ptr, n, seed, STOCHASTIC, BLOCK, EMULATE, False)
+
+
+@jit
+def _round_bf16_program(x_ptr, out_ptr, n, seed, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
+                        EMULATE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
     WIDTH: tl.constexpr = BLOCK // SLICES
     offs = pid * BLOCK + tl.arange(0, WIDTH).to(tl.int64)
     xs = ()
@@ -119,8 +132,8 @@ def triton_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int, interpret
     n = flat.numel()
     out = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
     if n:
-        for programs, first, launch in round_bf16_launch(n, stochastic, interpret):
-            _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, first, **launch)
+        programs, full, launch = round_bf16_launch(n, stochastic, interpret)
+        _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, full, **launch)
     return out
 
 

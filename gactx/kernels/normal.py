@@ -84,7 +84,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gactx.kernels._grid import launch_metas
+from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.format import pack_planes, unpack_planes
 from gactx.kernels.half import bf16_bits
@@ -218,8 +218,28 @@ def _code(x, fin, scale, a1, a2, origin0, inv0, inv1, inv2, j1, j2, n0, n1, n2, 
     return tl.where(fin, first + s.to(tl.int32) - 1, LEVELS)
 
 
-@jit(do_not_specialize=["n", "seed", "first"])
+@jit(do_not_specialize=["n", "seed", "full"])
 def _normal_quantize_kernel(
+    x_ptr, codes_ptr, meta_ptr, n, seed, full,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, REST_ROWS: tl.constexpr, SLICES: tl.constexpr,
+    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, TAIL: tl.constexpr, KNOT: tl.constexpr, REST: tl.constexpr,
+):  # fmt: skip
+    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) masked programs of ``REST_ROWS`` (``_grid.py``;
+    ``TAIL``: the normal's tails, not the tensor's rest)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _normal_quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC,
+                                     IN_BF16, TAIL, KNOT, False)  # fmt: skip
+        else:  # a masked program's index counts in programs of its own size
+            _normal_quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, full * (ROWS // REST_ROWS) - full, BITS,
+                                     GROUP, REST_ROWS, SLICES, STOCHASTIC, IN_BF16, TAIL, KNOT, True)  # fmt: skip
+    else:
+        _normal_quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC,
+                                 IN_BF16, TAIL, KNOT, False)  # fmt: skip
+
+
+@jit
+def _normal_quantize_program(
     x_ptr, codes_ptr, meta_ptr, n, seed, first,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, SLICES: tl.constexpr, STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr, TAIL: tl.constexpr, KNOT: tl.constexpr, MASKED: tl.constexpr,
@@ -349,13 +369,32 @@ def _normal_quantize_kernel(
             tl.store(codes_ptr + boffs + i * WIDTH, packed)
 
 
-@jit(do_not_specialize=["n", "first"])
+@jit(do_not_specialize=["n", "full"])
 def _normal_dequantize_kernel(
-    codes_ptr, meta_ptr, out_ptr, n, first,
+    codes_ptr, meta_ptr, out_ptr, n, full,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, OUT_MAX: tl.constexpr,
+    EMULATE: tl.constexpr, TAIL: tl.constexpr, KNOT: tl.constexpr, REST: tl.constexpr,
+):  # fmt: skip
+    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) a masked one (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _normal_dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE,
+                                       TAIL, KNOT, False)  # fmt: skip
+        else:
+            _normal_dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE,
+                                       TAIL, KNOT, True)  # fmt: skip
+    else:
+        _normal_dequantize_program(codes_ptr, meta_ptr, out_ptr, n, BITS, GROUP, ROWS, OUT_BF16, OUT_MAX, EMULATE,
+                                   TAIL, KNOT, False)  # fmt: skip
+
+
+@jit
+def _normal_dequantize_program(
+    codes_ptr, meta_ptr, out_ptr, n,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, OUT_BF16: tl.constexpr, OUT_MAX: tl.constexpr,
     EMULATE: tl.constexpr, TAIL: tl.constexpr, KNOT: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64) + first
+    pid = tl.program_id(0).to(tl.int64)
     LEVELS: tl.constexpr = (1 << BITS) - 1
     PLANES: tl.constexpr = 8 // BITS
     WIDTH: tl.constexpr = GROUP // PLANES
@@ -416,30 +455,33 @@ def _normal_dequantize_kernel(
 
 def normal_quantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
-) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of ``_normal_quantize_kernel``: the programs
-    of ``quantize.py`` (4096 elements, a masked launch of 2048 for the rest) on 8 warps, four slices a group."""
+) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of ``_normal_quantize_kernel``: the programs of
+    ``quantize.py`` (4096 elements, masked ones of 2048 for the rest) on 8 warps, four slices a group."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
-    tail_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
+    rest_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
+    programs, full, rest = plan(n, rows * group_size, rest_rows * group_size)
     k, tail = SHAPES[bits]
     meta = dict(
-        BITS=bits, GROUP=group_size, SLICES=4, STOCHASTIC=stochastic, IN_BF16=dtype == torch.bfloat16,
-        TAIL=tail, KNOT=k, num_warps=NORMAL_WARPS, enable_fp_fusion=False, maxnreg=NORMAL_MAX_REGISTERS,
+        BITS=bits, GROUP=group_size, ROWS=rows, REST_ROWS=rest_rows, SLICES=4, STOCHASTIC=stochastic,
+        IN_BF16=dtype == torch.bfloat16, TAIL=tail, KNOT=k, REST=rest, num_warps=NORMAL_WARPS, enable_fp_fusion=False,
+        maxnreg=NORMAL_MAX_REGISTERS,
     )  # fmt: skip
-    return launch_metas(n, rows * group_size, {**meta, "ROWS": rows}, tail_rows * group_size, {"ROWS": tail_rows})
+    return programs, full, meta
 
 
 def normal_dequantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, interpret: bool = False
-) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of ``_normal_dequantize_kernel``."""
+) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of ``_normal_dequantize_kernel``."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
+    programs, full, rest = plan(n, rows * group_size)
     k, tail = SHAPES[bits]
     meta = dict(
         BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, OUT_MAX=torch.finfo(dtype).max,
-        EMULATE=interpret, TAIL=tail, KNOT=k, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        EMULATE=interpret, TAIL=tail, KNOT=k, REST=rest, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
-    return launch_metas(n, rows * group_size, meta)
+    return programs, full, meta
 
 
 def _allocate(n: int, bits: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -458,8 +500,8 @@ def triton_normal_quantize(
     if n == 0:
         return codes, meta
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    for programs, first, launch in normal_quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret):
-        _normal_quantize_kernel[(programs,)](x, codes, meta, n, seed, first, **launch)
+    programs, full, launch = normal_quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
+    _normal_quantize_kernel[(programs,)](x, codes, meta, n, seed, full, **launch)
     return codes, meta
 
 
@@ -472,8 +514,8 @@ def triton_normal_dequantize(
     if n == 0:
         return out
     target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    for programs, first, launch in normal_dequantize_launch(n, dtype, bits, group_size, interpret):
-        _normal_dequantize_kernel[(programs,)](codes, meta, target, n, first, **launch)
+    programs, full, launch = normal_dequantize_launch(n, dtype, bits, group_size, interpret)
+    _normal_dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
     return out
 
 

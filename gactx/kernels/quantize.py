@@ -42,8 +42,8 @@ produce identical bytes. With ``stochastic=True`` the noise differs and only the
 The kernel, one program of ``ROWS`` groups, is built to stay under the memory-bound instruction budget of a
 GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
-- Whole programs run unmasked; the rest of a tensor, if any, in a second launch of one masked program
-  (``_grid.py``): a mask on every element stops 128-bit loads unless ``n`` is a multiple of 16.
+- One launch a call: whole programs run unmasked, the rest of a tensor, if any, in masked programs of the same
+  launch (``_grid.py``): a mask on every element stops 128-bit loads unless ``n`` is a multiple of 16.
 - A group is read as four slices (eight at 1 bit: at least one a plane of ``format.py``), so that one Philox call
   (four 32-bit outputs) serves four elements and a byte's codes sit in one thread.
 - Four reductions, fused across the slices before they cross threads: min and max of ``x + x * 0`` (NaN
@@ -62,7 +62,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gactx.kernels._grid import launch_metas
+from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
@@ -87,7 +87,7 @@ ELEMENTS_PER_PROGRAM = 4096
 # At 1 bit a group is read in eight slices: 16-bit elements need 8192 a program for 8 consecutive ones a slice.
 ELEMENTS_PER_PROGRAM_1BIT_16 = 8192
 MAX_REGISTERS_1BIT_16 = 168  # see MAX_REGISTERS; 3 programs an SM
-# The end of a tensor runs masked (``_grid.py``) in programs of 2048: a mask an element is live throughout.
+# The rest of a tensor runs masked (``_grid.py``) in programs of 2048: a mask an element is live throughout.
 MASKED_ELEMENTS_PER_PROGRAM = 2048
 NUM_WARPS = 4
 # Left to itself, ptxas holds some variants to 72-80 registers and spills (8-64 bytes a thread); a limit of
@@ -117,18 +117,19 @@ def step_factor(intervals: int) -> float:
 
 def quantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
-) -> list[tuple[int, int, dict]]:
-    """``(programs, first program, meta-parameters)`` of each launch of ``_quantize_kernel`` for ``n`` elements
-    of ``dtype``: the one place that chooses them, for :func:`triton_quantize` and for ``aot.py``."""
+) -> tuple[int, int, dict]:
+    """``(programs, full, meta-parameters)`` of the launch of ``_quantize_kernel`` for ``n`` elements of ``dtype``
+    (``_grid.plan``): the one place that chooses them, for :func:`triton_quantize` and for ``aot.py``."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
-    tail_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
+    rest_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
+    programs, full, rest = plan(n, rows * group_size, rest_rows * group_size)
     # A group is read in SLICES slices: four, for one Philox call, and at least one a plane of format.py.
     meta = dict(
-        BITS=bits, GROUP=group_size, SLICES=max(4, 8 // bits), STOCHASTIC=stochastic,
-        IN_BF16=dtype == torch.bfloat16, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        BITS=bits, GROUP=group_size, ROWS=rows, REST_ROWS=rest_rows, SLICES=max(4, 8 // bits), STOCHASTIC=stochastic,
+        IN_BF16=dtype == torch.bfloat16, REST=rest, num_warps=NUM_WARPS, enable_fp_fusion=False,
         maxnreg=MAX_REGISTERS_1BIT_16 if bits == 1 and dtype.itemsize == 2 else MAX_REGISTERS,
     )  # fmt: skip
-    return launch_metas(n, rows * group_size, {**meta, "ROWS": rows}, tail_rows * group_size, {"ROWS": tail_rows})
+    return programs, full, meta
 
 
 @jit
@@ -171,12 +172,33 @@ def _code_plus_one(x, offs, n, scale, origin, inv, shift, LEVELS: tl.constexpr, 
     return s.to(tl.int32)
 
 
-@jit(do_not_specialize=["n", "seed", "first"])  # one compiled kernel whatever n and seed are (but int32 or int64)
+@jit(do_not_specialize=["n", "seed", "full"])  # one compiled kernel whatever n and seed are (but int32 or int64)
 def _quantize_kernel(
+    x_ptr, codes_ptr, meta_ptr, n, seed, full,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, REST_ROWS: tl.constexpr, SLICES: tl.constexpr,
+    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, REST: tl.constexpr,
+):  # fmt: skip
+    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) masked ones of ``REST_ROWS`` (``_grid.py``)."""
+    if REST:
+        if tl.program_id(0) < full:
+            _quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC, IN_BF16,
+                              False)  # fmt: skip
+        else:
+            # A masked program's index counts in programs of its own size: the full ones before it are ROWS // REST_ROWS
+            # of those each.
+            _quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, full * (ROWS // REST_ROWS) - full, BITS, GROUP,
+                              REST_ROWS, SLICES, STOCHASTIC, IN_BF16, True)  # fmt: skip
+    else:
+        _quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC, IN_BF16, False)
+
+
+@jit
+def _quantize_program(
     x_ptr, codes_ptr, meta_ptr, n, seed, first,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, SLICES: tl.constexpr, STOCHASTIC: tl.constexpr,
     IN_BF16: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
+    """One program: ``ROWS`` groups, the ``program_id + first``-th such run of the tensor."""
     pid = tl.program_id(0).to(tl.int64) + first
     LEVELS: tl.constexpr = (1 << BITS) - 1
     CENTRE: tl.constexpr = (LEVELS - 1) // 2
@@ -299,8 +321,8 @@ def triton_quantize(
     if n == 0:
         return codes, meta
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    for programs, first, launch in quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret):
-        _quantize_kernel[(programs,)](x, codes, meta, n, seed, first, **launch)
+    programs, full, launch = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
+    _quantize_kernel[(programs,)](x, codes, meta, n, seed, full, **launch)
     return codes, meta
 
 

@@ -37,7 +37,7 @@ def _masked_everywhere(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def _case(name, kernel, extra_ints, constexprs, options, wide="ld st"):
     signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", **extra_ints, **dict.fromkeys(constexprs, "constexpr")}
-    config = {"case": name, "masked": False}
+    config = {"case": name, "rest": False}
     return KernelSpec("case", config, kernel, signature, constexprs, options, constexprs["BLOCK"], 8.0, True, wide)
 
 
@@ -49,9 +49,9 @@ CASES = [
 ]
 
 # Stochastic 4-bit quantize (about 130 registers a thread) held to 40: ptxas must spill.
-_QUANTIZE = next(s for s in specs(["quantize"], [4]) if s.config["stochastic"] and not s.config["masked"])
+_QUANTIZE = next(s for s in specs(["quantize"], [4]) if s.config["stochastic"] and not s.config["rest"])
 CASES.append(
-    replace(_QUANTIZE, config={"case": "register_limit", "masked": False}, options={**_QUANTIZE.options, "maxnreg": 40})
+    replace(_QUANTIZE, config={"case": "register_limit", "rest": False}, options={**_QUANTIZE.options, "maxnreg": 40})
 )
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def test_every_kernel_compiles_for_the_gpu(tmp_path, arch, families, bits, varia
     if arch != 90:
         return
     for r in rows:
-        if r["masked"] or r.get("sizes"):
+        if r["rest"] or r.get("sizes"):
             continue
         if r["family"] == "quantize" and r["stochastic"] and r["bits"] in (2, 4):
             assert r["per_element"] <= QUANTIZE_BUDGET, r
@@ -109,16 +109,15 @@ def _constexprs(meta: dict) -> dict:
 def test_specs_hold_every_configuration_the_launchers_choose():
     quantize = {tuple(s.config.values()): s for s in aot.specs(["quantize"])}
     dequantize = {tuple(s.config.values()): s for s in aot.specs(["dequantize"])}
-    assert len(quantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2 * 2  # dtypes, bits, groups, rounding, mask
+    assert len(quantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2 * 2  # dtypes, bits, groups, rounding, rest
     assert len(dequantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2
     for n in (1, 300, 8192, 3 * 8192 + 5, 1 << 20):
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
             for bits, group in ((4, 256), (1, 32), (8, 4096)):
-                for _, _, meta in quantize_launch(n, dtype, bits, group, True):
-                    spec = quantize[(name, bits, group, True, meta["MASKED"])]
-                    assert spec.constexprs == _constexprs(meta)
-                for _, _, meta in dequantize_launch(n, dtype, bits, group):
-                    assert dequantize[(name, bits, group, meta["MASKED"])].constexprs == _constexprs(meta)
+                _, _, meta = quantize_launch(n, dtype, bits, group, True)
+                assert quantize[(name, bits, group, True, meta["REST"])].constexprs == _constexprs(meta)
+                _, _, meta = dequantize_launch(n, dtype, bits, group)
+                assert dequantize[(name, bits, group, meta["REST"])].constexprs == _constexprs(meta)
 
 
 def test_access_widths_are_read_from_ptx():
