@@ -481,6 +481,11 @@ def normal_dequantize_launch(
         BITS=bits, GROUP=group_size, ROWS=rows, OUT_BF16=dtype == torch.bfloat16, OUT_MAX=torch.finfo(dtype).max,
         EMULATE=interpret, TAIL=tail, KNOT=k, REST=rest, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
+    if rest and bits == 8 and dtype.itemsize == 2:
+        # With the masked program beside it, ptxas held the 8-bit group-32 kernel of 16-bit outputs to 80 registers and
+        # spilled 16 bytes (sm_90); with no limit to meet it takes what it needs. Elsewhere ptxas is left alone: a limit
+        # makes it take more registers than it needs (up to twice, fewer programs an SM), and at 128 it spills.
+        meta["maxnreg"] = 255
     return programs, full, meta
 
 
