@@ -83,21 +83,21 @@ except (ImportError, AttributeError):  # a torch without graph hooks' context: e
         return None
 
 
-def _tracing_check() -> Callable[[], bool]:
-    """Whether AOTAutograd is tracing a hook now (``_hook_context()`` is not None), as cheaply as this torch allows: the
-    context is an attribute of a ``threading.local``, and ``getattr`` of a missing one raises inside (0.6 us a call,
-    twice a saved tensor); this thread's dict of it answers in 0.1 us. Checked once against the context manager."""
+def _context_local() -> threading.local | None:
+    """The ``threading.local`` that holds ``_hook_context()``'s value, where this torch keeps it there (checked once
+    against the context manager), else ``None``. Read as this thread's dict of it, whether AOTAutograd traces a hook
+    costs 0.1 us; ``_hook_context()`` takes ``getattr`` of a missing attribute, which raises inside (0.6 us), twice a
+    saved tensor."""
     local = getattr(_graph_compile, "_thread_local", None)
-    if isinstance(local, threading.local):
-        probe = {}
-        try:
-            with _graph_compile._saved_tensor_hook_context(probe):
-                seen = local.__dict__.get("state") is probe
-        except Exception:
-            seen = False
-        if seen and local.__dict__.get("state") is None:
-            return lambda: local.__dict__.get("state") is not None
-    return lambda: _hook_context() is not None
+    if not isinstance(local, threading.local):
+        return None
+    probe = {}
+    try:
+        with _graph_compile._saved_tensor_hook_context(probe):
+            seen = local.__dict__.get("state") is probe
+    except Exception:
+        return None
+    return local if seen and local.__dict__.get("state") is None else None
 
 
 # Whether TorchDynamo intercepts Python frames now (not None): inside a function compiled by torch.compile,
@@ -111,7 +111,7 @@ except ImportError:  # a torch without it: every eager call goes through torch.c
         return True
 
 
-_tracing = _tracing_check()
+_LOCAL = _context_local()
 
 
 def _uncached(x):
@@ -141,7 +141,7 @@ class HookGraph(torch.fx.GraphModule):
         return self.__call__(x)
 
     def __call__(self, x):  # autograd calls a hook for every saved tensor: no module call machinery
-        if _tracing():
+        if (_hook_context() if _LOCAL is None else _LOCAL.__dict__.get("state")) is not None:
             return self.compiled(x)
         if _frame_callback() is not None:
             return self.disabled(x)
