@@ -349,7 +349,7 @@ class CompiledPath:
         self._record(token, tuple(t.shape), weakref.ref(count))
 
     def drain(self) -> None:
-        """Record the saves the C++ ops logged since the last call, in order, and the releases of their markers
+        """Record the saves the C++ ops logged since the last call, in order, and the releases of what they returned
         (what tells that a pass's graphs are gone, see :meth:`_record`). Called before the controller reads its
         passes, at module calls and eager saves (so that records keep the order and the module of their saves), and
         once a step; nothing to do until a graph calls the ops."""

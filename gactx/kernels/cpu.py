@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from gactx.kernels.format import expected_nbytes
 from gactx.kernels.normal import SHAPES
 from gactx.kernels.normal import _factors as _normal_factors
 from gactx.kernels.quantize import step_factor
@@ -1017,13 +1018,12 @@ def _register_fakes() -> None:
         return t.new_empty(nbytes, dtype=torch.uint8)
 
     def quantize_saved(t, bits, group, stochastic, salt, token, factor, factor_special):
-        groups = -(-t.numel() // group)
-        return stored(t, groups * group * bits // 8 + groups * 8)  # codes, then each group's (lo, step)
+        return stored(t, expected_nbytes(t.numel(), t.dtype, bits, group))  # codes, then each group's (lo, step)
 
     fakes = {
         "quantize_saved": quantize_saved,
         "dequantize_saved": lambda stored, bits, group, n, dtype: stored.new_empty(n, dtype=dtype),
-        "pack_bool_saved": lambda t, token: stored(t, -(-t.numel() // 8)),
+        "pack_bool_saved": lambda t, token: stored(t, expected_nbytes(t.numel(), torch.bool, 1)),
         "unpack_bool_saved": lambda packed, n: packed.new_empty(n, dtype=torch.bool),
         "keep_saved": lambda t, token: stored(t, 1),
     }
