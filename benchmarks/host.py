@@ -15,6 +15,11 @@ At ``w = 64`` kernel time vanishes and the difference to plain is host time: it 
 and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
 GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
 
+The method ``floor`` is not gactx: it is the least any library of eager saved-tensor hooks pays. A forward pre- and
+post-hook on each module that pushes and pops a frame (what names a save), and a pack hook that keeps parameters and
+sends every other tensor through the same kernel call gactx's pack path ends in (2-bit codes), with its decode on
+unpack: no policy, no key, no record, no handle. Eager gactx cannot be faster than it.
+
     python -m benchmarks.host                  # writes benchmarks/results/<device>/host.{json,md}
     python -m benchmarks.host --quick --out /tmp/host
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -37,11 +43,13 @@ from benchmarks.device import device_name, summary
 from benchmarks.measure import gpu_activities, synchronize
 from benchmarks.output import results_folder, write_results
 from benchmarks.table import markdown_table
+from gactx.kernels import dequantize
+from gactx.kernels.functional import choose_backend, quantize_checked
 
 __all__ = ["METHODS", "measure", "run"]
 
 BLOCKS = 8  # Linear + GELU blocks: 16 compressed saves a step
-METHODS = ("L0", "L1", "L1.1", "L0+compile", "L1+compile")  # each against plain (eager or compiled)
+METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile")  # each against plain (eager or compiled)
 GACTX = str(Path(gactx.__file__).resolve().parent)
 
 
@@ -58,7 +66,7 @@ class Case:
         self.name, self.model = name, mlp(width, device)
         self.x = torch.randn(width, width, device=device)
         level, _, compiled = name.partition("+")
-        self.controller = None if level == "plain" else gactx.Controller(self.model, level=level)
+        self.controller = None if level in ("plain", "floor") else gactx.Controller(self.model, level=level)
         self.compiled = bool(compiled)
         self.forward = torch.compile(self.model) if compiled else self.model
         self.device = device
@@ -72,6 +80,10 @@ class Case:
         """The case's gactx hooks installed for the block (none for plain). A compiled case then runs a step first:
         installing gactx registers its module hooks anew, and TorchDynamo, which guards on a module's hooks,
         compiles the model again (once an installation)."""
+        if self.name == "floor":
+            with floor_hooks(self.model):
+                yield
+            return
         if self.controller is None:
             yield
             return
@@ -97,6 +109,40 @@ class Case:
         if self.controller is None:
             return 0
         return sum(1 for r in self.controller.records if isinstance(r.bits, int))
+
+
+@contextlib.contextmanager
+def floor_hooks(model: torch.nn.Module, bits: int = 2, group_size: int = 256) -> Iterator[None]:
+    """The method ``floor`` (see the module docstring) installed on ``model``."""
+    frames: list[list] = []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def enter(name: str, module, args) -> None:
+        frames.append([name, 0])
+
+    def leave(name: str, module, args, output) -> None:
+        frames.pop()
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in params:
+            return t
+        if frames:
+            frames[-1][1] += 1
+        return quantize_checked(t, bits, group_size, True, 1 + len(frames), choose_backend(t, "auto"))
+
+    def unpack(stored):
+        return stored if isinstance(stored, torch.Tensor) else dequantize(stored)
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(functools.partial(enter, name)))
+        handles.append(module.register_forward_hook(functools.partial(leave, name), always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def python_calls(case: Case) -> int:
@@ -125,7 +171,7 @@ def launches(case: Case) -> int | None:
 
 
 def hook_us(case: Case, steps: int) -> tuple[float, float]:
-    """Mean wall microseconds of gactx's pack and of its unpack hook a call, under ``case``'s controller: its hooks
+    """Mean wall microseconds of the case's pack and of its unpack hook a call (gactx's, or the floor's): its hooks
     called from a saved-tensor hook pair of ours (eager only)."""
     spent = {"pack": [0.0, 0], "unpack": [0.0, 0]}
 
@@ -173,7 +219,7 @@ def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = T
             row["launches_per_save"] = (own - plain_launches) / saves
         if name in ("L0", "L1", "L0+compile", "L1+compile"):
             row["part"] = "hooks and bookkeeping" if name.startswith("L0") else "compression"
-        if name == "L1":
+        if name in ("floor", "L1"):
             row["pack_us"], row["unpack_us"] = hook_us(case, steps)
         rows.append(row)
     by = {r["method"]: r for r in rows}
