@@ -41,6 +41,7 @@ ESTIMATORS = ("gact", "actnn")
 # The schemes offered where none are given, by estimator: ActNN's measures no sketch (docs/adaptive.md).
 DEFAULT_SCHEMES = {"gact": ("uniform", "normal", "sketch"), "actnn": ("uniform", "normal")}
 SCHEMES = ("uniform", "normal", "sketch", "samples")
+CHECKPOINT_BITS = (2, 4, 8, 16)  # widths of a checkpointed region's inputs (None: kept)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class Config:
             arguments, a clamp bound say, are then never stale; about 14 us an op of host time); ``"off"``
             never watches: only saved results name their op (through their ``grad_fn``), inputs are
             quantized as linear inputs (GACT's behaviour).
+        checkpoint_bits: the width of a non-reentrant checkpoint's region inputs (the hidden states between
+            checkpointed layers; 2, 4, 8 or 16 bits), from which backward recomputes each region, or ``None`` to keep
+            them as they are (see docs/llm.md). Recomputing from a decoded input is not unbiased as other saves are
+            (the region runs on a slightly different input), so this width is chosen apart, by measurement.
     """
 
     level: str = "L1"
@@ -109,6 +114,7 @@ class Config:
     offload: bool = False
     prefetch: int = 2
     op_rules: str = "learn"
+    checkpoint_bits: int | None = 8
 
     @classmethod
     def for_level(cls, level: str | None = None, **options) -> Config:
@@ -172,6 +178,11 @@ class Config:
             raise ValueError(f"op_rules={self.op_rules!r} is not allowed; allowed values are {OP_RULES}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch!r} must be a non-negative int")
+        if self.checkpoint_bits is not None and (not _is_int(self.checkpoint_bits) or
+                                                 self.checkpoint_bits not in CHECKPOINT_BITS):  # fmt: skip
+            raise ValueError(
+                f"checkpoint_bits={self.checkpoint_bits!r} is not allowed; allowed values are None or {CHECKPOINT_BITS}"
+            )
 
 
 def _is_int(value) -> bool:

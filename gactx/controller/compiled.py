@@ -128,6 +128,8 @@ class HookGraph(torch.fx.GraphModule):
     of a compiled function) ``eager`` runs under ``torch.compiler.disable``, so that torch.compile does not try to
     trace it (and break the graph on storage addresses); elsewhere it runs as it is."""
 
+    gactx_hooks = True  # what checkpoint.py looks for among the hooks in scope
+
     def __init__(self, eager: Callable, compiled: Callable) -> None:
         graph = torch.fx.Graph()
         graph.output(graph.call_function(_uncached, (graph.placeholder("x"),)))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gactx.config import Config, make_config
+from gactx.controller import checkpoint
 from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
 from gactx.controller.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
@@ -168,6 +169,7 @@ class Controller:
             self._graph_hooks = self._make_graph_hooks()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._graph_hooks)
         self._hooks.__enter__()
+        checkpoint.install()  # non-reentrant checkpoints: inputs and recomputed tensors compressed (checkpoint.py)
         # Graphs compiled while installed pass their saved inputs to the hooks too (by default AOTAutograd
         # passes only the intermediates it owns): a compiled block's input is the activation the block
         # before it made. Parameters and buffers still do not reach them.
@@ -199,6 +201,7 @@ class Controller:
         hooks, self._hooks = self._hooks, None
         self._filtering.__exit__(None, None, None)
         hooks.__exit__(None, None, None)
+        checkpoint.uninstall()
         self._path.end_forward()  # uninstalled inside a forward: stop watching its ops
         self._tracker.detach()
 
@@ -474,9 +477,10 @@ class Controller:
 
     # -- accounting -------------------------------------------------------------------------------------------
 
-    def memory_stats(self) -> MemoryStats:
-        """Saved-activation bytes of the most recent forward pass that saved anything."""
-        return self._pass.summary()
+    def memory_stats(self, backward: bool = False) -> MemoryStats:
+        """Saved-activation bytes of the most recent forward pass that saved anything; ``backward=True``: of what was
+        saved while backward ran since that forward (a checkpoint's recomputation), which the pass does not count."""
+        return self._path.backward_stats.summary() if backward else self._pass.summary()
 
     def report(self) -> str:
         """A table of the most recent forward pass: one row a saved tensor (key, shape, dtype, bits, bytes;

@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gactx.config import Config
+from gactx.controller.checkpoint import saving_inputs
 from gactx.controller.choices import Choice
 from gactx.controller.identity import Key, ModuleTracker, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
@@ -30,6 +31,7 @@ from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
 from gactx.controller.rules import (
     ALLOCATED,
     ATTENTION_BITS,
+    CHECKPOINT_INPUT,
     LINEAR,
     PROVENANCE,
     UNKNOWN,
@@ -177,6 +179,11 @@ class PackPath:
         if reason is not None or cfg.bits is None:
             self._record(t, key, ptr, None, None, reason or "L0", None)
             return Kept.of(t)
+        if saving_inputs():  # a checkpointed region's input: no op of the model saves it (checkpoint.py)
+            if cfg.checkpoint_bits is None:
+                self._record(t, key, ptr, None, CHECKPOINT_INPUT, "checkpoint_bits=None", None)
+                return Kept.of(t)
+            return self._finish(t, key, ptr, None, CHECKPOINT_INPUT)
         if self.watching:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
@@ -257,6 +264,8 @@ class PackPath:
         uniformly quantized one, whatever its class."""
         if rule is BOOL_MASK:
             return rule, 1, None
+        if rule is CHECKPOINT_INPUT:
+            return rule, self.config.checkpoint_bits, None
         if rule.cls not in ALLOCATED:
             return rule, None, None
         bits = self.bits_for(key)

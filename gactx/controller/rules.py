@@ -31,6 +31,8 @@ log domain      sqrt, rsqrt, reciprocal (result); log, log1p, log2, log10,     k
 statistics      normalisation's saved mean and reciprocal deviation (layer,    kept as is
                 group and batch norm results): backward rescales each row by
                 them, and they are a few values a row
+checkpoint      a non-reentrant checkpoint's region inputs (``checkpoint.py``):  quantized at the level's
+input           backward recomputes the region from them                      ``checkpoint_bits``
 linear          everything else                                               quantized, bits from the
                                                                               level or the allocator
 ==============  ============================================================  ===========================
@@ -74,6 +76,7 @@ __all__ = [
     "sketchable",
     "curved",
     "LINEAR",
+    "CHECKPOINT_INPUT",
     "UNKNOWN",
 ]
 
@@ -144,6 +147,7 @@ LOG = Rule("log domain", "keep")
 STATISTICS = Rule("statistics", "keep")
 UNUSED = Rule("unused values", "unused")
 DROPOUT = Rule("dropout", "dropout")
+CHECKPOINT_INPUT = Rule("checkpoint input", "quantize")  # its width is the level's checkpoint_bits
 # What a tensor was made by, where its op alone does not tell (watch.py): a float dropout mask (``bernoulli_``
 # then ``div_``), probabilities computed by hand (an ``exp`` result divided by a tensor).
 PROVENANCE = {"dropout": DROPOUT, "probabilities": ATTENTION}
