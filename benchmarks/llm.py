@@ -6,7 +6,8 @@ adapters of rank 16 on every linear layer but the output head, as a :class:`benc
 
 - ``full`` is Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 key-value heads, intermediate 8192,
   vocabulary 128256, tied embeddings) at sequence 4096: for a GPU;
-- ``small`` trains in seconds on a 2-core CPU; ``tiny`` is the smallest that runs every code path.
+- ``small`` (4 layers, hidden 256, vocabulary 2048, sequence 256, batch 4) trains in a fraction of a second a step
+  on a 2-core CPU; ``tiny`` is the smallest that runs every code path.
 
 The base weights are stored in bfloat16 (as LoRA fine-tuning loads them), the adapters in float32 (peft's
 default), and the step runs under bf16 autocast. The loss is the model's own (``labels=``: transformers
@@ -32,7 +33,9 @@ LORA_RANK = 16
 LORA_ALPHA = 32  # alpha = 2r: peft's examples and most published LoRA recipes
 LORA_DROPOUT = 0.05  # peft's examples' value: it adds a mask and a dropped copy of each adapter's input
 SUCCESSORS = 4  # each token's possible next tokens in the generated language
-LLM_LR = 2e-4  # a usual LoRA learning rate for AdamW
+# A usual LoRA learning rate for AdamW at full size; the CPU sizes take a rate at which their few dozen steps
+# learn the language (3e-3: loss 5.6 to 3.8 in 60 steps at vocabulary 256, benchmarks/finetune.py).
+LLM_LR = {"full": 2e-4, "small": 3e-3, "tiny": 3e-3}
 # The sensitivity probe of the adaptive levels runs on one sequence cut to this many tokens: its bits are
 # kept by slot (module, call, index), not by shape, so they apply to the full sequences; a full 4096-token
 # sequence would make each of the estimator's hundreds of passes cost a training step.
@@ -53,8 +56,8 @@ class LlamaShape:
 
 LLAMA_SIZES = {
     "full": LlamaShape(2048, 16, 32, 8, 8192, 128_256, 4096, 1),  # Llama-3.2-1B
-    "small": LlamaShape(256, 8, 8, 2, 688, 8192, 512, 4),
-    "tiny": LlamaShape(32, 2, 4, 2, 64, 256, 32, 2),
+    "small": LlamaShape(256, 4, 8, 2, 688, 2048, 256, 4),
+    "tiny": LlamaShape(32, 2, 4, 2, 64, 256, 32, 4),
 }
 
 
@@ -69,15 +72,20 @@ def _config(s: LlamaShape):
     )  # fmt: skip
 
 
+def successors(vocab: int) -> torch.Tensor:
+    """The generated language: each token's ``SUCCESSORS`` possible next tokens, ``(vocab, SUCCESSORS)``."""
+    return torch.randint(0, vocab, (vocab, SUCCESSORS), generator=torch.Generator().manual_seed(TASK_SEED))
+
+
 def _token_batches(vocab: int, length: int, device: torch.device):
-    successors = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=torch.Generator().manual_seed(TASK_SEED))
+    following = successors(vocab)
 
     def make_batch(b: int, gen: torch.Generator) -> Batch:
         picks = torch.randint(0, SUCCESSORS, (b, length), generator=gen)
         ids = torch.empty(b, length, dtype=torch.long)
         ids[:, 0] = torch.randint(0, vocab, (b,), generator=gen)
         for i in range(1, length):
-            ids[:, i] = successors[ids[:, i - 1], picks[:, i]]
+            ids[:, i] = following[ids[:, i - 1], picks[:, i]]
         ids = ids.to(device)
         return (ids,), ids[:, 1:].flatten()  # the target: every next token, for accuracy
 
@@ -97,10 +105,14 @@ def _probe_batch(inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tens
     return (ids,), ids[:, 1:].flatten()
 
 
-def build(size: str = "full", device: str | torch.device = "cpu", seed: int = 0, lora: bool = True) -> Workload:
+def build(
+    size: str = "full", device: str | torch.device = "cpu", seed: int = 0, lora: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Workload:  # fmt: skip
     """The LoRA-wrapped Llama-style model at ``size`` on ``device``, in train mode, its weights drawn on
     ``device`` from ``seed`` (on a GPU: 1.2 billion parameters drawn on the CPU would take a minute). The
-    caller's RNG state is left as it was. ``lora=False``: the base model, every weight trained."""
+    caller's RNG state is left as it was. ``lora=False``: the base model, every weight trained. ``dtype``: the
+    base weights' (the adapters are float32)."""
     from transformers import LlamaForCausalLM
 
     if size not in LLAMA_SIZES:
@@ -109,7 +121,7 @@ def build(size: str = "full", device: str | torch.device = "cpu", seed: int = 0,
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.device(device):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(_config(s)).to(torch.bfloat16)
+        model = LlamaForCausalLM(_config(s)).to(dtype)
         if lora:
             from peft import LoraConfig, get_peft_model
 
@@ -133,5 +145,5 @@ def build(size: str = "full", device: str | torch.device = "cpu", seed: int = 0,
         make_batch=_token_batches(s.vocab, s.sequence, device), loss=_loss, blocks=list(layers[0]),
         default_batch=s.batch, metric="accuracy", logits=_logits,
         source="transformers LlamaConfig (sdpa attention)" + (f" + peft LoRA r={LORA_RANK}" if lora else ""),
-        lr=LLM_LR, checkpointing=checkpointing, sub_batch=_probe_batch, tokens=s.sequence,
+        lr=LLM_LR.get(size, LLM_LR["full"]), checkpointing=checkpointing, sub_batch=_probe_batch, tokens=s.sequence,
     )  # fmt: skip

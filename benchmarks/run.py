@@ -207,10 +207,20 @@ def _sweep(name: str, method_name: str, precision: str, start: int, args, compil
     return points
 
 
+def variant(label: str) -> str:
+    """What a method's label adds to its name (``Method.label``: the name, then ``+bf16``, then ``+compile``; a name
+    may hold a ``+`` of its own, ``checkpoint+L1``)."""
+    suffix = ""
+    for part in ("+compile", "+bf16"):
+        if label.endswith(part):
+            suffix, label = part + suffix, label.removesuffix(part)
+    return suffix
+
+
 def compare(rows: list[dict]) -> None:
     """Activation ratio and throughput relative to full precision of the same model and precision."""
     for row in rows:
-        suffix = row["method"][row["method"].find("+") :] if "+" in row["method"] else ""  # +bf16, +compile
+        suffix = variant(row["method"])
         base = next((r for r in rows if r["model"] == row["model"] and r["method"] == f"fp{suffix}"), None)
         if base is None or "step_ms" not in row:
             continue

@@ -36,7 +36,7 @@ Batch = tuple[tuple, torch.Tensor]
 @dataclass
 class Workload:
     name: str  # e.g. "gcn", "bert-base"
-    family: str  # "gnn" | "transformer" | "cnn"
+    family: str  # "gnn" | "transformer" | "cnn" | "llm"
     model: nn.Module  # on the device, in train mode
     make_batch: Callable[[int, torch.Generator], Batch]  # batch size (GNNs: nodes) -> (inputs, target)
     loss: Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor]  # forward + scalar loss
@@ -357,6 +357,15 @@ def _resnet(name: str, size: str, device: torch.device) -> Workload:
                        lr=CNN_LR)  # fmt: skip
 
 
+def _llama(name: str, size: str, device: torch.device) -> Workload:
+    """``benchmarks/llm.py``'s LoRA model, from the seed ``build`` set; float32 weights where the device has no bf16
+    autocast worth running (a CPU: the benchmarks' fp32 rows are fp32 there)."""
+    from benchmarks import llm
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return llm.build(size, device, seed=torch.initial_seed(), lora=True, dtype=dtype)
+
+
 # --------------------------------------------------------------------------------------------- public
 
 BUILDERS: dict[str, Callable[[str, str, torch.device], Workload]] = {
@@ -364,11 +373,12 @@ BUILDERS: dict[str, Callable[[str, str, torch.device], Workload]] = {
     "bert-base": _bert, "bert-large": _bert,
     "vit-b16": _vit,
     "resnet50": _resnet, "resnet152": _resnet,
+    "llama-lora": _llama,
 }  # fmt: skip
 
 
 def names() -> list[str]:
-    """Every workload name, GNNs first, then transformers, then CNNs."""
+    """Every workload name, GNNs first, then transformers, then CNNs, then the LLM."""
     return list(BUILDERS)
 
 

@@ -18,7 +18,8 @@ while a :class:`gactx.Controller` is installed they are replaced by :class:`Fram
 subclasses that behave as torch's wherever gactx's hooks are not the ones in scope as a region begins; the last
 controller to uninstall puts torch's classes back. A torch without that class (it is
 private) checkpoints as before: its regions' inputs still reach the hooks, their recomputed tensors are kept as
-they are (:func:`supported` says which).
+they are (:func:`supported` says which). A torch whose frame has no ``save_inputs`` (it saved the inputs through a
+custom autograd function before 2.13) stores them as the saves of an op it learns, not as checkpoint inputs.
 
 Reentrant checkpointing (``use_reentrant=True``) needs none of this: its inputs are a custom autograd function's
 saved tensors and its recomputation an ordinary forward in backward, both under gactx's hooks.
@@ -47,8 +48,7 @@ _installed = 0
 
 def supported() -> bool:
     """Whether this torch's non-reentrant checkpoint can be followed (its frame class and the hooks in scope)."""
-    return (_TORCH_FRAME is not None and _TORCH_RECOMPUTATION is not None and _top is not None
-            and hasattr(_TORCH_FRAME, "save_inputs") and isinstance(_TORCH_RECOMPUTATION, type))  # fmt: skip
+    return _top is not None and isinstance(_TORCH_FRAME, type) and isinstance(_TORCH_RECOMPUTATION, type)
 
 
 def saving_inputs() -> bool:
@@ -91,14 +91,16 @@ if supported():
             if self.gactx:
                 self.recomputed = defaultdict(partial(Recomputed, *hooks))
 
-        def save_inputs(self, *args) -> None:
-            if not self.gactx:
-                return super().save_inputs(*args)
-            outer, _state.inputs = saving_inputs(), True
-            try:
-                return super().save_inputs(*args)
-            finally:
-                _state.inputs = outer
+        if hasattr(_TORCH_FRAME, "save_inputs"):  # torch 2.13's; before, an autograd function saved the inputs
+
+            def save_inputs(self, *args) -> None:
+                if not self.gactx:
+                    return super().save_inputs(*args)
+                outer, _state.inputs = saving_inputs(), True
+                try:
+                    return super().save_inputs(*args)
+                finally:
+                    _state.inputs = outer
 
     class Recomputation(_TORCH_RECOMPUTATION):
         """torch's saved-tensor hooks of a region's recomputation. torch's pack hook puts each recomputed tensor in
@@ -106,10 +108,13 @@ if supported():
         the recomputation returns: a whole region at full width, beside what the dictionary holds. Under a gactx
         frame the graph gets what the dictionary stored instead (decoded, should anything backward through it)."""
 
-        def __init__(self, target_frame_ref, gid) -> None:
-            super().__init__(target_frame_ref, gid)
-            frame = target_frame_ref()
-            if frame is None or not getattr(frame, "gactx", False):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            # torch 2.13's arguments: (target_frame_ref, gid). Another torch's that do not read so: torch's own hooks.
+            target_frame_ref = args[0] if args else kwargs.get("target_frame_ref")
+            gid = args[1] if len(args) > 1 else kwargs.get("gid")
+            frame = target_frame_ref() if isinstance(target_frame_ref, weakref.ref) else None
+            if frame is None or not getattr(frame, "gactx", False) or not isinstance(frame.recomputed, defaultdict):
                 return
             store, torch_pack = frame.recomputed[gid], self.pack_hook
 

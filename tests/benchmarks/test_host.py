@@ -7,11 +7,12 @@ from benchmarks import host
 
 def test_quick_host_benchmark_splits_the_cost_of_a_save(tmp_path):
     rows = {r["method"]: r for r in host.run(["--quick", "--out", str(tmp_path)])}
-    assert list(rows) == ["plain", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile"]
+    assert list(rows) == ["plain", "floor", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile"]
     for r in rows.values():
         assert r["width"] == 64 and r["step_ms"] > 0 and r["saves"] == 16, r
     assert rows["plain"]["vs_plain"] == 1 and rows["plain+compile"]["vs_plain"] == 1
     assert rows["L1"]["pack_us"] > 0 and rows["L1"]["unpack_us"] > 0
+    assert rows["floor"]["pack_us"] > 0 and rows["floor"]["unpack_us"] > 0  # the least eager hooks pay
     assert rows["L1"]["compression_us"] == rows["L1"]["per_save_us"] - rows["L0"]["per_save_us"]
     # gactx's Python runs for eager saves; plain runs none of it
     assert rows["L1"]["python_calls_per_save"] >= 1 and rows["plain"]["python_calls_per_save"] == 0

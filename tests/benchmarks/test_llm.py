@@ -84,3 +84,17 @@ def test_checkpointing_on_and_off_keeps_loss_and_gradients():
 def test_unknown_sizes_are_refused():
     with pytest.raises(ValueError, match="^size 'huge' is not one of"):
         llm.build("huge")
+
+
+def test_the_base_weights_take_the_dtype_asked_for():
+    w = llm.build("tiny", dtype=torch.float32)
+    assert {p.dtype for p in w.model.parameters()} == {torch.float32}
+
+
+def test_the_models_benchmark_builds_it_in_float32_off_a_gpu():
+    from benchmarks import workloads
+
+    w = workloads.build("llama-lora", "tiny", "cpu", seed=3)
+    again = workloads.build("llama-lora", "tiny", "cpu", seed=3)
+    assert w.family == "llm" and {p.dtype for p in w.model.parameters()} == {torch.float32}
+    assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), again.model.parameters(), strict=True))
