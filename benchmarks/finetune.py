@@ -64,7 +64,7 @@ CE_BITS = (8, 4, 2)
 
 
 def _model(shape: str, lora: bool, device: str) -> workloads.Workload:
-    llm.LLAMA_SIZES.setdefault(shape, SHAPES[shape])
+    llm.LLAMA_SIZES[shape] = SHAPES[shape]  # llm.build takes a size by name
     w = llm.build(shape, device, seed=0, lora=lora)
     w.model.float()  # float32 throughout: the bf16 base of LoRA is what a GPU runs
     return w
