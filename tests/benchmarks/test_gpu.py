@@ -82,7 +82,7 @@ def test_the_tiny_evaluation_runs_resnet_bert_large_and_the_host_cost(tmp_path):
     assert bert[("bert-large", "L1")]["peak_ratio"] > 1.2
     assert bert[("bert-large", "L1")]["max_batch_ratio"] > 1
     host = {r["method"]: r for r in saved["rows"] if r.get("kind") == "host"}
-    assert list(host) == ["plain", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile"]
+    assert list(host) == ["plain", "floor", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile"]
     assert all(r["step_ms"] > 0 and r["saves"] == 16 for r in host.values())
     assert f"## {report.TITLES['host']}" in (tmp_path / "gpu.md").read_text()
 
