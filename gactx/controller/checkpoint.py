@@ -121,7 +121,8 @@ if supported():
             def pack_hook(x):
                 store.last = None
                 held = torch_pack(x)  # stored compressed by Recomputed (raises to stop early once all are)
-                return held if store.last is None else store.last
+                stored, store.last = store.last, None  # held by the dictionary and the graph, not by this hook
+                return held if stored is None else stored
 
             def unpack_hook(held):
                 return held if isinstance(held, torch.Tensor) else store._unpack(held)
