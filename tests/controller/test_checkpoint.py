@@ -218,3 +218,19 @@ def test_checkpointed_regions_of_a_compiled_model_train_close_to_plain():
         got = torch.cat([p.grad.flatten() for p in model.parameters()])
         assert any(isinstance(r.bits, int) for r in controller.records)
     assert _cosine(got, plain) > 0.9999
+
+
+def test_checkpoints_in_another_thread_are_torchs_own():
+    """Saved-tensor hooks belong to the thread that installed them: a checkpointed step in another thread, while a
+    controller is installed here, begins under no gactx hooks and runs as torch's own."""
+    import threading
+
+    model, x = _model(), _input()
+    plain = _gradient(model, x)
+    got = {}
+    with gactx.Controller(model, level="L1") as controller:
+        worker = threading.Thread(target=lambda: got.update(gradient=_gradient(model, x)))
+        worker.start()
+        worker.join()
+        assert controller.memory_stats(backward=True).tensors == 0
+    assert torch.equal(got["gradient"], plain)
