@@ -66,7 +66,7 @@ CE_BITS = (8, 4, 2)
 def _model(shape: str, lora: bool, device: str) -> workloads.Workload:
     llm.LLAMA_SIZES[shape] = SHAPES[shape]  # llm.build takes a size by name
     w = llm.build(shape, device, seed=0, lora=lora)
-    w.model.float()  # float32 throughout: the bf16 base of LoRA is what a GPU runs
+    w.model.float()  # float32 throughout, from bf16 weights (as a bf16 checkpoint loads in float32)
     return w
 
 
@@ -243,18 +243,18 @@ def cross_entropy(device: str, quick: bool) -> list[dict]:
         return logits.grad, torch.cat([p.grad.flatten() for p in w.model.parameters() if p.grad is not None])
 
     saved, _ = count_saved_bytes(w.model, lambda: w.loss(w.model, (ids,), labels))
+    learned_log_p = torch.log_softmax(learned, -1).gather(1, labels[:, None]).mean().item()
+    numel = labels.numel() * s.vocab
     rows = []
     for logits_of in ("model", "learned"):
-        plain_logits, plain_model = step(None, logits_of)
-        log_p = torch.log_softmax(learned if logits_of == "learned" else plain_logits.new_zeros(1), -1)
+        plain_logits, plain_model = step(None, logits_of)  # gradients of the logits and of the model, plainly
         for bits in (None, *CE_BITS):
             logits_grad, model_grad = (plain_logits, plain_model) if bits is None else step(bits, logits_of)
-            numel = labels.numel() * s.vocab
-            stored = numel * 4 if bits is None else gactx.quantize(torch.zeros(numel), bits).nbytes
+            stored = gactx.expected_nbytes(numel, torch.float32, 32 if bits is None else bits)
             rows.append({"section": "cross-entropy", "logits": logits_of, "vocab": s.vocab, "tokens": labels.numel(),
                          "bits": "kept" if bits is None else bits, "stored_mib": stored / MIB,
-                         "step_saved_mib": saved / MIB, "target_log_p": None if logits_of == "model" else
-                         log_p.gather(1, labels[:, None]).mean().item(),
+                         "step_saved_mib": saved / MIB,
+                         "target_log_p": learned_log_p if logits_of == "learned" else None,
                          "logits_cosine": _cosine(logits_grad.flatten(), plain_logits.flatten()),
                          "model_cosine": None if model_grad is None else _cosine(model_grad, plain_model)})  # fmt: skip
     return rows

@@ -86,7 +86,7 @@ if supported():
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            hooks = _top(False) if _top is not None else None
+            hooks = _top(False)  # the hooks in scope as the region begins (None: none)
             self.gactx = hooks is not None and getattr(hooks[0], "gactx_hooks", False)
             if self.gactx:
                 self.recomputed = defaultdict(partial(Recomputed, *hooks))
@@ -114,7 +114,7 @@ if supported():
             target_frame_ref = args[0] if args else kwargs.get("target_frame_ref")
             gid = args[1] if len(args) > 1 else kwargs.get("gid")
             frame = target_frame_ref() if isinstance(target_frame_ref, weakref.ref) else None
-            if frame is None or not getattr(frame, "gactx", False) or not isinstance(frame.recomputed, defaultdict):
+            if frame is None or not getattr(frame, "gactx", False):
                 return
             store, torch_pack = frame.recomputed[gid], self.pack_hook
 
