@@ -52,8 +52,9 @@ def supported() -> bool:
 
 
 def saving_inputs() -> bool:
-    """Whether the save under way in this thread is a checkpointed region's input."""
-    return getattr(_state, "inputs", False)
+    """Whether the save under way in this thread is a checkpointed region's input (read for every save: this thread's
+    dict of the local, 0.1 us, where ``getattr`` of an attribute never set raises inside, 0.8 us)."""
+    return _state.__dict__.get("inputs", False)
 
 
 class Recomputed(weakref.WeakKeyDictionary):
