@@ -13,7 +13,7 @@ setup: torch
 	$(PYTHON) -m pip install --quiet -e ".[test,bench]"
 
 # The demo: gactx with the demo's models and progress bar only. gactx's C++ CPU kernels compile on first use
-# (about 40 s, once a machine and torch): here they compile in the background while pip installs the rest.
+# (about a minute, once a machine and torch): here they compile in the background while pip installs the rest.
 setup-demo: torch
 	$(PYTHON) -m pip install --quiet numpy ninja
 	@echo "building gactx's CPU kernels in the background (once) while pip installs the demo's packages"

@@ -115,7 +115,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    monkeypatch.setattr(cpp_extension, "load", fail)
     with pytest.warns(RuntimeWarning, match="falling back to the torch kernels"):
         assert cpu._build() is None
 

@@ -1,0 +1,89 @@
+// What every CPU kernel of gactx shares: float bits, the noise of stochastic rounding, the planes of packed codes,
+// huge-page advice, the work a task, and the dispatch over float32, bfloat16 and float16. Built with
+// -ffp-contract=off and without fast-math (cpu.py): the same float32 operations as the torch twins, in their order.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+namespace gactx {
+
+constexpr float kFltMax = 3.4028234663852886e38f;
+constexpr float kMinStep = 1.1754943508222875e-38f;  // 2**-126
+constexpr int64_t kGrainBytes = 1 << 16;              // work a task at least: about 64 KiB of input
+
+inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return float_of(uint32_t(v.x) << 16); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+template <typename T> inline T from_float(float v) { return static_cast<T>(v); }  // round to nearest even
+
+inline uint32_t fmix(uint32_t h) {  // murmur3's finalizer
+  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; h ^= h >> 16;
+  return h;
+}
+
+// 1 + u, u uniform on [0, 1) with 23 bits, from (seed, element index i): ``high`` is
+// k1 ^ uint32(i >> 32) * 0x85EBCA77, the same for every element of a group (a group never crosses 2**32).
+inline float one_plus_u(uint32_t k0, uint32_t high, uint32_t low) {
+  const uint32_t h = fmix(fmix(low * 0x9E3779B9u ^ k0) ^ high);
+  return float_of(0x3F800000u | (h >> 9));
+}
+
+// A group's codes (one a byte) into its packed bytes: byte k holds code p * W + k in bits p * BITS (the
+// planes of format.py). BITS a constant, so that the compiler unrolls the planes and vectorizes over k.
+template <int BITS>
+inline void pack_planes(const uint8_t* __restrict q, uint8_t* __restrict out, int64_t W) {
+  constexpr int P = 8 / BITS;
+  for (int64_t k = 0; k < W; ++k) {
+    uint8_t byte = q[k];
+    for (int p = 1; p < P; ++p) byte |= uint8_t(q[p * W + k] << (p * BITS));
+    out[k] = byte;
+  }
+}
+
+// A float's bits as an int32 that sorts like the float (-0 before +0); its own inverse.
+inline int32_t sortable(uint32_t b) { return int32_t(b ^ (uint32_t(int32_t(b) >> 31) & 0x7FFFFFFFu)); }
+
+// Transparent huge pages for the 2 MiB-aligned part of a large output, asked before it is first written (what
+// torch's own allocator does under THP_MEM_ALLOC_ENABLE=1). A fresh buffer, which a large output is on every
+// call, otherwise takes a page fault every 4 KiB, and those cost about as much as writing it. Advice only:
+// where the kernel does not take it (THP "never", not Linux) nothing changes.
+inline void advise_huge_pages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (bytes < 4 * int64_t(kHuge)) return;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes)) & ~(kHuge - 1);
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);
+#endif
+}
+
+inline int64_t grain(int64_t group_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, group_bytes)); }
+
+#define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \
+  switch (DTYPE) {                                                                        \
+    case at::kFloat: { using scalar = float; FN; break; }                                 \
+    case at::kBFloat16: { using scalar = at::BFloat16; FN; break; }                      \
+    case at::kHalf: { using scalar = at::Half; FN; break; }                               \
+    default: TORCH_CHECK(false, "gactx CPU kernels take float32, bfloat16 or float16, not ", DTYPE); \
+  }
+
+}  // namespace gactx

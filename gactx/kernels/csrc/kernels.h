@@ -1,0 +1,38 @@
+// The kernels each source file defines, as module.cpp binds them for Python and graph_ops.cpp calls them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+#include <vector>
+
+namespace gactx {
+
+// uniform.cpp: per-group codes with stochastic or nearest rounding (quantize.py, dequantize.py, format.py).
+std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic, int64_t seed,
+                                            double factor, double factor_special);
+void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group);
+// The same, into buffers the caller allocated: ``codes`` of code_bytes(n), ``meta`` of 2 floats a group.
+void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
+                   int64_t seed, double factor, double factor_special);
+void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group);
+
+// normal.cpp: normal-fitted levels (normal.py).
+std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic,
+                                                   int64_t seed, std::vector<double> factors, int64_t tails);
+void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,
+                       std::vector<double> factors, int64_t tails);
+
+// codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
+void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits);
+void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t bits);
+
+// bitmask.cpp: masks 8 to a byte (bitmask.py).
+void pack_bool(at::Tensor mask, at::Tensor packed);
+at::Tensor pack_compare(at::Tensor x, int64_t kind, double lo, double hi);
+void unpack_bool(at::Tensor packed, at::Tensor mask);
+
+// graph_ops.cpp: the log of compiled graphs' saves (compiled.py).
+std::vector<int64_t> drain_log();
+
+}  // namespace gactx

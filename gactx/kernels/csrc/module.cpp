@@ -1,0 +1,18 @@
+// The Python module of gactx's CPU kernels (cpu.py calls these); the ops of compiled graphs register themselves with
+// the dispatcher (graph_ops.cpp).
+#include <torch/python.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize", &gactx::quantize);
+  m.def("dequantize", &gactx::dequantize);
+  m.def("normal_quantize", &gactx::normal_quantize);
+  m.def("normal_dequantize", &gactx::normal_dequantize);
+  m.def("encode_bins", &gactx::encode_bins);
+  m.def("decode_table", &gactx::decode_table);
+  m.def("pack_bool", &gactx::pack_bool);
+  m.def("pack_compare", &gactx::pack_compare);
+  m.def("unpack_bool", &gactx::unpack_bool);
+  m.def("drain_log", &gactx::drain_log);
+}

@@ -1,0 +1,177 @@
+// The uniform scheme (quantize.py, dequantize.py; layout in format.py): a group's range, then its codes at
+// ``bits`` with stochastic or nearest rounding, one group at a time a thread.
+#include "common.h"
+#include "kernels.h"
+
+namespace gactx {
+namespace {
+
+template <typename T>
+void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits, int64_t G, bool stochastic,
+                   int64_t seed, float factor, float factor_special) {
+  const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
+  const int64_t W = G / per_byte;  // bytes a group
+  const int64_t groups = (n + G - 1) / G;
+  const uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
+  const float top = float(L + 1);
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    std::vector<float> v(G);
+    std::vector<uint8_t> q(G);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * G, m = std::min(G, n - start);
+      const T* xg = x + start;
+      int32_t smin = std::numeric_limits<int32_t>::max(), smax = std::numeric_limits<int32_t>::min();
+      uint32_t nonfinite = 0;
+      for (int64_t k = 0; k < m; ++k) {
+        const float f = to_float(xg[k]);
+        v[k] = f;
+        const uint32_t b = bits_of(f);
+        const int32_t s = sortable(b);
+        smin = std::min(smin, s);
+        smax = std::max(smax, s);
+        nonfinite |= uint32_t((b & 0x7F800000u) == 0x7F800000u);
+      }
+      bool has_nan = false, has_pinf = false, has_ninf = false;
+      float fmin, fmax;
+      if (!nonfinite) {
+        fmin = float_of(uint32_t(sortable(uint32_t(smin))));
+        fmax = float_of(uint32_t(sortable(uint32_t(smax))));
+      } else {  // rare: the finite range, and which non-finite values there are
+        fmin = std::numeric_limits<float>::infinity();
+        fmax = -fmin;
+        for (int64_t k = 0; k < m; ++k) {
+          const float f = v[k];
+          if (std::isnan(f)) has_nan = true;
+          else if (std::isinf(f)) (f > 0 ? has_pinf : has_ninf) = true;
+          else { fmin = std::min(fmin, f); fmax = std::max(fmax, f); }
+        }
+        if (!(fmin < std::numeric_limits<float>::infinity())) fmin = 0.0f;
+        if (!(fmax > -std::numeric_limits<float>::infinity())) fmax = 0.0f;
+      }
+      const bool special = has_nan || has_pinf || has_ninf;
+      const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
+      // A finite group whose span overflowed: step = fmax * f - fmin * f, elements encoded at a quarter
+      // of their value (quantize.py).
+      const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
+      const float f = special ? factor_special : factor;
+      float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
+      step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
+      if (L == 1 && special) step = 0.0f;
+      const float inv = step > 0.0f ? 1.0f / (step * scale) : 0.0f;
+      const float inf = std::numeric_limits<float>::infinity();
+      const float kind = (has_nan || (has_pinf && has_ninf)) ? std::numeric_limits<float>::quiet_NaN()
+                                                             : (has_pinf ? inf : -inf);
+      const float origin = (special ? 0.0f : fmin) * scale;
+      const float shift = special ? float(centre) : 0.0f;
+      meta[2 * g] = special ? kind : fmin;
+      meta[2 * g + 1] = step;
+      if (stochastic) {
+        const uint32_t high = k1 ^ uint32_t(uint64_t(start) >> 32) * 0x85EBCA77u, low = uint32_t(uint64_t(start));
+        for (int64_t k = 0; k < m; ++k) {
+          const float s = std::fabs((v[k] * scale - origin) * inv + (shift + one_plus_u(k0, high, low + uint32_t(k))));
+          q[k] = uint8_t(int32_t(s < top ? s : top) - 1);  // NaN: the top code, as fmin(s, top)
+        }
+      } else {
+        const float add = shift + 1.5f;
+        for (int64_t k = 0; k < m; ++k) {
+          const float s = std::fabs((v[k] * scale - origin) * inv + add);
+          q[k] = uint8_t(int32_t(s < top ? s : top) - 1);
+        }
+      }
+      for (int64_t k = m; k < G; ++k) q[k] = 0;
+      uint8_t* out = codes + g * W;
+      switch (bits) {
+        case 1: pack_planes<1>(q.data(), out, W); break;
+        case 2: pack_planes<2>(q.data(), out, W); break;
+        case 4: pack_planes<4>(q.data(), out, W); break;
+        default: pack_planes<8>(q.data(), out, W); break;
+      }
+    }
+  });
+}
+
+template <typename T>
+void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n, int bits, int64_t G) {
+  const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
+  const int64_t W = G / per_byte;
+  const int64_t groups = (n + G - 1) / G;
+  const float hi = float(std::numeric_limits<T>::max());  // finite values saturate at the output's largest
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    T lut[256];  // a group's 2**bits values, each decoded once
+    for (int64_t g = g0; g < g1; ++g) {
+      const float lo = meta[2 * g];
+      const bool special = !std::isfinite(lo);
+      // Halves where q * step can overflow while the value does not (dequantize.py).
+      const bool wide = !special && lo < -1.0f && float(L) * meta[2 * g + 1] > kFltMax;
+      const float half = wide ? 0.5f : 1.0f, twice = wide ? 2.0f : 1.0f;
+      const float step = meta[2 * g + 1] * half, base = (special ? 0.0f : lo) * half;
+      const int c = special ? centre : 0;
+      const float top = special ? lo : std::min(std::max((float(L) * step + base) * twice, -hi), hi);
+      const uint8_t* in = codes + g * W;
+      const int64_t start = g * G, m = std::min(G, n - start);
+      const bool computed = m == G && !special && std::is_same<T, float>::value;
+      if (!computed) {
+        for (int q = 0; q < L; ++q) {
+          const float value = (float(q - c) * step + base) * twice;
+          lut[q] = from_float<T>(std::min(std::max(value, -hi), hi));
+        }
+        lut[L] = from_float<T>(top);
+      }
+      if (computed) {
+        // A finite group decodes every code, the top one too, to q * step + lo: computed, vectorized.
+        for (int p = 0; p < per_byte; ++p) {
+          float* o = reinterpret_cast<float*>(out) + start + p * W;
+          const int shift = p * bits;
+          for (int64_t k = 0; k < W; ++k) {
+            const float value = (float((in[k] >> shift) & L) * step + base) * twice;
+            o[k] = std::min(std::max(value, -hi), hi);
+          }
+        }
+      } else if (m == G) {
+        for (int p = 0; p < per_byte; ++p) {
+          T* o = out + start + p * W;
+          const int shift = p * bits;
+          for (int64_t k = 0; k < W; ++k) o[k] = lut[(in[k] >> shift) & L];
+        }
+      } else {
+        for (int64_t i = 0; i < m; ++i) out[start + i] = lut[(in[i % W] >> ((i / W) * bits)) & L];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Outputs are allocated here: from Python each allocation costs more than a small tensor's kernel.
+std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic, int64_t seed,
+                                            double factor, double factor_special) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
+  const int64_t n = x.numel(), groups = (n + group - 1) / group;
+  at::Tensor codes = at::empty({groups * group * bits / 8}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor meta = at::empty({groups, 2}, at::TensorOptions().dtype(at::kFloat));
+  quantize_into(x, codes.data_ptr<uint8_t>(), meta.data_ptr<float>(), bits, group, stochastic, seed, factor,
+                factor_special);
+  return {codes, meta};
+}
+
+void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
+                   int64_t seed, double factor, double factor_special) {
+  const int64_t n = x.numel();
+  if (!n) return;
+  GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), n, codes, meta, int(bits), group,
+                 stochastic, seed, float(factor), float(factor_special)));
+}
+
+void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group) {
+  TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous() && out.is_contiguous());
+  dequantize_into(codes.data_ptr<uint8_t>(), meta.data_ptr<float>(), out, bits, group);
+}
+
+void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group) {
+  if (!out.numel()) return;
+  advise_huge_pages(out.data_ptr(), out.nbytes());
+  GACTX_DISPATCH(out.scalar_type(), dequantize_impl<scalar>(codes, meta, out.data_ptr<scalar>(), out.numel(),
+                 int(bits), group));
+}
+
+}  // namespace gactx
