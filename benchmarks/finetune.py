@@ -11,11 +11,13 @@ Everything runs in float32 on the device (a CPU by default), with random weights
    (``gradient_checkpointing_enable``), and checkpointing with each level at ``checkpoint_bits`` 8 and 4.
 2. **LoRA peaks** (sequence 512, batch 4, vocabulary 2048, and 8192 as in ``benchmarks/llm.py``'s ``small``; LoRA
    r=16 on every linear layer): plain, each level, checkpointing, checkpointing with L1.
-3. **Training**: ``--steps`` AdamW steps from one initialisation on one stream of batches, for plain, checkpointing
-   with L1 (``checkpoint_bits`` 8 and 4), LoRA plain and LoRA with L1 (vocabulary 256: a language 60 steps can
-   learn), and BERT (the models benchmark's small ``bert-base``) plain and checkpointed with L1 at
-   ``checkpoint_bits`` 8 and 4. The loss is the mean of the last tenth of the steps; the curves are plotted
-   (``finetune.png``).
+3. **Training**: ``--steps`` AdamW steps on one stream of batches from one base model, for plain, checkpointing
+   with L1 (``checkpoint_bits`` 8 and 4), LoRA plain and LoRA with L1 (vocabulary 256), and BERT (the models
+   benchmark's small ``bert-base``) plain and checkpointed with L1 at ``checkpoint_bits`` 8 and 4. The LLM's base
+   is its random initialisation trained by plain PyTorch for as many steps on a third stream (``PRETRAIN``):
+   fine-tuning starts from a model that has left the plateau of the unigram loss. From random weights, when a run
+   leaves that plateau decides its loss at step 60, and two streams of plain PyTorch ended 30% apart. The loss is
+   the mean of the last tenth of the steps; the curves are plotted (``finetune.png``).
 4. **Cross-entropy** at vocabulary 32000 (sequence 512, batch 1): the bytes of the log-probabilities that
    ``log_softmax`` saves (transformers upcasts the logits to float32) against the whole step's saved activations, and
    the cosine, with plain PyTorch's, of the logits' gradient (and the model's) when those log-probabilities are
@@ -25,12 +27,14 @@ Everything runs in float32 on the device (a CPU by default), with random weights
 
     python -m benchmarks.finetune                 # writes benchmarks/results/<device>/finetune.{json,md,png}
     python -m benchmarks.finetune --quick --out /tmp/finetune
+    python -m benchmarks.finetune --sections training   # reruns one section; the others keep their rows
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import warnings
 from datetime import datetime, timezone
@@ -59,6 +63,8 @@ SHAPES = {
 }
 # AdamW rates at which 60 steps move the loss from ln(256) = 5.5 towards the language's 1.39: 2.1 and 3.8 here.
 TRAIN_LR = {False: 1e-3, True: 3e-3}  # full, LoRA
+PRETRAIN = (1e-3, 0)  # the base model's learning rate and batch stream (the compared runs use streams 1 and 2)
+SECTIONS = ("peaks", "lora", "training", "cross-entropy")
 LEVELS = ("L1", "L1.1", "L1.2")
 CE_BITS = (8, 4, 2)
 
@@ -161,6 +167,31 @@ def _train(w: workloads.Workload, steps: int, batch_size: int, level: str | None
     return losses
 
 
+def _pretrain(w: workloads.Workload, steps: int, batch_size: int) -> float:
+    """Train the workload's base weights (not LoRA's) in place with plain PyTorch: the model fine-tuning starts from.
+    Returns the last step's loss."""
+    lr, stream = PRETRAIN
+    flags = {p: p.requires_grad for p in w.model.parameters()}
+    base = [p for name, p in w.model.named_parameters() if "lora_" not in name]
+    for p in flags:
+        p.requires_grad_(False)
+    for p in base:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(base, lr=lr)
+    gen = torch.Generator().manual_seed(stream)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = w.loss(w.model, *w.make_batch(batch_size, gen))
+            loss.backward()
+            optimizer.step()
+    finally:
+        w.model.zero_grad(set_to_none=True)
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+    return loss.item()
+
+
 def training(steps: int, device: str, quick: bool) -> list[dict]:
     """Section 3: the final losses and curves."""
     # "another batch stream": plain PyTorch on other batches of the same language, the spread of plain's own loss
@@ -173,18 +204,20 @@ def training(steps: int, device: str, quick: bool) -> list[dict]:
             ("bert-base", None, "plain", None, False, 8), ("bert-base", None, "checkpoint + L1", "L1", True, 8),
             ("bert-base", None, "checkpoint + L1, inputs at 4 bits", "L1", True, 4)]  # fmt: skip
     shape = "quick" if quick else "train"
-    rows, built = [], {}
+    rows, built, base_loss = [], {}, {}
     for model, lora, label, level, checkpointed, bits in runs:
         if model not in built:
             if model == "bert-base":
                 built[model] = workloads.build("bert-base", "tiny" if quick else "small", device, seed=0)
             else:
                 built[model] = _model(shape, lora, device)
+                base_loss[model] = _pretrain(built[model], steps, llm.LLAMA_SIZES[shape].batch)
         w = built[model]
         batch = llm.LLAMA_SIZES[shape].batch if model != "bert-base" else w.default_batch
         lr = w.lr if model == "bert-base" else TRAIN_LR[lora]
         losses = _train(w, steps, batch, level, checkpointed, bits, lr, 2 if "another" in label else 1)
         rows.append({"section": "training", "model": model, "method": label, "steps": steps, "lr": lr, "losses": losses,
+                     "base_loss": base_loss.get(model),
                      "final_loss": statistics.mean(losses[-max(1, steps // 10):])})  # fmt: skip
     for r in rows:
         plain = next(p for p in rows if p["model"] == r["model"] and p["method"] == "plain")
@@ -260,11 +293,31 @@ def cross_entropy(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def _section(row: dict) -> str:
+    return ("lora" if row["lora"] else "peaks") if row["section"] == "peaks" else row["section"]
+
+
+def _kept_rows(folder: Path, sections: set[str], env: dict) -> list[dict]:
+    """The rows of the sections not rerun, from ``folder``'s finetune.json, in section order; ``env["kept"]`` says
+    which sections came from which earlier run."""
+    path = folder / "finetune.json"
+    if sections >= set(SECTIONS) or not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    kept = [r for r in old["rows"] if _section(r) not in sections]
+    env["kept"] = {name: old["environment"].get("kept", {}).get(name, old["environment"]["date"])
+                   for name in dict.fromkeys(_section(r) for r in kept)}  # fmt: skip
+    return kept
+
+
 def render(rows: list[dict], env: dict) -> str:
     lines = [f"# LLM fine-tuning on {env['device_name']}", "",
              f"- torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}; run {env['date']}; "
              f"{env['threads']} torch thread(s); float32; peaks from `gactx.PeakMemory` ({env['peak_method']}), "
-             "gradients set to none", ""]  # fmt: skip
+             "gradients set to none"]  # fmt: skip
+    for name, date in env.get("kept", {}).items():
+        lines += [f"- section {name}: from the run of {date}"]
+    lines += [""]
     for shape, lora in dict.fromkeys((r["shape"], r["lora"]) for r in rows if r["section"] == "peaks"):
         part = [r for r in rows if r["section"] == "peaks" and r["shape"] == shape and r["lora"] == lora]
         s = SHAPES[shape]
@@ -279,11 +332,13 @@ def render(rows: list[dict], env: dict) -> str:
     part = [r for r in rows if r["section"] == "training"]
     if part:
         t = SHAPES["train"]
-        lines += ["## Training", "", f"{part[0]['steps']} AdamW steps from one initialisation on one stream of "
-                  "batches; loss: the mean of the last tenth of the steps. The Llama-style model: "
+        lines += ["## Training", "", f"{part[0]['steps']} AdamW steps on one stream of batches from one base model; "
+                  "loss: the mean of the last tenth of the steps. The Llama-style model: "
                   f"{t.layers} layers, hidden {t.hidden}, vocabulary {t.vocab}, sequence {t.sequence}, batch {t.batch} "
-                  f"(learning rate {TRAIN_LR[False]:g}, LoRA {TRAIN_LR[True]:g}); BERT: the models benchmark's small "
-                  "bert-base", ""]  # fmt: skip
+                  f"(learning rate {TRAIN_LR[False]:g}, LoRA {TRAIN_LR[True]:g}); its base: random weights trained "
+                  f"{part[0]['steps']} steps by plain PyTorch on another stream (learning rate {PRETRAIN[0]:g}; "
+                  "LoRA's: its base weights, before the adapters train). BERT: the models benchmark's small bert-base, "
+                  "from random weights", ""]  # fmt: skip
         cells = [[r["model"], r["method"], f"{r['final_loss']:.4f}", f"{100 * (r['vs_plain'] - 1):+.2f}%"]
                  for r in part]  # fmt: skip
         lines += markdown_table(["model", "method", "final loss", "against plain"], cells) + [""]
@@ -329,8 +384,13 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def run(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.finetune", description=summary(__doc__))
-    p.add_argument("--sections", nargs="+", default=["peaks", "lora", "training", "cross-entropy"],
-                   choices=["peaks", "lora", "training", "cross-entropy"])  # fmt: skip
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        default=list(SECTIONS),
+        choices=SECTIONS,
+        help="sections to run; the others keep their rows from the results file already there",
+    )
     p.add_argument("--steps", type=int, default=60, help="training steps a run")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -362,6 +422,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if "cross-entropy" in args.sections:
         rows += cross_entropy(args.device, args.quick)
     folder = results_folder(args.out, args.device)
+    rows = _kept_rows(folder, set(args.sections), env) + rows
     table = render(rows, env)
     if plot(rows, folder / "finetune.png"):
         table += "\n![training curves](finetune.png)\n"

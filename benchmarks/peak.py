@@ -30,6 +30,7 @@ the same level's eager cosine (one step each, same batch, evaluation mode: dropo
     python -m benchmarks.peak                      # writes benchmarks/results/<device>/peak.{md,json}
     python -m benchmarks.peak --compiled-models    # the eager table only
     python -m benchmarks.peak --quick --out /tmp/peak
+    python -m benchmarks.peak --models llama-lora --compiled-models --merge   # other models' rows kept
 """
 
 from __future__ import annotations
@@ -316,6 +317,17 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
         "repeats": args.repeats, "quick": args.quick, "cuda": args.device == "cuda", "backend": args.backend,
     }  # fmt: skip
+    if args.merge and (out / "peak.json").exists():
+        old = json.loads((out / "peak.json").read_text())
+        ran = {r["model"] for r in rows}
+        dates = old["environment"].get("kept", {})
+        kept = [r for r in old["rows"] if r["model"] not in ran]
+        kept_compiled = [r for r in old["compiled"] if r["model"] not in {r["model"] for r in compiled}]
+        compiled_dates = old["environment"].get("kept_compiled", {})
+        env["kept"] = {m: dates.get(m, old["environment"]["date"]) for m in dict.fromkeys(r["model"] for r in kept)}
+        env["kept_compiled"] = {m: compiled_dates.get(m, old["environment"]["date"])
+                                for m in dict.fromkeys(r["model"] for r in kept_compiled)}  # fmt: skip
+        rows, compiled = kept + rows, kept_compiled + compiled
     result = {"environment": env, "rows": rows, "compiled": compiled}
     (out / "peak.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "peak.md").write_text(render(result))
@@ -335,6 +347,8 @@ def render(result: dict) -> str:
         "gradients kept from the step before (zeroed in place), or set to none (allocated by backward: the "
         "peak then holds the parameters' size in gradients, whatever the method)",
         "- saved: plain PyTorch's saved storages counted by a hook (fp, checkpoint), gactx's own accounting (levels)",
+        *(f"- {model}: from the run of {date}" for model, date in env.get("kept", {}).items()),
+        *(f"- {model}, compiled: from the run of {date}" for model, date in env.get("kept_compiled", {}).items()),
         "",
     ]  # fmt: skip
     headers = ["model", "batch", "saved / fp peak", "method", "peak MiB", "fp / peak", "peak MiB, grads none",
@@ -390,6 +404,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test (needs --out)"
     )
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.repeats = "tiny", 1

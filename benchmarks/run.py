@@ -6,6 +6,7 @@ transformers and CNNs trained at full precision, with gactx, with activation che
     python -m benchmarks.run                                   # every model; full size on a GPU, small on a CPU
     python -m benchmarks.run --models bert-large --max-batch --memory-cap-gib 16
     python -m benchmarks.run --quick --out /tmp/quick          # tiny sizes, a few steps: checks that it runs
+    python -m benchmarks.run --models llama-lora --merge       # one model's rows replaced, the others kept
 
 Writes models.csv, models.json and models.md (and batch_throughput.png with --sweep) under
 ``benchmarks/results/<device>/``, naming the device, torch and triton versions and the date.
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
     p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test (needs --out)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",
         help="also run full precision and the gactx levels (fp32) with the model's forward under torch.compile",
@@ -238,8 +241,23 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+def _merged(path: Path, rows: list[dict], env: dict) -> list[dict]:
+    """``rows`` after the rows of ``path`` whose models ``rows`` lack; ``env["kept"]``: those models' run dates."""
+    if not path.exists():
+        return rows
+    old = json.loads(path.read_text())
+    ran = {r["model"] for r in rows}
+    kept = [r for r in old["rows"] if r["model"] not in ran]
+    dates = old["environment"].get("kept", {})
+    env["kept"] = {m: dates.get(m, old["environment"]["date"]) for m in dict.fromkeys(r["model"] for r in kept)}
+    return kept + rows
+
+
 def render(rows: list[dict], env: dict) -> str:
     used = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    kept = {}
+    for model, date in env.get("kept", {}).items():
+        kept.setdefault(date, []).append(model)
     lines = [
         f"# gactx models benchmark on {env['device_name']}",
         "",
@@ -247,6 +265,7 @@ def render(rows: list[dict], env: dict) -> str:
         f"- {env['memory']}",
         f"- throughput: median of {env['timed']} steps after {env['warmup']} warm-up steps; accuracy on a "
         f"held-out generated batch after {env['train_steps']} steps",
+        *(f"- {', '.join(models)}: from the run of {date}" for date, models in kept.items()),
         "",
         "| " + " | ".join(c[1] for c in used) + " |",
         "|" + "|".join("---" if c[0] in ("model", "method") else "--:" for c in used) + "|",
@@ -327,6 +346,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     compare(rows)
     out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        rows = _merged(out / "models.json", rows, env)
     (out / "models.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
     fields = [c[0] for c in COLUMNS if any(c[0] in r for r in rows)]
     with open(out / "models.csv", "w", newline="") as f:

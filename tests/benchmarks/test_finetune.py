@@ -26,3 +26,10 @@ def test_quick_finetune_benchmark_measures_every_section(tmp_path):
     assert ce[("model", "kept")]["stored_mib"] > ce[("model", 8)]["stored_mib"]
     saved = json.loads((tmp_path / "finetune.json").read_text())
     assert len(saved["rows"]) == len(rows) and "## Cross-entropy" in (tmp_path / "finetune.md").read_text()
+    assert all((r["base_loss"] is None) == (r["model"] == "bert-base") for r in training)
+
+    again = finetune.run(["--quick", "--out", str(tmp_path), "--threads", "1", "--sections", "cross-entropy"])
+    assert [r for r in again if r["section"] != "cross-entropy"] == [r for r in rows if r["section"] != "cross-entropy"]
+    merged = json.loads((tmp_path / "finetune.json").read_text())
+    assert set(merged["environment"]["kept"]) == {"peaks", "lora", "training"}
+    assert "- section training: from the run of" in (tmp_path / "finetune.md").read_text()

@@ -27,6 +27,17 @@ def test_quick_peak_benchmark(tmp_path):
         assert compiled[mode, "L1.1"]["grad_cos_compiled"] > 0.99
     assert "## Compiled (aot_eager)" in (tmp_path / "peak.md").read_text()
 
+    # another model, merged: the rows of the models not run are kept, the LLM's added
+    main(
+        ["--quick", "--out", str(tmp_path), "--models", "llama-lora", "--threads", "1", "--compiled-models", "--merge"]
+    )
+    merged = json.loads((tmp_path / "peak.json").read_text())
+    assert [r for r in merged["rows"] if r["model"] == "bert-base"] == [r for r in rows if r["model"] == "bert-base"]
+    assert merged["compiled"] == result["compiled"] and set(merged["environment"]["kept"]) == {"bert-base"}
+    assert set(merged["environment"]["kept_compiled"]) == {"mlp-gelu"}
+    llm = {r["method"]: r["peak_mib"] for r in merged["rows"] if r["model"] == "llama-lora"}
+    assert llm["L1.2"] < llm["fp"]
+
 
 def test_quick_needs_an_out_folder():
     with pytest.raises(SystemExit):

@@ -28,6 +28,13 @@ def test_every_model_trains_and_is_measured(tmp_path):
         device_name("cuda" if torch.cuda.is_available() else "cpu").split(" (")[0]
         in (tmp_path / "models.md").read_text()
     )
+    merged = run(["--quick", "--methods", "fp", "--precisions", "fp32", "--models", "gcn", "--merge",
+                  "--out", str(tmp_path)])  # fmt: skip
+    assert [r for r in merged if r["model"] != "gcn"] == [r for r in rows if r["model"] != "gcn"]
+    assert [r["method"] for r in merged if r["model"] == "gcn"] == ["fp"]
+    saved = json.loads((tmp_path / "models.json").read_text())
+    assert "gcn" not in saved["environment"]["kept"] and "bert-base" in saved["environment"]["kept"]
+    assert "from the run of" in (tmp_path / "models.md").read_text()
 
 
 def test_every_method_in_both_precisions_with_a_sweep(tmp_path):
