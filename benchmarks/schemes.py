@@ -103,7 +103,7 @@ def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds
                 controller.step += 1  # new rounding noise: the seeds follow the step
                 errors.append(float((_gradient(model, run, 0) - exact).square().sum()) / norm)
             stats = controller.memory_stats()
-            chosen.update(c.scheme for c in controller._slot_choice.values())
+            chosen.update(c.scheme for c in controller.plan.choices.values())
             a = controller.last_adaptation
         model.load_state_dict(state)
         per_seed.append(statistics.mean(errors))
@@ -174,7 +174,7 @@ def _train_once(name: str, label: str, steps: int, size: str, seed: int) -> tupl
             optimizer.step()
             if controller is not None:
                 controller.iterate(backprop)
-    chosen = collections.Counter(c.scheme for c in controller._slot_choice.values()) if controller else {}
+    chosen = collections.Counter(c.scheme for c in controller.plan.choices.values()) if controller else {}
     held_out = w.make_batch(w.default_batch, torch.Generator().manual_seed(12345))
     final = losses[-5:]
     return sum(final) / len(final), workloads.accuracy(w, *held_out), collections.Counter(chosen)

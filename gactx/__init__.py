@@ -5,7 +5,7 @@
 """
 
 from gactx.config import Config, get_optimization_level, set_optimization_level
-from gactx.controller import Controller, MemoryStats
+from gactx.controller import Adaptation, Choice, Controller, Key, KeyRecord, MemoryStats, Plan
 from gactx.kernels import ALLOWED_BITS, GROUP_SIZES, QuantizedTensor, dequantize, expected_nbytes, quantize
 from gactx.memory import PeakMemory, peak_memory
 
@@ -14,9 +14,14 @@ __version__ = "0.1.0"
 __all__ = [
     "ALLOWED_BITS",
     "GROUP_SIZES",
+    "Adaptation",
+    "Choice",
     "Config",
     "Controller",
+    "Key",
+    "KeyRecord",
     "MemoryStats",
+    "Plan",
     "PeakMemory",
     "QuantizedTensor",
     "__version__",

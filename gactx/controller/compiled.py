@@ -191,15 +191,13 @@ class CompiledPath:
     """Decides, while AOTAutograd traces, what each saved node of a compiled graph becomes; collects, while
     compiled graphs run, which saves ran into the controller's pass statistics.
 
-    ``width(modules, shape, dtype)`` gives the width of a quantized save (``modules``: where the value was
-    made and used, innermost first); ``path``: the eager pack path, whose ``stats`` and pass boundaries
-    compiled saves share."""
+    ``path``: the eager pack path, whose ``stats`` and pass boundaries compiled saves share, and whose plan gives
+    the width of a quantized save (``plan.compiled_width``)."""
 
-    def __init__(self, config: Config, tracker: ModuleTracker, path, width: Callable[..., int]) -> None:
+    def __init__(self, config: Config, tracker: ModuleTracker, path) -> None:
         self.config = config
         self.tracker = tracker
         self.path = path
-        self.width = width
         self.saves: dict[int, GraphSave] = {}  # token -> save
         self._decided: dict[tuple, tuple[int, GraphSave]] = {}  # (graph, node name) -> (token, save)
         self._graphs: dict[int, int] = {}  # id of a forward graph -> its number
@@ -324,7 +322,7 @@ class CompiledPath:
         exact = EXACT_RESULTS.get(op_name(source(node))) or exact_use(node, bw_graph)
         if exact is not None:
             return "kept", exact
-        bits = self.width(modules, _hint(t.shape), t.dtype)
+        bits = self.path.plan.compiled_width(modules, _hint(t.shape), t.dtype)
         if is_attention(node) or feeds_exp(node, bw_graph):
             return max(bits, ATTENTION_BITS), "attention"
         if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
@@ -377,7 +375,7 @@ class CompiledPath:
         if save is None:
             return
         path = self.path
-        stats = path._begin_pass_if_fresh()
+        stats = path.begin_pass_if_fresh()
         run = stats.graph_runs.get(save.graph)
         if not self.tracker.inside and (stats.graph_runs or stats.records):
             rerun = run is not None and token in run.seen
@@ -386,7 +384,7 @@ class CompiledPath:
             )
             if rerun or not stats.graph_runs or gone:
                 path.fresh = True
-                stats, run = path._begin_pass_if_fresh(), None
+                stats, run = path.begin_pass_if_fresh(), None
         if not stats.graph_runs:
             self._alive, self._tokens = [], set()
         if alive is None:

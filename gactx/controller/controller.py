@@ -25,10 +25,10 @@ from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_
 from gactx.controller.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
-from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.identity import ModuleTracker
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
-from gactx.controller.policy import storage_ptr
+from gactx.controller.plan import Plan, mix
 from gactx.controller.rules import curved, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.state import STATE_VERSION, read_state, write_state
@@ -46,19 +46,6 @@ def _top_hooks() -> tuple | None:
 
 
 logger = logging.getLogger(__name__)
-_MASK62 = (1 << 62) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd
-
-
-def _mix(*values: int) -> int:
-    """A stable 62-bit hash of integers (splitmix64 steps): a step's part of the noise seeds (``_seed``), and the
-    sensitivity probes' seeds."""
-    h = _GOLDEN
-    for v in values:
-        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & _MASK62
-
 
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 
@@ -112,14 +99,8 @@ class Controller:
                 raise TypeError("give either config= or a level and options, not both")
         self.model = model
         self.config: Config = config if config is not None else make_config(level, **options)
-        self.step = 0
         self._tracker = ModuleTracker(model, on_new_pass=self._new_pass, on_pass_end=self._pass_end)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._key_ids: dict[Key, int] = {}
-        self._step_seed = (-1, 0)  # (step, the seeds' part of it)
-        self._probe: Probe | None = None
-        self._slot_bits: dict[tuple, int] = {}  # the allocation, by slot (module, call, index)
-        self._slot_choice: dict[tuple, Choice] = {}  # where the allocation chose another scheme than uniform codes
         self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
         self._warned_no_closure = False
@@ -127,15 +108,10 @@ class Controller:
         self._path = PackPath(
             self.config,
             self._tracker,
-            self._model_ptrs,
-            self.bits_for,
-            self._probing,
-            self._seed,
+            model,
+            Plan.initial(self.config.bits, self.config.adaptive, self.config.seed),
             self._offloader,
-            self._warn_offload,
-            self.choice_for,
         )
-        self._warned_offload = False
         # The stored error of each scheme, measured on each allocated tensor in the estimator's pass (choices.py).
         self._meter: ChoiceMeter | None = None
         if self.config.adaptive and len(self.config.schemes) > 1:
@@ -143,15 +119,30 @@ class Controller:
                 self.config.schemes, self.config.group_size, self._sketchable, lambda: self._collector.armed
             )
             self._path.observers.append(self._meter)
-        self._compiled = CompiledPath(self.config, self._tracker, self._path, self._compiled_width)
+        self._compiled = CompiledPath(self.config, self._tracker, self._path)
         self._graph_hooks: tuple[HookGraph, HookGraph] | None = None
         self._discovered: PassStats | None = None  # the eager pass an adaptation allocated for
         self._collector = FreeCollector(model, self._tracker, self._path.observers, self.config.group_size)
         self._collect_pending = False  # estimator "actnn": an adaptation waits for a step that collects
         if self._offloader is not None and not torch.cuda.is_available():
-            self._warn_offload("no CUDA device is available")
+            self._offloader.warn("no CUDA device is available")
 
     # -- installation -------------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """What the hooks store each save by (``plan.py``): the allocation's bits and schemes by slot, the probe,
+        the step's seeds. Immutable: the controller replaces it as training goes on."""
+        return self._path.plan
+
+    @property
+    def step(self) -> int:
+        """Training steps ended by :meth:`iterate` (or restored by :meth:`load_state_dict`)."""
+        return self._path.plan.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._path.plan = self._path.plan.at_step(step, self.config.seed)
 
     @property
     def installed(self) -> bool:
@@ -264,7 +255,7 @@ class Controller:
         # gradient depends on theirs (a normalisation's input on a BERT layer: 10 times larger with the others at
         # the default width than at the widths then allocated), so the first adaptation measures again around the
         # allocation it found, as every later one does.
-        rounds = 2 if cfg.estimator == "gact" and not self._slot_bits else 1
+        rounds = 2 if cfg.estimator == "gact" and not self.plan.allocation else 1
         progress, estimates = _Progress(self.step, rounds), []
         for progress.round in range(1, rounds + 1):
             estimates.append(self._adapt_once(backprop, progress))
@@ -322,10 +313,11 @@ class Controller:
             {s: r["rho"] for s, r in ratios.items()},
         )  # fmt: skip
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
-        if (allocation.bits != self._slot_bits or choices != self._slot_choice) and self._compiled.saves:
+        old = self.plan
+        if (allocation.bits != old.allocation or choices != old.choices) and self._compiled.saves:
             self._renew_graph_hooks()
-        self._slot_bits, self._slot_choice = dict(allocation.bits), choices
         self._discovered = eager
+        self._allocate(allocation.bits, choices)
         self.last_adaptation = Adaptation(
             step=self.step,
             passes=estimate.passes,
@@ -345,12 +337,27 @@ class Controller:
         """What a resumed run needs to keep its allocation: the step, the sensitivities and the bits (by slot:
         module name, call, index), and the level they belong to. Plain Python values: ``torch.save`` or
         JSON both take it."""
-        return write_state(self.config.level, self.step, self.sensitivity, self._slot_bits, self._slot_choice)
+        return write_state(
+            self.config.level, self.step, self.sensitivity, dict(self.plan.allocation), dict(self.plan.choices)
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output. A state from another level is refused: its bits answer another
         budget."""
-        self.step, self.sensitivity, self._slot_bits, self._slot_choice = read_state(state, self.config.level)
+        step, self.sensitivity, bits, choices = read_state(state, self.config.level)
+        self.step = step
+        self._allocate(bits, choices)
+
+    def _allocate(self, bits: dict[tuple, int], choices: dict[tuple, Choice]) -> None:
+        """A new plan with this allocation; compiled graphs' widths from the eager pass it was made for."""
+        compiled = None
+        if self._discovered is not None:
+            compiled = tuple(
+                (r.key.module, r.key.shape, r.dtype, choices[s].fallback_bits if s in choices else bits[s])
+                for r in self._discovered.records
+                if (s := r.key[:3]) in bits
+            )
+        self._path.plan = self._path.plan.allocated(bits, choices, compiled)
 
     def _renew_graph_hooks(self) -> None:
         """New hooks, so that compiled graphs are traced again with the new allocation."""
@@ -360,41 +367,6 @@ class Controller:
         self._graph_hooks = None
         if installed:
             self.install_hook()
-
-    def _compiled_width(self, modules: list[str], shape: tuple, dtype: torch.dtype) -> int:
-        """The width of a quantized save of a compiled graph: the level's; at adaptive levels the widest the
-        allocation gave an eager save of the same shape and dtype in one of ``modules`` (the compiled
-        region's names, relative to it), else the default width."""
-        cfg = self.config
-        if not cfg.adaptive or self._discovered is None:
-            return cfg.bits
-        widths = [
-            self._slot_choice[r.key[:3]].fallback_bits if r.key[:3] in self._slot_choice else self._slot_bits[r.key[:3]]
-            for r in self._discovered.records
-            if r.key[:3] in self._slot_bits
-            and r.key.shape == shape
-            and r.dtype == dtype
-            and any(r.key.module == m or (m and r.key.module.endswith("." + m)) for m in modules)
-        ]
-        return max(widths, default=default_width(cfg.bits))
-
-    def choice_for(self, key: Key) -> Choice | None:
-        """The scheme the allocation chose for the tensor named ``key`` where not uniform codes (``choices.py``); a
-        probe's own choice while the estimator probes it."""
-        if self._probing(key):
-            return self._probe.choice
-        if not self._slot_choice:
-            return None
-        return self._slot_choice.get(key[:3])
-
-    def bits_for(self, key: Key) -> int | None:
-        """Bits given to the tensor named ``key`` if its class is allocated (``None``: kept as it is)."""
-        cfg = self.config
-        if self._probing(key):
-            return self._probe.bits
-        if not cfg.adaptive:
-            return cfg.bits
-        return self._slot_bits.get(key[:3], default_width(cfg.bits))
 
     @property
     def records(self) -> list[KeyRecord]:
@@ -407,7 +379,7 @@ class Controller:
     def allocation(self) -> dict[tuple[str, int, int], int]:
         """The adaptive levels' bits by slot ``(module, call, index)`` (a copy; empty before the first
         adaptation and at fixed levels, where every compressed tensor gets ``config.bits``)."""
-        return dict(self._slot_bits)
+        return dict(self.plan.allocation)
 
     @property
     def _pass(self) -> PassStats:
@@ -458,22 +430,10 @@ class Controller:
         return learned is not None and curved(learned[0])
 
     def _set_probe(self, probe: Probe | None) -> None:
-        self._probe = probe
-
-    def _probing(self, key: Key) -> bool:
-        return self._probe is not None and key[:3] == self._probe.slot
-
-    def _seed(self, key: Key) -> int:
-        if self._probing(key):
-            return self._probe.seed
-        step, base = self._step_seed
-        if step != self.step:  # the step's part of the seed, mixed once a step
-            step, base = self._step_seed = (self.step, _mix(self.config.seed, self.step))
-        # A Weyl sequence from the step's hash: distinct seeds, which the kernels' own hash decorrelates.
-        return (base + (self._key_ids.setdefault(key, len(self._key_ids)) + 1) * _GOLDEN) & _MASK62
+        self._path.plan = self._path.plan.probing(probe)
 
     def _probe_seed(self, slot: tuple, k: int) -> int:
-        return _mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
+        return mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
 
     # -- accounting -------------------------------------------------------------------------------------------
 
@@ -519,27 +479,6 @@ class Controller:
 
     def _pass_end(self) -> None:
         self._path.end_forward()
-
-    def _warn_offload(self, why: str) -> None:
-        if not self._warned_offload:
-            warnings.warn(
-                f"gactx offload (level L3, offload=True) moves compressed CUDA tensors only ({why}): "
-                f"the others are compressed and stay on their device",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._warned_offload = True
-
-    def _model_ptrs(self) -> frozenset[int]:
-        """The storages of the model's parameters and buffers, read once a pass (one walk of the modules)."""
-        ptrs = set()
-        for module in self.model.modules():
-            for tensors in (module._parameters, module._buffers):
-                for t in tensors.values():
-                    if t is not None:
-                        ptrs.add(storage_ptr(t))
-        ptrs.discard(None)
-        return frozenset(ptrs)
 
     @staticmethod
     def _unpack(packed):

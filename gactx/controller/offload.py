@@ -13,12 +13,13 @@ tensor has run (a tensor saved by two nodes is copied back once); with ``retain_
 live on, and so the compressed tensors come back to the device over the first backward.
 
 Nothing here synchronizes the host with the device. CUDA tensors only: :class:`Offloader` leaves tensors
-on other devices where they are (the controller warns once).
+on other devices where they are (and warns once).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 
 import torch
@@ -104,6 +105,18 @@ class Offloader:
         self.prefetch = prefetch
         self.streams = CudaStreams() if streams is None else streams
         self._order: list = []
+        self._warned = False
+
+    def warn(self, why: str) -> None:
+        """Says once that tensors ``why`` stay where they are (offloading moves compressed CUDA tensors only)."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"gactx offload (level L3, offload=True) moves compressed CUDA tensors only ({why}): "
+                f"the others are compressed and stay on their device",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def accepts(self, t: torch.Tensor) -> bool:
         return self.streams.accepts(t)

@@ -27,7 +27,8 @@ from gactx.controller.checkpoint import saving_inputs
 from gactx.controller.choices import Choice
 from gactx.controller.identity import Key, ModuleTracker, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
-from gactx.controller.policy import KEEP_PARAMETER, keep_reason, storage_ptr
+from gactx.controller.plan import Plan
+from gactx.controller.policy import KEEP_PARAMETER, keep_reason, model_storages, storage_ptr
 from gactx.controller.rules import (
     ALLOCATED,
     ATTENTION_BITS,
@@ -57,32 +58,24 @@ BOOL_MASK = Rule("bool mask", "quantize")  # bool tensors: 1 bit an element, los
 class PackPath:
     """Packs the saved tensors of the passes of one model (see the module docstring).
 
-    ``bits_for(key)`` gives the width of an allocated class, ``choice_for(key)`` the scheme the allocation chose
-    for it (``None``: uniform codes; see ``choices.py``), ``seed(key)`` the noise seed, and ``probing(key)`` says
-    whether the sensitivity estimator perturbs this slot now (then the tensor is quantized uniformly, whatever its
-    class)."""
+    ``plan`` (``plan.py``, replaced by the controller, never changed) gives the width of an allocated class, the
+    scheme the allocation chose for it (``None``: uniform codes; see ``choices.py``), the noise seed, and whether the
+    sensitivity estimator perturbs the slot now (then the tensor is quantized uniformly, whatever its class)."""
 
     def __init__(
         self,
         config: Config,
         tracker: ModuleTracker,
-        model_ptrs: Callable[[], frozenset[int]],
-        bits_for: Callable[[Key], int],
-        probing: Callable[[Key], bool],
-        seed: Callable[[Key], int],
+        model: torch.nn.Module,
+        plan: Plan,
         offloader: Offloader | None,
-        warn_offload: Callable[[str], None],
-        choice_for: Callable[[Key], Choice | None] = lambda key: None,
     ) -> None:
         self.config = config
         self.tracker = tracker
-        self.model_ptrs = model_ptrs
-        self.bits_for = bits_for
-        self.choice_for = choice_for
-        self.probing = probing
-        self.seed = seed
+        self.model = model
+        self.plan = plan
+        self.key_ids: dict[Key, int] = {}  # each key's number, first seen first: its noise seed's part
         self.offloader = offloader
-        self.warn_offload = warn_offload
         self.stats = PassStats()
         self.backward_stats = PassStats()  # saves made during backward (recomputation), since the last forward
         self.fresh = True  # a new pass began; its first save replaces self.stats
@@ -130,12 +123,13 @@ class PackPath:
             self.watcher.__exit__(None, None, None)
             self._eager.__exit__(None, None, None)
 
-    def _begin_pass_if_fresh(self) -> PassStats:
+    def begin_pass_if_fresh(self) -> PassStats:
+        """The pass's statistics: new ones if a forward began since the last save (eager or compiled)."""
         if self.fresh:
             self.stats, self.backward_stats = PassStats(), PassStats()
             self.dedupe = {}
             self._claimed = set()
-            self._ptrs = self.model_ptrs()
+            self._ptrs = model_storages(self.model)
             self.fresh = False
             if self.offloader is not None:
                 self.offloader.begin_pass()
@@ -162,7 +156,7 @@ class PackPath:
                 return self._pack_in(t, self.stats)
             finally:
                 self.stats = forward
-        return self._pack_in(t, self._begin_pass_if_fresh())
+        return self._pack_in(t, self.begin_pass_if_fresh())
 
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
@@ -268,10 +262,10 @@ class PackPath:
             return rule, self.config.checkpoint_bits, None
         if rule.cls not in ALLOCATED:
             return rule, None, None
-        bits = self.bits_for(key)
-        if self.probing(key):
-            return LINEAR, bits, self.choice_for(key)  # the probe's choice, if it measures one
-        choice = self.choice_for(key) if rule.kind == "quantize" else None
+        bits, choice, probing = self.plan.width(key[:3])
+        if probing:
+            return LINEAR, bits, choice  # the probe's choice, if it measures one
+        choice = choice if rule.kind == "quantize" else None
         return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits, choice
 
     def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None, choice: Choice | None = None):
@@ -280,7 +274,8 @@ class PackPath:
         if self.observers and rule.cls in ALLOCATED:
             for observe in self.observers:
                 observe(key, t, rule)
-        stored = encode(t, rule, bits, self.seed(key), cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
+        seed = self.plan.seed(key[:3], self.key_ids.setdefault(key, len(self.key_ids)))
+        stored = encode(t, rule, bits, seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):
             label = "kept" if rule.kind in ("keep", "mask") else f"{bits}{AS_IS}"
             self._record(t, key, ptr, site, rule, label, None)
@@ -290,7 +285,7 @@ class PackPath:
             if self.offloader.accepts(stored.data):
                 stored, offloaded = self.offloader.offload(stored), True
             else:
-                self.warn_offload(f"a tensor on {t.device.type}")
+                self.offloader.warn(f"a tensor on {t.device.type}")
         form = "" if choice is None else stored_form(stored, choice)
         self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, nbytes, offloaded, form)
         return stored

@@ -15,7 +15,7 @@ import torch
 
 from gactx.kernels.format import FLOAT_DTYPES
 
-__all__ = ["KEEP_PARAMETER", "keep_reason", "storage_owner", "storage_ptr", "is_weight_copy"]
+__all__ = ["KEEP_PARAMETER", "keep_reason", "model_storages", "storage_owner", "storage_ptr", "is_weight_copy"]
 
 KEEP_PARAMETER = "parameter"
 
@@ -85,3 +85,15 @@ def _is_parameter(t: torch.Tensor) -> bool:
     if type(t) is torch.Tensor:
         return bool(getattr(t, "_is_param", False))
     return isinstance(t, torch.nn.Parameter)
+
+
+def model_storages(model: torch.nn.Module) -> frozenset[int]:
+    """The storages of the model's parameters and buffers, read once a pass (one walk of the modules)."""
+    ptrs = set()
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None:
+                    ptrs.add(storage_ptr(t))
+    ptrs.discard(None)
+    return frozenset(ptrs)

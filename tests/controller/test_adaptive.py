@@ -42,7 +42,7 @@ def test_the_tensor_that_matters_more_gets_more_bits():
     controller = _adapted(model, lambda: model(x).square().mean())
     c = controller.sensitivity
     assert c[("b.1", 1, 0)] > 100 * c[("a.1", 1, 0)]  # tanh outputs feeding the last linears
-    bits = controller._slot_bits  # (b.2's input is b.1's output, stored once under b.1)
+    bits = controller.allocation  # (b.2's input is b.1's output, stored once under b.1)
     assert bits[("b.1", 1, 0)] > bits[("a.1", 1, 0)]
 
 
@@ -53,7 +53,7 @@ def test_same_seed_same_sensitivities_and_bits():
         torch.manual_seed(0)
         model = digits_cnn()
         c = _adapted(model, lambda m=model: F.cross_entropy(m(x[:64]), y[:64]))
-        results.append((c.sensitivity, c._slot_bits))
+        results.append((c.sensitivity, c.allocation))
     assert results[0] == results[1]
 
 
@@ -118,7 +118,7 @@ def test_an_unmeetable_budget_warns_or_raises_when_strict():
     run = lambda: F.cross_entropy(model(x[:64]), y[:64])  # noqa: E731
     with pytest.warns(RuntimeWarning, match="below what 1-bit codes need"):
         controller = _adapted(model, run, budget="600KiB")
-    assert set(controller._slot_bits.values()) == {1}
+    assert set(controller.allocation.values()) == {1}
     with pytest.raises(ValueError, match="raise the budget"):
         _adapted(model, run, budget="600KiB", strict=True)
 
@@ -220,7 +220,7 @@ def test_state_dict_round_trip_keeps_the_allocation(tmp_path):
     resumed = gactx.Controller(model, level="L2.2")
     resumed.load_state_dict(json.loads(path.read_text()))
     assert resumed.step == controller.step == 1
-    assert resumed.sensitivity == controller.sensitivity and resumed._slot_bits == controller._slot_bits
+    assert resumed.sensitivity == controller.sensitivity and resumed.allocation == controller.allocation
     with resumed:
         run().backward()
     with controller:

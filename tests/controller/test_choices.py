@@ -125,7 +125,7 @@ def test_per_sample_widths_are_chosen_where_samples_differ_and_state_keeps_them(
     with controller:
         _grad(model, run)
         controller.iterate(lambda: _grad(model, run))
-        chosen = {slot: c for slot, c in controller._slot_choice.items()}
+        chosen = {slot: c for slot, c in controller.plan.choices.items()}
         assert any(c.scheme == "samples" for c in chosen.values())
         grads = []
         for _ in range(4):
@@ -139,7 +139,7 @@ def test_per_sample_widths_are_chosen_where_samples_differ_and_state_keeps_them(
     state = controller.state_dict()
     other = gactx.Controller(model, "L2.2", schemes=("uniform", "samples"))
     other.load_state_dict(state)
-    assert other._slot_choice == controller._slot_choice and other.allocation == controller.allocation
+    assert other.plan.choices == controller.plan.choices and other.allocation == controller.allocation
 
 
 def test_malformed_choices_in_a_state_raise_naming_the_field():
@@ -147,7 +147,7 @@ def test_malformed_choices_in_a_state_raise_naming_the_field():
     controller = gactx.Controller(model, "L2.2")
     state = {"version": 1, "level": "L2.2", "step": 3, "sensitivity": [], "bits": [["0", 0, 0, 2]]}
     controller.load_state_dict(state | {"choices": [["0", 0, 0, "samples", 0.25, 4]]})
-    assert controller._slot_choice == {("0", 0, 0): Choice(2, "samples", 0.25, 4)}
+    assert controller.plan.choices == {("0", 0, 0): Choice(2, "samples", 0.25, 4)}
     for bad in (["0", 0, 0, "fancy", 0.5, 0], ["0", 0, 1, "normal", 1.0, 0], ["0", 0, 0, "sketch", 2.0, 0]):
         with pytest.raises(ValueError, match="'choices'"):
             controller.load_state_dict(state | {"choices": [bad]})
@@ -175,7 +175,7 @@ def test_every_scheme_is_chosen_on_bert_and_its_gradient_stays_unbiased(estimato
     with controller:
         _grad(model, run)
         controller.iterate(lambda: _grad(model, run))
-        chosen = dict(controller._slot_choice)
+        chosen = dict(controller.plan.choices)
         grads = []
         for _ in range(8):
             controller.step += 1

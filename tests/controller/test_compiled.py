@@ -104,7 +104,7 @@ def test_a_compiled_root_begins_and_ends_its_passes(wrapped):
                 compiled(x[:8]).sum()  # never run backward
             grads(compiled, model, x)
             stats = controller.memory_stats()
-            seen.append((stats, [(str(r.key), r.bits) for r in controller.records], len(controller._key_ids)))
+            seen.append((stats, [(str(r.key), r.bits) for r in controller.records], len(controller._path.key_ids)))
     assert controller.allocation, "the adaptation allocated widths to the compiled model's tensors"
     (stats, records, keys), *rest = seen[1:]  # after the first adaptation
     assert stats.tensors == 6 and stats.original_bytes == 6 * 64 * WIDTH * 4

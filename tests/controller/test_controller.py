@@ -168,7 +168,9 @@ def test_later_saves_of_a_tensor_share_its_first_saves_width():
     controller = gactx.Controller(model, level="L2.2", adapt_interval=10**9)
     with controller:
         model(x).sum().backward()
-        controller._slot_bits = {("q", 1, 0): 8}  # every other slot at the default width, 2
+        state = controller.state_dict()
+        state["bits"] = [["q", 1, 0, 8]]  # every other slot at the default width, 2
+        controller.load_state_dict(state)
         model(x).sum().backward()
         records = {r.key[:3]: r for r in controller.records}
         assert records[("q", 1, 0)].bits == 8 and ("k", 1, 0) not in records and ("v", 1, 0) not in records

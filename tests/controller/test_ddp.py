@@ -57,7 +57,7 @@ def _worker(rank: int) -> dict:
     return {
         "plain": [p.tolist() for p in plain],
         "l0_equal": all(torch.equal(a, b) for a, b in zip(plain, with_l0, strict=True)),
-        "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
+        "bits": sorted((repr(k), v) for k, v in controller.allocation.items()),
         "compressed": controller.memory_stats().compressed,
     }
 

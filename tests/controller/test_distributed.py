@@ -29,9 +29,9 @@ def _worker(rank: int) -> dict:
         F.cross_entropy(model(x), y).backward()
         controller.iterate(lambda: F.cross_entropy(model(x[:16]), y[:16]).backward())
     return {
-        "bits": sorted((repr(k), v) for k, v in controller._slot_bits.items()),
+        "bits": sorted((repr(k), v) for k, v in controller.allocation.items()),
         # the default choices (normal-fitted levels) are priced from each rank's measured errors, averaged too
-        "choices": sorted((repr(k), str(c)) for k, c in controller._slot_choice.items()),
+        "choices": sorted((repr(k), str(c)) for k, c in controller.plan.choices.items()),
         "reduced": sorted((repr(k), v) for k, v in controller.sensitivity.items()),
         "raw": sorted((repr(k), v) for k, v in raw.items()),
     }

@@ -220,12 +220,12 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     with controller:
         ratios = free_estimate(model, controller._collector, run).ratios  # one pass, read as the step was
     for slot, rho in ratios.items():
-        assert rho * variance_factor(controller._slot_bits[slot]) <= NOISE_CEILING, (slot, rho)
-    assert controller._slot_bits[("0.0", 1, 0)] >= 4  # rho over 1000
+        assert rho * variance_factor(controller.allocation[slot]) <= NOISE_CEILING, (slot, rho)
+    assert controller.allocation[("0.0", 1, 0)] >= 4  # rho over 1000
     # The floor is paid from the level's budget, not added to it: the bytes stay what L2.2 allows.
     floored, budget = plan(controller.config, controller._discovered, controller.sensitivity, ratios=ratios)
     assert budget == plan(controller.config, controller._discovered, controller.sensitivity)[1]
-    assert floored.nbytes <= budget and floored.bits == controller._slot_bits
+    assert floored.nbytes <= budget and floored.bits == controller.allocation
 
     model, run = build("transformer_layer", 1)
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ def test_two_thousand_steps_with_adaptation_every_hundred():
         # pass's records: a dead handle's entry stays until the pass ends, so their sizes vary with addresses)
         assert len(controller._pass.live) <= len(controller._pass.records)
         assert len(controller._path.dedupe) <= len(controller._pass.records)
-        return (len(controller._key_ids), len(controller._pass.records), len(controller._slot_bits),
+        return (len(controller._path.key_ids), len(controller._pass.records), len(controller.allocation),
                 len(controller.sensitivity))  # fmt: skip
 
     with controller:

@@ -43,7 +43,7 @@ def test_a_malformed_state_is_refused_naming_the_field(change, field):
     state = {"version": 1, "level": "L2", "step": 3, "sensitivity": [["", 1, 0, 0.5]], "bits": [["", 1, 0, 4]]}
     controller = gactx.Controller(model, level="L2")
     controller.load_state_dict(dict(state))  # the well-formed state loads
-    assert controller.step == 3 and controller._slot_bits == {("", 1, 0): 4}
+    assert controller.step == 3 and controller.allocation == {("", 1, 0): 4}
     change(state)
     with pytest.raises(ValueError, match=field):
         gactx.Controller(model, level="L2").load_state_dict(state)
