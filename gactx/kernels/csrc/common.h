@@ -78,6 +78,53 @@ inline void advise_huge_pages(void* p, int64_t bytes) {
 
 inline int64_t grain(int64_t group_bytes) { return std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, group_bytes)); }
 
+// A group's m values as float32 into v, and what both schemes read of them first: the finite values' range, and
+// which non-finite values there are. One pass takes the integer min and max of the floats' sortable bits (it
+// vectorizes); a second runs only where a value is not finite (rare).
+struct GroupRange {
+  float fmin, fmax;  // the finite values' range; 0 where there is none
+  bool has_nan = false, has_pinf = false, has_ninf = false;
+  bool special() const { return has_nan || has_pinf || has_ninf; }
+  // What a special group stores as its kind: NaN (bits 0x7FC00000) where NaN or both infinities are in it, else
+  // the one infinity.
+  float kind() const {
+    const float inf = std::numeric_limits<float>::infinity();
+    return (has_nan || (has_pinf && has_ninf)) ? std::numeric_limits<float>::quiet_NaN() : (has_pinf ? inf : -inf);
+  }
+};
+
+template <typename T>
+inline GroupRange read_group(const T* xg, int64_t m, float* v) {
+  int32_t smin = std::numeric_limits<int32_t>::max(), smax = std::numeric_limits<int32_t>::min();
+  uint32_t nonfinite = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const float f = to_float(xg[k]);
+    v[k] = f;
+    const uint32_t b = bits_of(f);
+    const int32_t s = sortable(b);
+    smin = std::min(smin, s);
+    smax = std::max(smax, s);
+    nonfinite |= uint32_t((b & 0x7F800000u) == 0x7F800000u);
+  }
+  GroupRange r;
+  if (!nonfinite) {
+    r.fmin = float_of(uint32_t(sortable(uint32_t(smin))));
+    r.fmax = float_of(uint32_t(sortable(uint32_t(smax))));
+    return r;
+  }
+  r.fmin = std::numeric_limits<float>::infinity();
+  r.fmax = -r.fmin;
+  for (int64_t k = 0; k < m; ++k) {
+    const float f = v[k];
+    if (std::isnan(f)) r.has_nan = true;
+    else if (std::isinf(f)) (f > 0 ? r.has_pinf : r.has_ninf) = true;
+    else { r.fmin = std::min(r.fmin, f); r.fmax = std::max(r.fmax, f); }
+  }
+  if (!(r.fmin < std::numeric_limits<float>::infinity())) r.fmin = 0.0f;
+  if (!(r.fmax > -std::numeric_limits<float>::infinity())) r.fmax = 0.0f;
+  return r;
+}
+
 #define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \
   switch (DTYPE) {                                                                        \
     case at::kFloat: { using scalar = float; FN; break; }                                 \

@@ -93,38 +93,10 @@ void normal_quantize_impl(const T* x, int64_t n, uint8_t* codes, int32_t* meta, 
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t start = g * G, m = std::min(G, n - start);
       const T* xg = x + start;
-      // The finite range and the non-finite values there are, as the uniform kernel finds them.
-      int32_t smin = std::numeric_limits<int32_t>::max(), smax = std::numeric_limits<int32_t>::min();
-      uint32_t nonfinite = 0;
-      for (int64_t k = 0; k < m; ++k) {
-        const float fk = to_float(xg[k]);
-        v[k] = fk;
-        const uint32_t b = bits_of(fk);
-        const int32_t s = sortable(b);
-        smin = std::min(smin, s);
-        smax = std::max(smax, s);
-        nonfinite |= uint32_t((b & 0x7F800000u) == 0x7F800000u);
-      }
-      bool has_nan = false, has_pinf = false, has_ninf = false;
-      float fmin, fmax;
-      if (!nonfinite) {
-        fmin = float_of(uint32_t(sortable(uint32_t(smin))));
-        fmax = float_of(uint32_t(sortable(uint32_t(smax))));
-      } else {
-        fmin = std::numeric_limits<float>::infinity();
-        fmax = -fmin;
-        for (int64_t k = 0; k < m; ++k) {
-          const float fk = v[k];
-          if (std::isnan(fk)) has_nan = true;
-          else if (std::isinf(fk)) (fk > 0 ? has_pinf : has_ninf) = true;
-          else { fmin = std::min(fmin, fk); fmax = std::max(fmax, fk); }
-        }
-        if (!(fmin < std::numeric_limits<float>::infinity())) fmin = 0.0f;
-        if (!(fmax > -std::numeric_limits<float>::infinity())) fmax = 0.0f;
-      }
-      fmin = fmin + 0.0f;  // -0 as +0
-      fmax = fmax + 0.0f;
-      const bool special = has_nan || has_pinf || has_ninf;
+      // The finite range and the non-finite values there are (read_group: as the uniform scheme reads them).
+      const GroupRange range = read_group(xg, m, v.data());
+      const float fmin = range.fmin + 0.0f, fmax = range.fmax + 0.0f;  // -0 as +0
+      const bool special = range.special();
       const float lo = special ? 0.0f : fmin;
       const float hi = special ? std::max(-fmin, fmax) + 0.0f : fmax;
 
@@ -155,7 +127,7 @@ void normal_quantize_impl(const T* x, int64_t n, uint8_t* codes, int32_t* meta, 
       const float var = float(squares) / float(count);
       int32_t d16 = std::min(int32_t(std::sqrt(var) * 64.0f + 0.5f), 65535);
       if (special) c16 = d16 = 0;
-      const uint32_t kind = (has_nan || (has_pinf && has_ninf)) ? 0x7FC00000u : (has_pinf ? 0x7F800000u : 0xFF800000u);
+      const uint32_t kind = bits_of(range.kind());
       meta[3 * g] = int32_t(special ? kind : bits_of(lo));
       meta[3 * g + 1] = int32_t(bits_of(hi));
       meta[3 * g + 2] = int32_t(uint32_t(c16) | (uint32_t(d16) << 16));

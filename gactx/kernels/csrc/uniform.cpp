@@ -20,35 +20,9 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t start = g * G, m = std::min(G, n - start);
       const T* xg = x + start;
-      int32_t smin = std::numeric_limits<int32_t>::max(), smax = std::numeric_limits<int32_t>::min();
-      uint32_t nonfinite = 0;
-      for (int64_t k = 0; k < m; ++k) {
-        const float f = to_float(xg[k]);
-        v[k] = f;
-        const uint32_t b = bits_of(f);
-        const int32_t s = sortable(b);
-        smin = std::min(smin, s);
-        smax = std::max(smax, s);
-        nonfinite |= uint32_t((b & 0x7F800000u) == 0x7F800000u);
-      }
-      bool has_nan = false, has_pinf = false, has_ninf = false;
-      float fmin, fmax;
-      if (!nonfinite) {
-        fmin = float_of(uint32_t(sortable(uint32_t(smin))));
-        fmax = float_of(uint32_t(sortable(uint32_t(smax))));
-      } else {  // rare: the finite range, and which non-finite values there are
-        fmin = std::numeric_limits<float>::infinity();
-        fmax = -fmin;
-        for (int64_t k = 0; k < m; ++k) {
-          const float f = v[k];
-          if (std::isnan(f)) has_nan = true;
-          else if (std::isinf(f)) (f > 0 ? has_pinf : has_ninf) = true;
-          else { fmin = std::min(fmin, f); fmax = std::max(fmax, f); }
-        }
-        if (!(fmin < std::numeric_limits<float>::infinity())) fmin = 0.0f;
-        if (!(fmax > -std::numeric_limits<float>::infinity())) fmax = 0.0f;
-      }
-      const bool special = has_nan || has_pinf || has_ninf;
+      const GroupRange r = read_group(xg, m, v.data());
+      const float fmin = r.fmin, fmax = r.fmax;
+      const bool special = r.special();
       const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
       // A finite group whose span overflowed: step = fmax * f - fmin * f, elements encoded at a quarter
       // of their value (quantize.py).
@@ -58,9 +32,7 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
       step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
       if (L == 1 && special) step = 0.0f;
       const float inv = step > 0.0f ? 1.0f / (step * scale) : 0.0f;
-      const float inf = std::numeric_limits<float>::infinity();
-      const float kind = (has_nan || (has_pinf && has_ninf)) ? std::numeric_limits<float>::quiet_NaN()
-                                                             : (has_pinf ? inf : -inf);
+      const float kind = r.kind();
       const float origin = (special ? 0.0f : fmin) * scale;
       const float shift = special ? float(centre) : 0.0f;
       meta[2 * g] = special ? kind : fmin;
