@@ -297,7 +297,7 @@ class PackPath:
         nbytes = t.numel() * t.element_size()
         span = counted_range(t)
         kept = packed is None
-        op, cls = ("" if site is None else str(site)), ("" if rule is None else rule.cls)
+        op, cls = ("" if site is None else site.label), ("" if rule is None else rule.cls)
         record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form)
         self.stats.add(record, t, ptr, not kept, offloaded, span)
 

@@ -66,7 +66,7 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     # An nn.Parameter (or a view of one, as linear saves weight.t()) is a weight even when its storage is
     # new to us: FSDP2 swaps in all-gathered parameters during forward, and frees and re-gathers their
     # storage around backward.
-    if ptr in model_ptrs or _is_parameter(storage_owner(t)):
+    if ptr in model_ptrs or _is_parameter(t if t._base is None else t._base):  # storage_owner(t), inlined
         return KEEP_PARAMETER
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):

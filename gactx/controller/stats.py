@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from gactx.controller.identity import Key
-from gactx.controller.policy import storage_owner
 from gactx.controller.rules import ALLOCATED
 
 AS_IS = " (as is)"  # the label's end of a tensor stored as it is at the width it was given: "32 (as is)"
@@ -103,7 +102,7 @@ class PassStats:
         """A save of ``t`` (its storage at ``ptr``; ``span``: its :func:`counted_range`, where the caller has it).
         Before and after count each storage once, and of a view of data that lives anyway (a batch sliced from
         a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
-        owner = weakref.ref(storage_owner(t))
+        owner = weakref.ref(t if t._base is None else t._base)  # storage_owner(t), inlined: every save runs it
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
             self.live[ptr] = (owner, [])

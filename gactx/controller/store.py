@@ -16,7 +16,7 @@ import torch
 
 from gactx.controller.choices import Choice
 from gactx.controller.offload import HostCopy
-from gactx.controller.policy import storage_owner, storage_ptr
+from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import Rule, sketchable
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes, encode_compare
@@ -104,7 +104,7 @@ class Packed:
 
     def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None) -> None:
         """``ptr``: the address of ``source``'s storage, where the caller has it already."""
-        owner = storage_owner(source)
+        owner = source if source._base is None else source._base  # storage_owner(source), inlined: every save
         self.stored = stored
         self.key = key
         self.source = weakref.ref(owner)  # dedupe is valid only while the storage lives

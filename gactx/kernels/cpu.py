@@ -49,7 +49,8 @@ log = logging.getLogger("gactx")
 _SOURCES = Path(__file__).parent / "csrc"  # the C++: common.h, a file a scheme, the graph ops, the module
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_tried = False  # extension() has run: ``built`` is what it gave
+built = None  # the compiled extension once built; the kernels below call it directly (they run for every save)
 
 
 def _name() -> str:
@@ -60,15 +61,16 @@ def _name() -> str:
 
 def extension():
     """The compiled extension (built on first call), or ``None`` where it cannot be built (warned once)."""
-    if "module" in _state:
-        return _state["module"]
+    global built, _tried
+    if _tried:
+        return built
     with _lock:
-        if "module" not in _state:
-            module = _build()
-            if module is not None:
+        if not _tried:
+            built = _build()
+            if built is not None:
                 _register_fakes()
-            _state["module"] = module
-    return _state["module"]
+            _tried = True
+    return built
 
 
 def _register_fakes() -> None:
@@ -95,7 +97,7 @@ def drain_log() -> list[int]:
     """The events the ops of compiled graphs logged since the last call, in order: ``kind`` (0 a save ran, 2 the graph
     released it), ``token``, ``rank``, then ``rank`` sizes (none for a release). Empty where the extension is not
     built."""
-    module = _state.get("module")
+    module = built
     return module.drain_log() if module is not None else []
 
 
@@ -123,7 +125,7 @@ def available() -> bool:
 def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """``(codes, meta)`` of a contiguous CPU tensor (any shape: its elements in order), in the format of
     ``format.py``."""
-    return extension().quantize(x, bits, group_size, stochastic, seed, *step_factors(bits))
+    return built.quantize(x, bits, group_size, stochastic, seed, *step_factors(bits))
 
 
 @functools.cache
@@ -136,7 +138,7 @@ def step_factors(bits: int) -> tuple[float, float]:
 def dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, shape, dtype: torch.dtype):
     """The decoded tensor, contiguous of ``shape`` (a number of elements, or a shape of that many)."""
     out = torch.empty(shape, dtype=dtype)
-    extension().dequantize(codes, meta, out, bits, group_size)
+    built.dequantize(codes, meta, out, bits, group_size)
     return out
 
 
@@ -152,21 +154,21 @@ def _normal_shape(bits: int) -> tuple[list[float], int]:
 def normal_quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """``(codes, meta)`` of a contiguous CPU tensor in the normal scheme (``normal.py``), meta int32
     ``[n_groups, 3]``: the torch twin's bytes with ``stochastic=False``."""
-    return extension().normal_quantize(x, bits, group_size, stochastic, seed, *_normal_shape(bits))
+    return built.normal_quantize(x, bits, group_size, stochastic, seed, *_normal_shape(bits))
 
 
 def normal_dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, shape, dtype: torch.dtype):
     """The normal scheme's decoded tensor, contiguous of ``shape`` (a number of elements, or a shape of that many):
     the torch twin's bits."""
     out = torch.empty(shape, dtype=dtype)
-    extension().normal_dequantize(codes, meta, out, bits, group_size, *_normal_shape(bits))
+    built.normal_dequantize(codes, meta, out, bits, group_size, *_normal_shape(bits))
     return out
 
 
 def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
     """``torch.bucketize(flat, edges)`` packed ``8 / bits`` codes a byte (the layout of ``codes.py``)."""
     packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)
-    extension().encode_bins(flat, edges.contiguous(), packed, bits)
+    built.encode_bins(flat, edges.contiguous(), packed, bits)
     return packed
 
 
@@ -174,7 +176,7 @@ def decode_table(packed: torch.Tensor, table: torch.Tensor, shape, bits: int) ->
     """``table[codes]`` of the codes packed by :func:`encode_bins`, contiguous of ``shape`` (a number of elements, or
     a shape of that many)."""
     out = torch.empty(shape, dtype=table.dtype)
-    extension().decode_table(packed, table.contiguous(), out, bits)
+    built.decode_table(packed, table.contiguous(), out, bits)
     return out
 
 
@@ -182,7 +184,7 @@ def pack_bool(flat: torch.Tensor) -> torch.Tensor:
     """A contiguous bool tensor packed 8 to a byte, element ``8k + i`` in bit ``i`` of byte ``k`` (the layout of
     ``bitmask.py``)."""
     packed = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
-    extension().pack_bool(flat, packed)
+    built.pack_bool(flat, packed)
     return packed
 
 
@@ -195,10 +197,10 @@ def pack_compare(x: torch.Tensor, kind: str, lo: float, hi: float) -> torch.Tens
     ``open`` ``lo < x < hi``, ``outside`` not ``lo <= x <= hi``, ``closed`` ``lo <= x <= hi``, ``ge``
     and ``le`` one bound), packed as :func:`pack_bool` packs the bool result, without the bool tensor. The bounds
     are compared in float32: a float16 or bfloat16 tensor's must be exact in its dtype."""
-    return extension().pack_compare(x, COMPARE_KINDS[kind], lo, hi)
+    return built.pack_compare(x, COMPARE_KINDS[kind], lo, hi)
 
 
 def unpack_bool(packed: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.bool)
-    extension().unpack_bool(packed, out)
+    built.unpack_bool(packed, out)
     return out

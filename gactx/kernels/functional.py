@@ -48,7 +48,7 @@ def choose_backend(x: torch.Tensor, backend: str) -> str:
     if backend == "auto":
         if x.is_cuda and _triton.HAS_TRITON:
             return "triton"
-        return "cpp" if x.is_cpu and cpu.available() else "torch"
+        return "cpp" if x.is_cpu and (cpu.built is not None or cpu.available()) else "torch"
     if backend == "cpp":
         if x.device.type != "cpu":
             raise ValueError(f"backend='cpp' runs on CPU tensors, not {x.device.type}; use 'auto' or 'triton'")

@@ -101,7 +101,7 @@ def test_auto_is_cpp_on_the_cpu_and_torch_where_the_build_failed(monkeypatch):
     from gactx.kernels.functional import choose_backend
 
     assert choose_backend(x, "auto") == "cpp"
-    monkeypatch.setitem(cpu._state, "module", None)
+    monkeypatch.setattr(cpu, "built", None)
     assert choose_backend(x, "auto") == "torch"
     with pytest.raises(RuntimeError, match="could not be built"):
         gactx.quantize(x, 2, backend="cpp")
