@@ -75,7 +75,7 @@ def test_records_name_the_modules_and_do_not_grow():
         for _ in range(3):
             grads(compiled, model, x)
     assert controller.memory_stats() == first
-    keys = [str(r.key) for r in controller._pass.records]
+    keys = [str(r.key) for r in controller.records]
     assert keys == ["0.0[0]", "0.0[1]", "0.1[0]", "1.0[0]", "1.1[0]", "2.0[0]"]
     report = controller.report()
     assert "0.1[0]" in report and "input" in report and "addmm" in report and "gelu" in report
@@ -166,7 +166,7 @@ def test_bool_masks_attention_and_small_tensors():
     x = torch.randn(4, 32, WIDTH)
     with gactx.Controller(model, level="L1.2", min_numel=1024) as controller:
         grads(compiled, model, x)
-    records = controller._pass.records
+    records = controller.records
     by_cls = {r.cls: r for r in records}
     assert by_cls["attention"].bits == 4, "softmax results get at least 4 bits"
     assert by_cls["bool mask"].bits == 1
@@ -195,7 +195,7 @@ def test_regional_compilation_names_each_call():
     with gactx.Controller(model, level="L1.1") as controller:
         for _ in range(2):
             grads(model, model, x)
-    keys = [str(r.key) for r in controller._pass.records]
+    keys = [str(r.key) for r in controller.records]
     # Each block's graph saves its input (the activation the block before made) and its linear's output,
     # named as eager saves are.
     assert keys == ["0.0[0]", "0.0[1]", "1.0[0]", "1.0[1]", "2.0[0]", "2.0[1]"]
@@ -219,7 +219,7 @@ def test_new_allocation_recompiles_once():
     assert controller.last_adaptation is not None
     # One graph before the first adaptation, one after it; the adaptation at step 4 chose the same widths.
     assert counters["stats"]["unique_graphs"] == 2
-    widths = {r.bits for r in controller._pass.records}
+    widths = {r.bits for r in controller.records}
     assert widths <= {1, 2, 4, 8} and widths != {2}, widths
 
 
@@ -309,5 +309,5 @@ def test_values_that_backward_feeds_to_exp_are_attention():
     compiled = torch.compile(model, backend=backend)
     with gactx.Controller(model, level="L1.2") as controller:
         grads(compiled, model, torch.randn(4, 32, WIDTH))
-    scores = [r for r in controller._pass.records if r.key.shape == (4, 32, 32)]
+    scores = [r for r in controller.records if r.key.shape == (4, 32, 32)]
     assert scores and all(r.cls == "attention" and r.bits == 4 for r in scores), controller.report()

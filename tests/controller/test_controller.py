@@ -99,7 +99,7 @@ def test_parameters_views_and_buffers_are_never_compressed():
     x = torch.randn(2048, 64)
     run = lambda: (x @ model.weight.t() @ model.weight[:, :].t() * model.scale[0]).sum()  # noqa: E731
     controller, loss = _saved(model, run, level="L1.2", min_numel=1)
-    kept = {tuple(r.key.shape) for r in controller._pass.records}
+    kept = {tuple(r.key.shape) for r in controller.records}
     assert (64, 64) not in kept, "a parameter or a view of it was treated as an activation"
     loss.backward()
 
@@ -109,7 +109,7 @@ def test_autocast_copies_of_weights_are_kept():
     x = torch.randn(64, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         controller, loss = _saved(model, lambda: model(x).float().sum(), level="L1.2", min_numel=1)
-    records = controller._pass.records
+    records = controller.records
     weights = [(128, 64), (10, 128), (128, 10)]  # the copies, and the transpose that the second linear saves
     assert all(r.key.shape not in weights for r in records), "an autocast weight copy was compressed"
     assert any(r.dtype == torch.bfloat16 and r.bits == 2 for r in records), "bf16 activations must be compressed"
@@ -127,7 +127,7 @@ def test_integer_small_and_float64_tensors_are_kept_and_bool_masks_packed():
         return d.sum() + h[:2, :2].exp().sum()  # a small tensor saved by exp
 
     controller, loss = _saved(emb, run, level="L1.2")
-    by_dtype = {(r.dtype, r.bits) for r in controller._pass.records}
+    by_dtype = {(r.dtype, r.bits) for r in controller.records}
     assert (torch.int64, "dtype int64") in by_dtype
     assert (torch.float64, "dtype float64") in by_dtype
     assert (torch.bool, 1) in by_dtype
@@ -215,7 +215,7 @@ def test_keys_are_stable_across_steps_and_name_modules():
     with gactx.Controller(model, level="L1") as controller:
         for _ in range(3):
             model(x).sum().backward()
-            keys.append([r.key for r in controller._pass.records])
+            keys.append([r.key for r in controller.records])
             controller.iterate()
     assert keys[0] == keys[1] == keys[2]
     assert [k.module for k in keys[0]] == ["0", "1", "2"]  # ReLU's mask, and its output again as Linear 2's input
@@ -238,7 +238,7 @@ def test_unsupported_tensors_are_kept_not_dropped():
     x = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
     run = lambda: (x * x).abs().sum()  # noqa: E731
     controller, loss = _saved(nn.Identity(), run, level="L1.2", min_numel=1)
-    assert {r.bits for r in controller._pass.records} == {"dtype complex64"}
+    assert {r.bits for r in controller.records} == {"dtype complex64"}
     assert torch.equal(torch.autograd.grad(loss, x)[0], torch.autograd.grad(run(), x)[0])
 
 
@@ -337,10 +337,10 @@ def test_a_config_object_and_the_public_read_api():
     with controller:
         model(x).sum().backward()
     records = controller.records
-    assert [str(r.key) for r in records] == [str(r.key) for r in controller._pass.records]
+    assert [str(r.key) for r in records] == [str(r.key) for r in controller.records]
     assert {r.bits for r in records if r.op.startswith("addmm")} == {2}
     records[0].bits = 99  # a copy: the controller's own records do not change
-    assert controller._pass.records[0].bits != 99
+    assert controller.records[0].bits != 99
     adaptive = gactx.Controller(model, level="L2.2")
     with adaptive:
         model(x).sum().backward()

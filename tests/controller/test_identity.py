@@ -32,7 +32,7 @@ class Net(nn.Module):
 
 
 def _keys(controller) -> list[str]:
-    return [str(r.key) for r in controller._pass.records]
+    return [str(r.key) for r in controller.records]
 
 
 @pytest.mark.parametrize("entry", ["model", "submodule"])

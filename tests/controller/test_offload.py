@@ -97,7 +97,7 @@ def test_offloaded_tensors_decode_exactly_as_on_the_device():
     assert torch.equal(offloaded, on_device)  # same bits, same noise: L3 is L2 plus where bytes wait
     stats = controller.memory_stats()
     # 7 linear inputs quantized and offloaded; 6 ReLU masks (1 bit an element) stay on the device
-    masks = [r for r in controller._pass.records if r.cls == "threshold"]
+    masks = [r for r in controller.records if r.cls == "threshold"]
     assert stats.compressed == 13 and len(masks) == 6
     mask_bytes = sum(r.packed_bytes for r in masks)
     assert stats.offloaded_bytes == stats.packed_bytes - stats.kept_bytes - mask_bytes > 0

@@ -184,11 +184,11 @@ def test_op_gradients(case, level):
     plain, _ = _grad(case)
     got, controller = _grad(case, lambda m: gactx.Controller(m, level=level, min_numel=0))
     expected = CASES[case][2]
-    classes = {r.cls for r in controller._pass.records}
+    classes = {r.cls for r in controller.records}
     assert expected in classes, f"{case}: expected a {expected!r} save, got {classes}"
     assert torch.isfinite(got).all() == torch.isfinite(plain).all()
     # "": kept by the policy (integers, small); lossless only where every save of the case is
-    if all(r.cls in LOSSLESS | {""} for r in controller._pass.records):
+    if all(r.cls in LOSSLESS | {""} for r in controller.records):
         assert torch.equal(got, plain), f"{case} at {level}: the {expected} class must be lossless"
     else:
         assert expected not in LOSSLESS or case in MIXED, f"{case}: a lossless case with a lossy save"
@@ -212,11 +212,11 @@ def test_lossless_classes_in_half_precision(case, dtype):
     got, controller = _grad(case, lambda m: gactx.Controller(m, level="L1.2", min_numel=0), dtype=dtype)
     assert torch.equal(got, plain)
     if CASES[case][2] == "threshold":
-        (record,) = [r for r in controller._pass.records if r.cls == "threshold"]
+        (record,) = [r for r in controller.records if r.cls == "threshold"]
         assert (record.bits == "kept") == (case in ("hardtanh", "clamp_min", "threshold", "softshrink"))
 
 
 def test_float_dropout_mask_is_stored_in_one_bit():
     _, controller = _grad("dropout", lambda m: gactx.Controller(m, level="L1.1", min_numel=0))
-    (mask,) = [r for r in controller._pass.records if r.cls == "dropout"]
+    (mask,) = [r for r in controller.records if r.cls == "dropout"]
     assert mask.bits == 1 and mask.packed_bytes == math.ceil(32 * 64 / 8) + 2 * 4

@@ -22,9 +22,9 @@ def test_two_thousand_steps_with_adaptation_every_hundred():
     def held():
         # (the pass's tables of live storages and of stored handles are rebuilt every pass; they are bounded by the
         # pass's records: a dead handle's entry stays until the pass ends, so their sizes vary with addresses)
-        assert len(controller._pass.live) <= len(controller._pass.records)
-        assert len(controller._path.dedupe) <= len(controller._pass.records)
-        return (len(controller._path.key_ids), len(controller._pass.records), len(controller.allocation),
+        assert len(controller._pass.live) <= len(controller.records)
+        assert len(controller._path.dedupe) <= len(controller.records)
+        return (len(controller._path.key_ids), len(controller.records), len(controller.allocation),
                 len(controller.sensitivity))  # fmt: skip
 
     with controller:
