@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import warnings
 from datetime import datetime, timezone
@@ -47,7 +46,7 @@ from benchmarks import llm, workloads
 from benchmarks.device import device_name, summary
 from benchmarks.measure import count_saved_bytes
 from benchmarks.methods import Method
-from benchmarks.output import results_folder, write_results
+from benchmarks.output import kept_rows, read_results, results_folder, write_results
 from benchmarks.table import markdown_table
 
 __all__ = ["run"]
@@ -300,13 +299,10 @@ def _section(row: dict) -> str:
 def _kept_rows(folder: Path, sections: set[str], env: dict) -> list[dict]:
     """The rows of the sections not rerun, from ``folder``'s finetune.json, in section order; ``env["kept"]`` says
     which sections came from which earlier run."""
-    path = folder / "finetune.json"
-    if sections >= set(SECTIONS) or not path.exists():
+    old = None if sections >= set(SECTIONS) else read_results(folder, "finetune")
+    if old is None:
         return []
-    old = json.loads(path.read_text())
-    kept = [r for r in old["rows"] if _section(r) not in sections]
-    env["kept"] = {name: old["environment"].get("kept", {}).get(name, old["environment"]["date"])
-                   for name in dict.fromkeys(_section(r) for r in kept)}  # fmt: skip
+    kept, env["kept"] = kept_rows(old, "rows", "kept", _section, sections)
     return kept
 
 

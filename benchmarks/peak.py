@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ from benchmarks import workloads  # noqa: E402
 from benchmarks.device import device_name, device_slug  # noqa: E402
 from benchmarks.measure import count_saved_bytes  # noqa: E402
 from benchmarks.methods import Method  # noqa: E402
+from benchmarks.output import kept_rows, read_results  # noqa: E402
 from benchmarks.table import markdown_table  # noqa: E402
 
 MIB = 1 << 20
@@ -317,16 +319,13 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
         "repeats": args.repeats, "quick": args.quick, "cuda": args.device == "cuda", "backend": args.backend,
     }  # fmt: skip
-    if args.merge and (out / "peak.json").exists():
-        old = json.loads((out / "peak.json").read_text())
-        ran = {r["model"] for r in rows}
-        dates = old["environment"].get("kept", {})
-        kept = [r for r in old["rows"] if r["model"] not in ran]
-        kept_compiled = [r for r in old["compiled"] if r["model"] not in {r["model"] for r in compiled}]
-        compiled_dates = old["environment"].get("kept_compiled", {})
-        env["kept"] = {m: dates.get(m, old["environment"]["date"]) for m in dict.fromkeys(r["model"] for r in kept)}
-        env["kept_compiled"] = {m: compiled_dates.get(m, old["environment"]["date"])
-                                for m in dict.fromkeys(r["model"] for r in kept_compiled)}  # fmt: skip
+    old = read_results(out, "peak") if args.merge else None
+    if old is not None:
+        model = itemgetter("model")
+        kept, env["kept"] = kept_rows(old, "rows", "kept", model, set(map(model, rows)))
+        kept_compiled, env["kept_compiled"] = kept_rows(
+            old, "compiled", "kept_compiled", model, set(map(model, compiled))
+        )
         rows, compiled = kept + rows, kept_compiled + compiled
     result = {"environment": env, "rows": rows, "compiled": compiled}
     (out / "peak.json").write_text(json.dumps(result, indent=2) + "\n")

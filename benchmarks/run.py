@@ -20,6 +20,7 @@ import functools
 import json
 import statistics
 from datetime import datetime, timezone
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from benchmarks import workloads
 from benchmarks.device import device_name, device_slug, summary
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import COMPILABLE, METHODS, Method
+from benchmarks.output import kept_rows, read_results
 from gactx.kernels import _triton
 
 MIB = 1 << 20
@@ -241,15 +243,13 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def _merged(path: Path, rows: list[dict], env: dict) -> list[dict]:
-    """``rows`` after the rows of ``path`` whose models ``rows`` lack; ``env["kept"]``: those models' run dates."""
-    if not path.exists():
+def _merged(folder: Path, rows: list[dict], env: dict) -> list[dict]:
+    """``rows`` after the rows of ``folder``'s models.json whose models ``rows`` lack; ``env["kept"]``: those models'
+    run dates."""
+    old = read_results(folder, "models")
+    if old is None:
         return rows
-    old = json.loads(path.read_text())
-    ran = {r["model"] for r in rows}
-    kept = [r for r in old["rows"] if r["model"] not in ran]
-    dates = old["environment"].get("kept", {})
-    env["kept"] = {m: dates.get(m, old["environment"]["date"]) for m in dict.fromkeys(r["model"] for r in kept)}
+    kept, env["kept"] = kept_rows(old, "rows", "kept", itemgetter("model"), {r["model"] for r in rows})
     return kept + rows
 
 
@@ -347,7 +347,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
     out.mkdir(parents=True, exist_ok=True)
     if args.merge:
-        rows = _merged(out / "models.json", rows, env)
+        rows = _merged(out, rows, env)
     (out / "models.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
     fields = [c[0] for c in COLUMNS if any(c[0] in r for r in rows)]
     with open(out / "models.csv", "w", newline="") as f:

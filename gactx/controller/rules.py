@@ -59,7 +59,7 @@ them at two widths (``sensitivity.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -102,14 +102,13 @@ class Site:
     params: tuple = ()
     result: bool = False
     weight_operand: bool = False
-    label: str = field(init=False, repr=False, compare=False)  # str(site), made once: every save's record reads it
 
-    def __post_init__(self) -> None:
+    @cached_property
+    def label(self) -> str:
+        """``str(site)``, made once: every save's record reads it."""
         if self.role == "?":
-            label = "?" if self.op == "?" else f"? (before {self.op})"
-        else:
-            label = self.op if self.role in ("self", "result") else f"{self.op}:{self.role}"
-        object.__setattr__(self, "label", label)
+            return "?" if self.op == "?" else f"? (before {self.op})"
+        return self.op if self.role in ("self", "result") else f"{self.op}:{self.role}"
 
     def param(self, name: str, default=None):
         for k, v in self.params:
