@@ -108,7 +108,7 @@ class Case:
         """Compressed saves a step (gactx's records of the last pass)."""
         if self.controller is None:
             return 0
-        return sum(1 for r in self.controller.records if isinstance(r.bits, int))
+        return sum(1 for r in self.controller.records if r.compressed)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@
 """
 
 from gactx.config import Config, get_optimization_level, set_optimization_level
-from gactx.controller import Adaptation, Choice, Controller, Key, KeyRecord, MemoryStats, Plan
+from gactx.controller import Adaptation, Choice, Controller, Decision, Key, KeyRecord, MemoryStats, Plan, Slot
 from gactx.kernels import ALLOWED_BITS, GROUP_SIZES, QuantizedTensor, dequantize, expected_nbytes, quantize
 from gactx.memory import PeakMemory, peak_memory
 
@@ -18,12 +18,14 @@ __all__ = [
     "Choice",
     "Config",
     "Controller",
+    "Decision",
     "Key",
     "KeyRecord",
     "MemoryStats",
     "Plan",
     "PeakMemory",
     "QuantizedTensor",
+    "Slot",
     "__version__",
     "dequantize",
     "expected_nbytes",

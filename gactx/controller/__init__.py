@@ -3,8 +3,12 @@
 from gactx.controller.adaptation import Adaptation
 from gactx.controller.choices import Choice
 from gactx.controller.controller import Controller, Packed
-from gactx.controller.identity import Key
+from gactx.controller.decide import Decision, decide
+from gactx.controller.identity import Key, Slot
 from gactx.controller.plan import Plan
 from gactx.controller.stats import KeyRecord, MemoryStats
 
-__all__ = ["Adaptation", "Choice", "Controller", "Key", "KeyRecord", "MemoryStats", "Packed", "Plan"]
+__all__ = [
+    "Adaptation", "Choice", "Controller", "Decision", "Key", "KeyRecord", "MemoryStats", "Packed", "Plan", "Slot",
+    "decide",
+]  # fmt: skip

@@ -109,10 +109,10 @@ def plan(
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
     # Kept storages are paid first, but for tensors kept at the 16 or 32 bits an allocation gave them: items again.
-    fixed = sum(n for n, why in last_pass.kept_storages.values() if not why.endswith(AS_IS))
+    fixed = sum(n for n, why in last_pass.kept_storages.values() if not why.endswith(f"({AS_IS})"))
     for record in last_pass.records:
-        if record.allocated and record.key[:3] not in settled:
-            slot = record.key[:3]
+        if record.allocated and record.key.slot not in settled:
+            slot = record.key.slot
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)
             widths = CLASS_WIDTHS.get(record.cls)
@@ -135,7 +135,7 @@ def plan(
                     response,
                 )
             )  # fmt: skip
-        elif isinstance(record.bits, int):
+        elif record.compressed:
             fixed += record.packed_bytes  # masks, signs, dropout masks: a fixed width, lossless
     budget = parse_bytes(config.budget) - fixed if config.budget is not None else average
     allocation = allocate(items, budget, config.group_size)

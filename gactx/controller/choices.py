@@ -137,7 +137,7 @@ class ChoiceMeter:
         self._values: dict[Hashable, dict[Choice, torch.Tensor]] = {}
 
     def __call__(self, key, t: torch.Tensor, rule) -> None:
-        slot = key[:3]
+        slot = key.slot
         if not (self.armed or self.also_armed()) or rule.kind != "quantize" or slot in self._values:
             return
         if not t.is_floating_point():

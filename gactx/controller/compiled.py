@@ -9,7 +9,8 @@ forward ended, and its backward unpacked them all before starting.
 
 :class:`HookGraph` is such a GraphModule whose ``forward`` is Python: called eagerly (no graph is being
 compiled) it runs the eager pack path; traced by AOTAutograd, :class:`CompiledPath` decides for the saved
-node it is shown (``_get_saved_tensor_hook_context``: the forward and backward graphs and the node):
+node it is shown (``_get_saved_tensor_hook_context``: the forward and backward graphs and the node) with the eager
+path's ``decide`` (``decide.py``), under the rule that the op table gives the node (``decide.node_rule``):
 
 - Kept as it is: not floating point, float64, fewer than ``min_numel`` elements, level L0, or the result of
   an op whose backward needs its exact values (the "equality" and "log domain" classes of ``rules.py``,
@@ -47,20 +48,12 @@ from dataclasses import dataclass, field
 import torch
 
 from gactx.config import Config
-from gactx.controller.graph_nodes import (
-    EXACT_RESULTS,
-    exact_use,
-    feeds_exp,
-    hoist,
-    is_attention,
-    modules_of,
-    op_name,
-    sink,
-    source,
-)
+from gactx.controller.decide import BOOL_MASK, Decision, decide, kept, node_rule
+from gactx.controller.graph_nodes import hoist, modules_of, op_name, sink, source
 from gactx.controller.identity import Key, ModuleTracker
-from gactx.controller.rules import ATTENTION_BITS
-from gactx.controller.stats import AS_IS, KeyRecord
+from gactx.controller.plan import GraphSlot
+from gactx.controller.policy import value_reason
+from gactx.controller.stats import KeyRecord
 from gactx.kernels import cpu, traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 
@@ -158,15 +151,18 @@ class GraphSave:
     module: str  # the module that made it, as the compiled region names it
     index: int  # its place among the graph's saves of that module
     dtype: torch.dtype
-    bits: int | str  # the width, or why it was kept
+    decision: Decision
     group_size: int
     op: str
-    cls: str
     extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's marker)
 
     @property
+    def bits(self) -> int | None:
+        return self.decision.bits
+
+    @property
     def compressed(self) -> bool:
-        return isinstance(self.bits, int)
+        return not self.decision.reason
 
     def record(self, frame: tuple[str, int] | None, call: int, shape: tuple[int, ...]) -> KeyRecord:
         """The record of one run, ``shape`` the saved tensor's (known at run time, dynamic or not). Under an eager
@@ -177,8 +173,8 @@ class GraphSave:
         module = self.module
         if frame is not None:
             module, call = ".".join(p for p in (frame[0], self.module) if p), frame[1]
-        key = Key(module, call, self.index, shape)
-        return KeyRecord(key, self.dtype, self.bits, nbytes, self.extra + stored, nbytes, self.op, self.cls)
+        key, d = Key(module, call, self.index, shape), self.decision
+        return KeyRecord(key, self.dtype, d.bits, nbytes, self.extra + stored, nbytes, self.op, d.cls, "", d.reason)
 
 
 @dataclass
@@ -301,33 +297,24 @@ class CompiledPath:
         modules = modules_of(node)
         module = modules[0] if modules else ""
         index = self._indices[(graph, module)] = self._indices.get((graph, module), -1) + 1
-        bits, cls = self._rule(t, node, bw_graph, modules)
-        save = GraphSave(graph, module, index, t.dtype, bits, self.config.group_size, op_name(source(node)), cls)
+        decision = self._rule(t, node, bw_graph, modules)
+        save = GraphSave(graph, module, index, t.dtype, decision, self.config.group_size, op_name(source(node)))
         token = traced.new_token(self.ran)
         self.saves[token] = save
         self._decided[(id(fw_graph), node.name)] = (token, save)
         return token, save
 
-    def _rule(self, t: torch.Tensor, node, bw_graph, modules: list[str]) -> tuple[int | str, str]:
-        """(bits or why kept, class) of a saved node."""
+    def _rule(self, t: torch.Tensor, node, bw_graph, modules: list[str]) -> Decision:
+        """The decision for a saved node: the policy's (no parameter reaches the hook), then ``decide`` under the op
+        table's rule of the node (``decide.node_rule``) at the plan's width for its modules and shape."""
         cfg = self.config
         if cfg.bits is None:
-            return "L0", ""
-        if t.dtype != torch.bool and t.dtype not in FLOAT_DTYPES:
-            return f"dtype {str(t.dtype).removeprefix('torch.')}", ""
-        if t.numel() < cfg.min_numel:
-            return "small", ""
-        if t.dtype == torch.bool:
-            return 1, "bool mask"
-        exact = EXACT_RESULTS.get(op_name(source(node))) or exact_use(node, bw_graph)
-        if exact is not None:
-            return "kept", exact
-        bits = self.path.plan.compiled_width(modules, _hint(t.shape), t.dtype)
-        if is_attention(node) or feeds_exp(node, bw_graph):
-            return max(bits, ATTENTION_BITS), "attention"
-        if bits >= 16 and (bits == 32 or t.dtype != torch.float32):
-            return f"{bits}{AS_IS}", "linear"
-        return bits, "linear"
+            return kept("L0")
+        reason = value_reason(t, cfg.min_numel)
+        if reason is not None:
+            return kept(reason)
+        rule = BOOL_MASK if t.dtype == torch.bool else node_rule(node, bw_graph)
+        return decide(t, rule, self.path.plan, GraphSlot(tuple(modules), _hint(t.shape), t.dtype), cfg)
 
     def _sink_pending(self, bw_graph) -> None:
         """Move the unpack nodes of the saves before this one (inlined at the start of the backward graph) to

@@ -25,7 +25,7 @@ from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_
 from gactx.controller.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.free_sensitivity import FreeCollector, free_estimate
-from gactx.controller.identity import ModuleTracker
+from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.plan import Plan, mix
@@ -307,7 +307,7 @@ class Controller:
         eager = training_pass if not training_pass.graph_runs else discovered
         # A training forward that met an op for the first time stored its tensors as linear inputs; the
         # estimator's passes, watched, know better where they stored one at a fixed width.
-        settled = frozenset(r.key[:3] for r in discovered.records if not r.allocated)
+        settled = frozenset(r.key.slot for r in discovered.records if not r.allocated)
         allocation, budget = plan(
             cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves,
             {s: r["rho"] for s, r in ratios.items()},
@@ -355,7 +355,7 @@ class Controller:
             compiled = tuple(
                 (r.key.module, r.key.shape, r.dtype, choices[s].fallback_bits if s in choices else bits[s])
                 for r in self._discovered.records
-                if (s := r.key[:3]) in bits
+                if (s := r.key.slot) in bits
             )
         self._path.plan = self._path.plan.allocated(bits, choices, compiled)
 
@@ -376,7 +376,7 @@ class Controller:
         return [dataclasses.replace(r) for r in self._pass.records]
 
     @property
-    def allocation(self) -> dict[tuple[str, int, int], int]:
+    def allocation(self) -> dict[Slot, int]:
         """The adaptive levels' bits by slot ``(module, call, index)`` (a copy; empty before the first
         adaptation and at fixed levels, where every compressed tensor gets ``config.bits``)."""
         return dict(self.plan.allocation)
@@ -407,9 +407,9 @@ class Controller:
         finally:
             if self._meter is not None:
                 self._meter.armed = False
-        return [r.key[:3] for r in self._pass.records if r.allocated]
+        return [r.key.slot for r in self._pass.records if r.allocated]
 
-    def _probed_choices(self, slot: tuple) -> tuple[tuple[Choice, Choice], ...]:
+    def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,
         where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
         the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
@@ -417,14 +417,14 @@ class Controller:
             return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
         return ()
 
-    def _sketchable(self, slot: tuple) -> bool:
+    def _sketchable(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` is the input of a linear layer, as its op was learned, and so is every later
         save that shares what it stores (the other projections of one input)."""
         learned = self._path.sites.get(slot)
         sharers = self._path.sharers.get(slot, {}).values()
         return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
 
-    def _curved(self, slot: tuple) -> bool:
+    def _curved(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""
         learned = self._path.sites.get(slot)
         return learned is not None and curved(learned[0])
@@ -432,7 +432,7 @@ class Controller:
     def _set_probe(self, probe: Probe | None) -> None:
         self._path.plan = self._path.plan.probing(probe)
 
-    def _probe_seed(self, slot: tuple, k: int) -> int:
+    def _probe_seed(self, slot: Slot, k: int) -> int:
         return mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
 
     # -- accounting -------------------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ class FreeCollector:
             term = _row_variance(t, self.group_size, rows)  # sum_n ||g_n||^2 v_n: no 1 / rows
         else:
             term, rows = range_variance(t, self.group_size) * (fan / t.numel()), None
-        slot = key[:3]
+        slot = key.slot
         if inverse is not None:
             term = term * inverse
             if isinstance(module, nn.LayerNorm):  # rho (the module docstring): not BatchNorm's

@@ -1,5 +1,6 @@
-"""The saved nodes of a compiled graph: what made them, how the backward graph uses them, which modules they
-belong to, and where their pack and unpack nodes go (``compiled.py`` decides with these).
+"""The saved nodes of a compiled graph: what made them, which modules they belong to, and where their pack and
+unpack nodes go. What a saved node becomes is decided by ``decide.py`` (``node_rule``: the op table of
+``rules.py`` read through these).
 
 AOTAutograd inlines a save's pack nodes at the forward graph's end and its unpack nodes at the backward
 graph's start. Left there, every saved tensor would be held in full until the forward ends and decoded in
@@ -13,38 +14,7 @@ import re
 
 import torch
 
-__all__ = [
-    "EXACT_RESULTS",
-    "exact_use",
-    "feeds_exp",
-    "hoist",
-    "is_attention",
-    "module_name",
-    "modules_of",
-    "op_name",
-    "sink",
-    "source",
-]
-
-# How the backward graph uses a saved value, where its exact value matters (rules.py's "equality" and "log
-# domain" classes in the ops a graph decomposes to).
-EXACT_USERS = {"eq", "ne", "log", "log1p", "log2", "log10", "reciprocal", "rsqrt", "sqrt", "pow", "atan2"}
-EXACT_RESULTS = {
-    "amax": "equality",
-    "amin": "equality",
-    "max": "equality",
-    "min": "equality",
-    "maximum": "equality",
-    "minimum": "equality",
-    "sqrt": "log domain",
-    "rsqrt": "log domain",
-    "reciprocal": "log domain",
-    "logsumexp": "log domain",
-    "_log_softmax": "log domain",
-    "prod": "log domain",
-    "cumprod": "log domain",
-}
-ATTENTION_RESULTS = {"exp", "_softmax", "_safe_softmax"}
+__all__ = ["PASS_THROUGH", "hoist", "module_name", "modules_of", "op_name", "sink", "source"]
 
 
 def op_name(node) -> str:
@@ -67,43 +37,6 @@ def source(node):
             break
         node = node.args[0]
     return node
-
-
-def exact_use(node, bw_graph) -> str | None:
-    """The class of a value the backward graph reads where its exact value matters, else ``None``."""
-    for p in bw_graph.find_nodes(op="placeholder"):
-        if p.name != node.name:
-            continue
-        for user in p.users:
-            name = op_name(user)
-            if name in EXACT_USERS:
-                return "equality" if name in ("eq", "ne") else "log domain"
-            if name == "div" and len(user.args) > 1 and user.args[1] is p:
-                return "log domain"
-    return None
-
-
-def feeds_exp(node, bw_graph) -> bool:
-    """Whether backward recomputes an ``exp`` from the value (a softmax the partitioner chose to recompute from
-    its scores, the max subtracted or a scale applied first): noise in it is multiplied by the exp."""
-    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
-    for _ in range(3):
-        users = [u for n in frontier for u in n.users]
-        if any(op_name(u) == "exp" for u in users):
-            return True
-        frontier = [u for u in users if op_name(u) in ("sub", "add", "mul", "div", "where", *PASS_THROUGH)]
-    return False
-
-
-def is_attention(node) -> bool:
-    """An exp or softmax result, or a quotient of an exp result (a decomposed softmax), or a view of one."""
-    node = source(node)
-    name = op_name(node)
-    if name in ATTENTION_RESULTS:
-        return True
-    if name == "div" and node.args and isinstance(node.args[0], torch.fx.Node):
-        return op_name(source(node.args[0])) == "exp"
-    return False
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")

@@ -30,11 +30,26 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+class Slot(NamedTuple):
+    """Where a save is made, whatever its shape: the module (qualified name), its call in the pass (1 the first)
+    and the save's index among that call's. What the allocation, the plan and the sensitivities are kept by."""
+
+    module: str
+    call: int
+    index: int
+
+
 class Key(NamedTuple):
+    """A save's :class:`Slot` and the saved tensor's shape."""
+
     module: str
     call: int
     index: int
     shape: tuple[int, ...]
+
+    @property
+    def slot(self) -> Slot:
+        return Slot(self[0], self[1], self[2])
 
     def __str__(self) -> str:
         name = self.module or "(root)"

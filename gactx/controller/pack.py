@@ -24,16 +24,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gactx.config import Config
 from gactx.controller.checkpoint import saving_inputs
-from gactx.controller.choices import Choice
-from gactx.controller.identity import Key, ModuleTracker, graph_task_id, in_backward
+from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
+from gactx.controller.identity import Key, ModuleTracker, Slot, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, model_storages, storage_ptr
 from gactx.controller.rules import (
     ALLOCATED,
-    ATTENTION_BITS,
     CHECKPOINT_INPUT,
-    LINEAR,
     PROVENANCE,
     UNKNOWN,
     Rule,
@@ -41,18 +39,15 @@ from gactx.controller.rules import (
     node_id,
     output_rule,
     rule_for,
-    sketchable,
 )
 from gactx.controller.stats import AS_IS, KeyRecord, PassStats, counted_range
-from gactx.controller.store import Kept, Packed, encode, stored_form
+from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
 
-__all__ = ["PackPath", "BOOL_MASK"]
+__all__ = ["PackPath"]
 
 logger = logging.getLogger(__name__)
-
-BOOL_MASK = Rule("bool mask", "quantize")  # bool tensors: 1 bit an element, lossless, whatever the width
 
 
 class PackPath:
@@ -80,11 +75,11 @@ class PackPath:
         self.backward_stats = PassStats()  # saves made during backward (recomputation), since the last forward
         self.fresh = True  # a new pass began; its first save replaces self.stats
         # (storage, view, version, form) -> (a weak reference to the handle made for it this pass, one to the storage,
-        # the width and the choice it was stored at)
-        self.dedupe: dict[tuple, tuple[weakref.ref, StorageWeakRef, int | None, Choice | None]] = {}
+        # the decision it was stored under)
+        self.dedupe: dict[tuple, tuple[weakref.ref, StorageWeakRef, Decision]] = {}
         # slot of a first save -> {slot of a later save that shared what it stored: that save's site}
-        self.sharers: dict[tuple, dict[tuple, Site | None]] = {}
-        self.sites: dict[tuple, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
+        self.sharers: dict[Slot, dict[Slot, Site | None]] = {}
+        self.sites: dict[Slot, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
         self._calls: dict[tuple, dict] = {}  # (module, call) -> {index: what sites holds}: a call's learned saves
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
@@ -171,13 +166,10 @@ class PackPath:
             stats.extend(t, ptr)
             return Kept.of(t)
         if reason is not None or cfg.bits is None:
-            self._record(t, key, ptr, None, None, reason or "L0", None)
+            self._record(t, key, ptr, None, None, None, reason or "L0", None)
             return Kept.of(t)
         if saving_inputs():  # a checkpointed region's input: no op of the model saves it (checkpoint.py)
-            if cfg.checkpoint_bits is None:
-                self._record(t, key, ptr, None, CHECKPOINT_INPUT, "checkpoint_bits=None", None)
-                return Kept.of(t)
-            return self._finish(t, key, ptr, None, CHECKPOINT_INPUT)
+            return self._finish(t, key, key.slot, ptr, None, CHECKPOINT_INPUT)
         if self.watching:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
@@ -186,19 +178,20 @@ class PackPath:
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
             return handle
         if t.dtype == torch.bool:
-            return self._finish(t, key, ptr, None, BOOL_MASK)
-        return self._finish(t, key, ptr, *self._recall(t, key))
+            return self._finish(t, key, key.slot, ptr, None, BOOL_MASK)
+        slot = key.slot
+        return self._finish(t, key, slot, ptr, *self._recall(t, key, slot))
 
-    def _recall(self, t: torch.Tensor, key: Key) -> tuple[Site | None, Rule]:
+    def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule]:
         """The site and rule of a save in an unwatched pass: learned for its slot, or read from a result's
         ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
-        learned, signature = self.sites.get(key[:3]), _signature(t)
+        learned, signature = self.sites.get(slot), _signature(t)
         if learned is not None and learned[2] == signature:
             return learned[0], learned[3]
         # A watched pass may number a module call's saves apart from an unwatched one: under the watcher a composite
         # op (the CTC loss) saves copies of its integer arguments that it does not save otherwise, and the saves after
         # them shift. The one save of this call learned with the same signature, if there is exactly one, is this.
-        alike = [v for v in self._calls.get(key[:2], {}).values() if v[2] == signature]
+        alike = [v for v in self._calls.get((key.module, key.call), {}).values() if v[2] == signature]
         if len(alike) == 1:
             return alike[0][0], alike[0][3]
         if self.tracker.inside and self.config.op_rules == "learn":
@@ -211,37 +204,38 @@ class PackPath:
         t = handle.stored
         ptr = storage_ptr(t) or 0
         if t.dtype == torch.bool:
-            self._finish(t, handle.key, ptr, None, BOOL_MASK, handle=handle)
+            self._finish(t, handle.key, handle.key.slot, ptr, None, BOOL_MASK, handle=handle)
         else:
-            self._finish(t, handle.key, ptr, site, _rule(site, origin), handle=handle, learn=(site, origin))
+            key = handle.key
+            self._finish(t, key, key.slot, ptr, site, _rule(site, origin), handle=handle, learn=(site, origin))
 
-    def _finish(self, t, key: Key, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
-        """Store ``t`` under ``rule`` (or share what the same tensor stored the same way got), record it, and
-        return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
+    def _finish(self, t, key: Key, slot: Slot, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
+        """Decide (``decide.py``), store ``t`` (or share what the same tensor stored the same way got), record it,
+        and return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
         cfg = self.config
         if learn is not None:
-            self.sites[key[:3]] = learned = (learn[0], learn[1], _signature(t), rule)
-            self._calls.setdefault(key[:2], {})[key[2]] = learned
+            self.sites[slot] = learned = (learn[0], learn[1], _signature(t), rule)
+            self._calls.setdefault(slot[:2], {})[slot.index] = learned
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-        rule, bits, choice = self._width(key, rule)
+        decision = decide(t, rule, self.plan, slot, cfg)
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
         # that several ops save (the input of the Q, K and V projections) is one tensor to the allocator, under
         # the slot of its first save: the later saves share whatever that one stored (its width, its scheme, a
         # probe's noise), so what the estimator measures and what the budget counts is what training stores.
-        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, rule.form)
+        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, decision.rule.form)
         entry = self.dedupe.get(shape) if cfg.dedupe else None
         # The address names the same storage only while that lives: asked of the storage itself, not of a Python
         # tensor that holds it (a base's wrapper can be freed, and made afresh, while its storage lives on).
         hit = None if entry is None or entry[1].expired() else entry[0]()
-        if hit is not None and _shares(entry[2], entry[3], rule, site):
+        if hit is not None and may_share(entry[2], decision, site):
             self.stats.deduplicated += 1
-            self.sharers.setdefault(hit.key[:3], {})[key[:3]] = site
+            self.sharers.setdefault(hit.key.slot, {})[slot] = site
             if handle is None:
                 return hit
             handle.stored = hit.stored
             return handle
-        stored = self._store(t, key, ptr, site, rule, bits, choice)
+        stored = self._store(t, key, slot, ptr, site, decision)
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return Kept(stored, t._version)
@@ -249,36 +243,23 @@ class PackPath:
         else:
             handle.stored = stored
         if cfg.dedupe and hit is None:
-            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), bits, choice)
+            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), decision)
         return handle
 
-    def _width(self, key: Key, rule: Rule) -> tuple[Rule, int | None, Choice | None]:
-        """The width of an allocated class (at least ATTENTION_BITS for attention), 1 for bool masks, else
-        ``None``, and the scheme chosen for it where not uniform codes; the sensitivity probe turns its slot into a
-        uniformly quantized one, whatever its class."""
-        if rule is BOOL_MASK:
-            return rule, 1, None
-        if rule is CHECKPOINT_INPUT:
-            return rule, self.config.checkpoint_bits, None
-        if rule.cls not in ALLOCATED:
-            return rule, None, None
-        bits, choice, probing = self.plan.width(key[:3])
-        if probing:
-            return LINEAR, bits, choice  # the probe's choice, if it measures one
-        choice = choice if rule.kind == "quantize" else None
-        return rule, max(bits, ATTENTION_BITS) if rule.cls == "attention" else bits, choice
-
-    def _store(self, t, key: Key, ptr: int, site, rule: Rule, bits: int | None, choice: Choice | None = None):
+    def _store(self, t, key: Key, slot: Slot, ptr: int, site, decision: Decision):
         """Encode, offload where asked, and record: what the handle will hold."""
         cfg = self.config
+        rule, bits, choice = decision.rule, decision.bits, decision.choice
         if self.observers and rule.cls in ALLOCATED:
             for observe in self.observers:
                 observe(key, t, rule)
-        seed = self.plan.seed(key[:3], self.key_ids.setdefault(key, len(self.key_ids)))
+        if decision.reason:
+            self._record(t, key, ptr, site, rule, bits, decision.reason, None)
+            return as_is(t)
+        seed = self.plan.seed(slot, self.key_ids.setdefault(key, len(self.key_ids)))
         stored = encode(t, rule, bits, seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
-        if isinstance(stored, torch.Tensor):
-            label = "kept" if rule.kind in ("keep", "mask") else f"{bits}{AS_IS}"
-            self._record(t, key, ptr, site, rule, label, None)
+        if isinstance(stored, torch.Tensor):  # a mask the dtype cannot make exactly, a FewBit class at 16 or 32 bits
+            self._record(t, key, ptr, site, rule, bits, "kept" if rule.kind == "mask" else AS_IS, None)
             return stored
         nbytes, offloaded = stored.nbytes, False
         if self.offloader is not None and isinstance(stored, QuantizedTensor):
@@ -287,28 +268,22 @@ class PackPath:
             else:
                 self.offloader.warn(f"a tensor on {t.device.type}")
         form = "" if choice is None else stored_form(stored, choice)
-        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, nbytes, offloaded, form)
+        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, "", nbytes, offloaded, form)
         return stored
 
     def _record(
-        self, t, key: Key, ptr: int, site, rule: Rule | None, label, packed: int | None, offloaded=False, form=""
+        self, t, key: Key, ptr: int, site, rule: Rule | None, bits: int | None, reason: str, packed: int | None,
+        offloaded=False, form="",
     ):  # fmt: skip
         """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
         nbytes = t.numel() * t.element_size()
         span = counted_range(t)
         kept = packed is None
         op, cls = ("" if site is None else site.label), ("" if rule is None else rule.cls)
-        record = KeyRecord(key, t.dtype, label, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form)
+        record = KeyRecord(
+            key, t.dtype, bits, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form, reason
+        )
         self.stats.add(record, t, ptr, not kept, offloaded, span)
-
-
-def _shares(bits: int | None, choice: Choice | None, rule: Rule, site: Site | None) -> bool:
-    """Whether a later save under ``rule`` at ``site`` may share what a first save stored at ``bits`` under
-    ``choice``: not a row sketch unless this save too only feeds a weight's gradient, not codes narrower than an
-    attention class allows (such a save stores its own)."""
-    if choice is not None and choice.scheme == "sketch" and (site is None or not sketchable(site)):
-        return False
-    return not (rule.cls == "attention" and bits is not None and bits < ATTENTION_BITS)
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

@@ -4,9 +4,8 @@ The controller replaces the plan, and never changes one, when the step advances 
 allocates (bits and schemes by slot), the sensitivity estimator perturbs a slot (the probe) or a state is loaded.
 The pack path and the compiled path read the plan in place and call nothing back::
 
-    bits, choice, probing = plan.width(slot)       # an allocated class's save
+    bits, choice, probing = plan.width(slot)       # an allocated class's save (a Slot, or a compiled GraphSlot)
     seed = plan.seed(slot, key_id)                  # its noise
-    bits = plan.compiled_width(modules, shape, dtype)
 """
 
 from __future__ import annotations
@@ -14,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
 from gactx.controller.adaptation import default_width
 from gactx.controller.choices import Choice
+from gactx.controller.identity import Slot
 from gactx.controller.sensitivity import Probe
 
-__all__ = ["Plan", "mix"]
+__all__ = ["GraphSlot", "Plan", "mix"]
 
 MASK62 = (1 << 62) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio, odd
@@ -38,6 +39,16 @@ def mix(*values: int) -> int:
     return h & MASK62
 
 
+class GraphSlot(NamedTuple):
+    """A save of a compiled graph, as the plan tells its width: the modules that made or used it (the compiled
+    region's names, relative to it, innermost first), its shape (a dynamic size as the value it was traced with)
+    and dtype."""
+
+    modules: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """Widths, schemes and seeds for the saves of one controller (see the module docstring).
@@ -50,8 +61,8 @@ class Plan:
 
     bits: int | None
     adaptive: bool = False
-    allocation: Mapping[tuple, int] = dataclasses.field(default_factory=lambda: _EMPTY)
-    choices: Mapping[tuple, Choice] = dataclasses.field(default_factory=lambda: _EMPTY)
+    allocation: Mapping[Slot, int] = dataclasses.field(default_factory=lambda: _EMPTY)
+    choices: Mapping[Slot, Choice] = dataclasses.field(default_factory=lambda: _EMPTY)
     probe: Probe | None = None
     step: int = 0
     seed_base: int = 0
@@ -64,7 +75,7 @@ class Plan:
     def at_step(self, step: int, seed: int) -> Plan:
         return dataclasses.replace(self, step=step, seed_base=mix(seed, step))
 
-    def allocated(self, bits: Mapping[tuple, int], choices: Mapping[tuple, Choice], compiled=None) -> Plan:
+    def allocated(self, bits: Mapping[Slot, int], choices: Mapping[Slot, Choice], compiled=None) -> Plan:
         """This plan with a new allocation (copied: the plan's own, read-only)."""
         return dataclasses.replace(
             self, allocation=MappingProxyType(dict(bits)), choices=MappingProxyType(dict(choices)), compiled=compiled
@@ -73,9 +84,12 @@ class Plan:
     def probing(self, probe: Probe | None) -> Plan:
         return dataclasses.replace(self, probe=probe)
 
-    def width(self, slot: tuple) -> tuple[int | None, Choice | None, bool]:
+    def width(self, slot: Slot | GraphSlot) -> tuple[int | None, Choice | None, bool]:
         """``(bits, choice, probing)`` of an allocated class's save in ``slot``: the probe's while it perturbs the
-        slot, else the allocation's (``choice`` ``None``: uniform codes)."""
+        slot, else the allocation's (``choice`` ``None``: uniform codes). A compiled graph's save: the level's width,
+        at adaptive levels :meth:`compiled_width`'s."""
+        if type(slot) is GraphSlot:
+            return self.compiled_width(slot.modules, slot.shape, slot.dtype), None, False
         probe = self.probe
         if probe is not None and slot == probe.slot:
             return probe.bits, probe.choice, True
@@ -84,7 +98,7 @@ class Plan:
             return self.bits, choice, False
         return self.allocation.get(slot, default_width(self.bits)), choice, False
 
-    def seed(self, slot: tuple, key_id: int) -> int:
+    def seed(self, slot: Slot, key_id: int) -> int:
         """The noise seed of the save numbered ``key_id`` (by the pack path, first seen first) in ``slot``: the probe's
         while it perturbs the slot, else a Weyl sequence from the step's hash (distinct seeds, which the kernels' own
         hash decorrelates)."""
@@ -93,7 +107,7 @@ class Plan:
             return probe.seed
         return (self.seed_base + (key_id + 1) * GOLDEN) & MASK62
 
-    def compiled_width(self, modules: list[str], shape: tuple, dtype: torch.dtype) -> int | None:
+    def compiled_width(self, modules: tuple[str, ...], shape: tuple, dtype: torch.dtype) -> int | None:
         """The width of a quantized save of a compiled graph: the level's; at adaptive levels the widest the
         allocation gave an eager save of the same shape and dtype in one of ``modules`` (the compiled region's
         names, relative to it), else the default width."""

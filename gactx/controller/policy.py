@@ -15,7 +15,9 @@ import torch
 
 from gactx.kernels.format import FLOAT_DTYPES
 
-__all__ = ["KEEP_PARAMETER", "keep_reason", "model_storages", "storage_owner", "storage_ptr", "is_weight_copy"]
+__all__ = [
+    "KEEP_PARAMETER", "is_weight_copy", "keep_reason", "model_storages", "storage_owner", "storage_ptr", "value_reason"
+]  # fmt: skip
 
 KEEP_PARAMETER = "parameter"
 
@@ -71,6 +73,12 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):
         return KEEP_PARAMETER
+    return value_reason(t, min_numel)
+
+
+def value_reason(t: torch.Tensor, min_numel: int) -> str | None:
+    """Why ``t`` is kept for what it holds: not floating point (nor bool), float64, or fewer than ``min_numel``
+    elements; else ``None``. (Eager saves and compiled graphs' alike.)"""
     dtype = t.dtype
     if dtype not in FLOAT_DTYPES and dtype != torch.bool:
         return f"dtype {str(dtype).removeprefix('torch.')}"

@@ -66,11 +66,15 @@ import torch
 
 __all__ = [
     "ALLOCATED",
+    "ATTENTION",
     "ATTENTION_BITS",
+    "EQUALITY",
+    "LOG",
     "PROVENANCE",
     "Rule",
     "Site",
     "rule_for",
+    "graph_result_rule",
     "output_rule",
     "matrix_partner",
     "sketchable",
@@ -359,6 +363,15 @@ def rule_for(site: Site) -> Rule:
     if site.op == "clamp" and site.overload != "default":
         return EQUALITY  # clamp.Tensor: tensor bounds, compared in backward
     return entry(site) if callable(entry) else entry
+
+
+def graph_result_rule(op: str) -> Rule | None:
+    """The rule of a value made by ``op`` in a compiled graph, where the table gives one that a graph can store: kept
+    (equality, log domain) for an op whose result or every save the table keeps, attention for a softmax or exp
+    result; else ``None``. A graph has decomposed the ops whose rules need their own test or function (masks, FewBit
+    codes), and the op's scalar arguments are not read (``pow``, norms and reductions: ``None``)."""
+    entry = _TABLE.get((op, "result")) or _TABLE.get((op, None))
+    return entry if isinstance(entry, Rule) and (entry.kind == "keep" or entry is ATTENTION) else None
 
 
 # Matrix products: op -> its two matrix operands, by argument name. ``linear`` and ``matmul`` are composite (they

@@ -7,6 +7,7 @@ import math
 
 from gactx.config import SCHEMES
 from gactx.controller.choices import Choice
+from gactx.controller.identity import Slot
 
 __all__ = ["STATE_VERSION", "write_state", "read_state"]
 
@@ -59,7 +60,7 @@ def _slots(state: dict, field: str, kind: type) -> dict:
             ok = isinstance(row[3], int) or float(row[3]).is_integer()
         if not ok or not math.isfinite(row[3]):
             raise ValueError(f"gactx Controller state: {field!r} has a malformed row {row!r}")
-        out[(row[0], row[1], row[2])] = kind(row[3])
+        out[Slot(row[0], row[1], row[2])] = kind(row[3])
     return out
 
 
@@ -77,6 +78,6 @@ def _choices(rows, bits: dict) -> dict:
         ok = ok and isinstance(row[5], int) and not isinstance(row[5], bool) and 0 < row[4] <= 1
         if not ok:
             raise ValueError(f"gactx Controller state: 'choices' has a malformed row {row!r}")
-        slot = tuple(row[:3])
+        slot = Slot(*row[:3])
         out[slot] = Choice(bits[slot], row[3], float(row[4]), row[5])
     return out

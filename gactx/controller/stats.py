@@ -15,8 +15,7 @@ import torch
 from gactx.controller.identity import Key
 from gactx.controller.rules import ALLOCATED
 
-AS_IS = " (as is)"  # the label's end of a tensor stored as it is at the width it was given: "32 (as is)"
-
+AS_IS = "as is"  # the reason of a tensor stored as it is at the width it was given (16 or 32 bits)
 __all__ = ["MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
 
 
@@ -58,21 +57,37 @@ class MemoryStats:
 
 @dataclass
 class KeyRecord:
+    """One save of a pass: its key, what it was and what was stored (a :class:`~gactx.controller.decide.Decision`'s
+    width and reason, the bytes before and after)."""
+
     key: Key
     dtype: torch.dtype
-    bits: int | str  # the width used, or why the tensor was kept
+    bits: int | None  # the width it was stored at, or given where stored as it is at 16 or 32 bits; else None
     original_bytes: int  # the tensor's own bytes
     packed_bytes: int
     storage_bytes: int  # bytes of its storage that keeping it holds (see counted_range)
     op: str = ""  # the aten op that saved it, and the argument or result when not self/result
     cls: str = ""  # its rule's class (see rules.py)
     form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see choices.py)
+    reason: str = ""  # why it was kept as it is ("small", "kept", "as is", "L0", ...); "" where it was stored
+
+    @property
+    def compressed(self) -> bool:
+        """Whether something other than the tensor itself was stored (codes, a mask, nothing at all)."""
+        return not self.reason
 
     @property
     def allocated(self) -> bool:
-        """Whether its width is the allocator's to choose: a class the allocator serves, stored at a width (codes,
+        """Whether its width is the allocator's to choose: a class the allocator serves, given a width (stored at it,
         or as it is because the width given was 16 or 32 bits)."""
-        return self.cls in ALLOCATED and (isinstance(self.bits, int) or str(self.bits).endswith(AS_IS))
+        return self.bits is not None and self.cls in ALLOCATED
+
+    @property
+    def label(self) -> str:
+        """What the report's bits column says: the width, ``"32 (as is)"``, or why the tensor was kept."""
+        if not self.reason:
+            return str(self.bits)
+        return self.reason if self.bits is None else f"{self.bits} ({self.reason})"
 
 
 @dataclass
@@ -141,7 +156,7 @@ class PassStats:
                 self.offloaded_bytes += record.packed_bytes
         else:
             self.kept += 1
-            why = record.cls if record.bits == "kept" else str(record.bits)
+            why = record.cls if record.reason == "kept" else record.label
             held, why = self.kept_storages.get(storage, (0, why))
             self.kept_storages[storage] = (held + kept_bytes, why)
 
@@ -178,10 +193,10 @@ class PassStats:
             dtype = str(r.dtype).removeprefix("torch.")
             shape = "x".join(map(str, r.key.shape)) or "scalar"
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
-            bits = f"{r.bits} {r.form}" if r.form else str(r.bits)
+            bits = f"{r.label} {r.form}" if r.form else r.label
             row = (str(r.key), shape, dtype, r.op, r.cls, bits, before, after)
             if sensitivity:
-                c = sensitivity.get(r.key[:3])
+                c = sensitivity.get(r.key.slot)
                 row += ("" if c is None else f"{c:.3g}",)
             rows.append(row)
         s = self.summary()

@@ -92,7 +92,7 @@ def test_the_meter_reads_nothing_on_the_host_until_asked():
     meter.armed = True
     x = torch.randn(8, 512) * torch.logspace(-3, 0, 8)[:, None]
     with NoHostRead():
-        meter(("m", 0, 0, (8, 512)), x, LINEAR)
+        meter(gactx.Key("m", 0, 0, (8, 512)), x, LINEAR)
     measured = meter.read()[("m", 0, 0)]
     assert {c.scheme for c in measured} == {"uniform", "samples"}
     assert measured[Choice(1)] > measured[Choice(2)] > measured[Choice(4)] > measured[Choice(8)] > 0

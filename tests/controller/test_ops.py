@@ -213,7 +213,7 @@ def test_lossless_classes_in_half_precision(case, dtype):
     assert torch.equal(got, plain)
     if CASES[case][2] == "threshold":
         (record,) = [r for r in controller.records if r.cls == "threshold"]
-        assert (record.bits == "kept") == (case in ("hardtanh", "clamp_min", "threshold", "softshrink"))
+        assert (record.reason == "kept") == (case in ("hardtanh", "clamp_min", "threshold", "softshrink"))
 
 
 def test_float_dropout_mask_is_stored_in_one_bit():

@@ -1,0 +1,165 @@
+"""One decision a saved tensor: which rule stores it and at what width, for eager and compiled saves alike.
+
+The eager pack path (``pack.py``) finds a save's rule from its site (``rules.rule_for``: the op watcher, what was
+learned for its slot, or a result's ``grad_fn``); the compiled path (``compiled.py``) from the graph node it is shown
+(:func:`node_rule`: the same op table, read through the node's op and how the backward graph uses it). Both then
+call :func:`decide`, which reads the width from the plan (``plan.py``: by slot, or by a compiled graph's modules and
+shape) and returns a :class:`Decision`; the record of the save (``stats.KeyRecord``) copies its fields::
+
+    decision = decide(t, rule, plan, slot, config)   # Decision(rule, bits, choice, reason)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gactx.config import Config
+from gactx.controller.choices import Choice
+from gactx.controller.graph_nodes import PASS_THROUGH, op_name, source
+from gactx.controller.identity import Slot
+from gactx.controller.plan import GraphSlot, Plan
+from gactx.controller.rules import (
+    ALLOCATED,
+    ATTENTION,
+    ATTENTION_BITS,
+    CHECKPOINT_INPUT,
+    EQUALITY,
+    LINEAR,
+    LOG,
+    PROVENANCE,
+    Rule,
+    Site,
+    graph_result_rule,
+    sketchable,
+)
+from gactx.controller.stats import AS_IS
+
+__all__ = ["BOOL_MASK", "Decision", "decide", "kept", "may_share", "node_rule"]
+
+BOOL_MASK = Rule("bool mask", "quantize")  # bool tensors: 1 bit an element, lossless, whatever the width
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a save becomes. ``rule``: the op rule that stores it (``None``: kept before any rule applied, by the
+    policy: small, an integer dtype, level L0); ``bits``: its width (``None`` where it has none: a rule that keeps
+    or stores losslessly at its own width, a tensor the policy keeps); ``choice``: the scheme the allocation chose
+    where not uniform codes; ``reason``: why it is kept as it is, ``""`` where it is stored."""
+
+    rule: Rule | None
+    bits: int | None = None
+    choice: Choice | None = None
+    reason: str = ""
+
+    @property
+    def cls(self) -> str:
+        return "" if self.rule is None else self.rule.cls
+
+
+_KEPT: dict[str, Decision] = {}
+
+
+def kept(reason: str) -> Decision:
+    """The decision to keep a tensor as it is before any rule applies (``reason``: the policy's, or ``"L0"``)."""
+    found = _KEPT.get(reason)
+    if found is None:
+        found = _KEPT[reason] = Decision(None, None, None, reason)
+    return found
+
+
+_BOOL = Decision(BOOL_MASK, 1)
+_BY_RULE: dict[Rule, Decision] = {}  # a class the allocator does not serve: one decision for its rule
+
+
+def decide(t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, config: Config) -> Decision:
+    """The decision for ``t``, saved under ``rule`` in ``slot``: 1 bit for a bool mask, the level's
+    ``checkpoint_bits`` for a checkpointed region's input, the plan's width for an allocated class (at least
+    ``ATTENTION_BITS`` for attention; a uniformly quantized one, whatever its class, where the sensitivity probe
+    perturbs the slot), else the rule's own form."""
+    if rule is BOOL_MASK:
+        return _BOOL
+    if rule is CHECKPOINT_INPUT:
+        bits = config.checkpoint_bits
+        return Decision(rule, bits, None, "" if bits is not None else "checkpoint_bits=None")
+    if rule.cls not in ALLOCATED:
+        found = _BY_RULE.get(rule)
+        if found is None:
+            found = _BY_RULE[rule] = Decision(rule, None, None, "kept" if rule.kind == "keep" else "")
+        return found
+    bits, choice, probing = plan.width(slot)
+    if probing:
+        rule = LINEAR  # the probe's choice, if it measures one
+    elif rule.kind != "quantize":
+        choice = None
+    elif rule.cls == "attention" and bits < ATTENTION_BITS:
+        bits = ATTENTION_BITS
+    if choice is None and rule.kind == "quantize" and (bits == 32 or (bits == 16 and t.dtype != torch.float32)):
+        return Decision(rule, bits, None, AS_IS)
+    return Decision(rule, bits, choice)
+
+
+def may_share(first: Decision, later: Decision, site: Site | None) -> bool:
+    """Whether a later save of a tensor (decided ``later``, at ``site``) may share what a first save of it stored under
+    ``first``: not a row sketch unless this save too only feeds a weight's gradient, not codes narrower than an
+    attention class allows (such a save stores its own)."""
+    choice, bits = first.choice, first.bits
+    if choice is not None and choice.scheme == "sketch" and (site is None or not sketchable(site)):
+        return False
+    return not (later.rule.cls == "attention" and bits is not None and bits < ATTENTION_BITS)
+
+
+# -- compiled graphs: the rule of a saved node --------------------------------------------------------------
+
+# How the backward graph uses a saved value where its exact value matters ("equality" and "log domain" in the ops a
+# graph decomposes to): the op of the user -> the rule.
+_EXACT_USERS = {"eq": EQUALITY, "ne": EQUALITY, **dict.fromkeys(
+    ("log", "log1p", "log2", "log10", "reciprocal", "rsqrt", "sqrt", "pow", "atan2"), LOG
+)}  # fmt: skip
+
+
+def node_rule(node, bw_graph) -> Rule:
+    """The rule of a floating-point saved node of a compiled graph: the op table's (``rules.graph_result_rule``) for
+    the op that made its values; else kept where the backward graph reads its exact value, attention where the value
+    is a quotient of an exp result (a decomposed softmax) or backward recomputes an exp from it; else linear. The rules
+    that need the op's own test or function (masks, FewBit codes, pooling inputs) are eager-only: a graph decomposes
+    those ops, and one saved node serves every backward use of the value."""
+    made = source(node)
+    found = graph_result_rule(op_name(made))
+    if found is not None and found.kind == "keep":
+        return found
+    exact = _exact_use(node, bw_graph)
+    if exact is not None:
+        return exact
+    if found is not None:
+        return found
+    if op_name(made) == "div" and made.args and isinstance(made.args[0], torch.fx.Node):
+        if op_name(source(made.args[0])) == "exp":
+            return PROVENANCE["probabilities"]
+    return ATTENTION if _feeds_exp(node, bw_graph) else LINEAR
+
+
+def _exact_use(node, bw_graph) -> Rule | None:
+    for p in bw_graph.find_nodes(op="placeholder"):
+        if p.name != node.name:
+            continue
+        for user in p.users:
+            rule = _EXACT_USERS.get(op_name(user))
+            if rule is not None:
+                return rule
+            if op_name(user) == "div" and len(user.args) > 1 and user.args[1] is p:
+                return LOG
+    return None
+
+
+def _feeds_exp(node, bw_graph) -> bool:
+    """Whether backward recomputes an ``exp`` from the value (a softmax the partitioner chose to recompute from
+    its scores, the max subtracted or a scale applied first): noise in it is multiplied by the exp."""
+    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
+    for _ in range(3):
+        users = [u for n in frontier for u in n.users]
+        if any(op_name(u) == "exp" for u in users):
+            return True
+        frontier = [u for u in users if op_name(u) in ("sub", "add", "mul", "div", "where", *PASS_THROUGH)]
+    return False
