@@ -29,7 +29,7 @@ from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.plan import Plan, mix
-from gactx.controller.rules import curved, sketchable
+from gactx.controller.rules import Site, curved, sketchable
 from gactx.controller.sensitivity import Probe, estimate_sensitivities
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
@@ -116,7 +116,7 @@ class Controller:
         self._meter: ChoiceMeter | None = None
         if self.config.adaptive and len(self.config.schemes) > 1:
             self._meter = ChoiceMeter(
-                self.config.schemes, self.config.group_size, self._sketchable, lambda: self._collector.armed
+                self.config.schemes, self.config.group_size, self.sketchable, lambda: self._collector.armed
             )
             self._path.observers.append(self._meter)
         self._compiled = CompiledPath(self.config, self._tracker, self._path)
@@ -156,9 +156,7 @@ class Controller:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
         self._thread = threading.get_ident()
         self._tracker.attach()
-        if self._graph_hooks is None:
-            self._graph_hooks = self._make_graph_hooks()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self._graph_hooks)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
         self._hooks.__enter__()
         checkpoint.install()  # non-reentrant checkpoints: inputs and recomputed tensors compressed (checkpoint.py)
         # Graphs compiled while installed pass their saved inputs to the hooks too (by default AOTAutograd
@@ -381,6 +379,53 @@ class Controller:
         adaptation and at fixed levels, where every compressed tensor gets ``config.bits``)."""
         return dict(self.plan.allocation)
 
+    # -- inspection ---------------------------------------------------------------------------------------
+
+    @property
+    def hooks(self) -> tuple[HookGraph, HookGraph]:
+        """The pack and unpack hooks the controller installs, to compose with other saved-tensor hooks: callables
+        (``torch.fx.GraphModule``s that AOTAutograd inlines into compiled graphs). Made on first use; new ones once an
+        adaptation changes the allocation, so that compiled graphs are traced again."""
+        if self._graph_hooks is None:
+            self._graph_hooks = self._make_graph_hooks()
+        return self._graph_hooks
+
+    @property
+    def sites(self) -> dict[Slot, Site]:
+        """The op each slot's save was learned as (by the op watcher in a watched pass, or from a saved result's
+        ``grad_fn``): its aten op, argument or result, scalar arguments (a copy)."""
+        return {slot: learned[0] for slot, learned in self._path.sites.items()}
+
+    def shared_with(self, slot: Slot) -> frozenset[Slot]:
+        """The slots of later saves in the last pass that shared what the save of ``slot`` stored: the same tensor
+        saved again, by another op (the input of the Q, K and V projections), under the first save's width."""
+        return frozenset(self._path.sharers.get(slot, ()))
+
+    def sketchable(self, slot: Slot) -> bool:
+        """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
+        learned, and so is every later save that shares what it stores (the other projections of one input)."""
+        learned = self._path.sites.get(slot)
+        sharers = self._path.sharers.get(slot, {}).values()
+        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
+
+    def diagnostics(self) -> dict[str, int | bool]:
+        """The sizes of the controller's own tables and the state of its op watcher, to check that nothing grows in a
+        long run: ``keys`` (noise seeds' numbers, one a key ever seen), ``sites`` (learned ops, one a slot),
+        ``handles`` and ``storages`` (this pass's dedupe entries and storages counted), ``watched_ops`` (aten ops the
+        watcher has seen, all passes), ``watch_next`` (the next pass is watched), ``in_forward`` (a forward of the
+        model is under way), ``most_calls`` (the most calls of one module in the pass under way)."""
+        path, tracker = self._path, self._tracker
+        return {
+            "keys": len(path.key_ids),
+            "sites": len(path.sites),
+            "handles": len(path.dedupe),
+            "storages": len(self._pass.live),
+            "watched_ops": path.watcher.ops,
+            "watch_next": path.relearn,
+            "in_forward": tracker.inside,
+            "most_calls": max(tracker.calls.values(), default=0),
+        }
+
     @property
     def _pass(self) -> PassStats:
         """The most recent forward pass that saved anything (compiled graphs' logged saves recorded first)."""
@@ -413,16 +458,9 @@ class Controller:
         """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,
         where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
         the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
-        if self._meter is not None and "sketch" in self.config.schemes and self._sketchable(slot):
+        if self._meter is not None and "sketch" in self.config.schemes and self.sketchable(slot):
             return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
         return ()
-
-    def _sketchable(self, slot: Slot) -> bool:
-        """Whether the save of ``slot`` is the input of a linear layer, as its op was learned, and so is every later
-        save that shares what it stores (the other projections of one input)."""
-        learned = self._path.sites.get(slot)
-        sharers = self._path.sharers.get(slot, {}).values()
-        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
 
     def _curved(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""

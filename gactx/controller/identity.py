@@ -78,7 +78,7 @@ class ModuleTracker:
         self.on_pass_end = on_pass_end
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._stack: list[list] = []  # [name, call number, saves so far, module]
-        self._calls: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # module -> its calls in the pass under way
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
         self._outside = self._backward = 0
         self._thread = threading.get_ident()
@@ -115,12 +115,12 @@ class ModuleTracker:
             self.on_pass_end()
         if not self._stack:
             if module is self.model or name in self._entered:
-                self._calls.clear()
+                self.calls.clear()
                 self._entered.clear()
                 self._outside = self._backward = 0
                 self.on_new_pass()
             self._entered.add(name)
-        call = self._calls[name] = self._calls.get(name, 0) + 1
+        call = self.calls[name] = self.calls.get(name, 0) + 1
         self._stack.append([name, call, 0, module])
 
     def _interrupted(self, entering: nn.Module) -> bool:

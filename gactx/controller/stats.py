@@ -33,6 +33,8 @@ class MemoryStats:
         deduplicated: saves answered with a handle already made in this pass.
         offloaded_bytes: the part of ``packed_bytes`` waiting in pinned CPU memory (level L3 or
             ``offload=True``, CUDA tensors); the device holds ``device_bytes``.
+        kept_by_reason: ``kept_bytes`` by why they were kept (``"small"``, ``"dtype int64"``, an op class such as
+            ``"equality"``, ``"32 (as is)"``), largest first.
     """
 
     original_bytes: int = 0
@@ -43,6 +45,7 @@ class MemoryStats:
     kept: int = 0
     deduplicated: int = 0
     offloaded_bytes: int = 0
+    kept_by_reason: dict[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def ratio(self) -> float:
@@ -183,6 +186,7 @@ class PassStats:
             kept=self.kept,
             deduplicated=self.deduplicated,
             offloaded_bytes=self.offloaded_bytes,
+            kept_by_reason=self.kept_by_reason(),
         )
 
     def table(self, sensitivity: dict | None = None) -> str:

@@ -80,7 +80,7 @@ def test_adaptation_leaves_the_model_as_it_was():
     # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, a pair
     # probes each, a second pair each BatchNorm input (rules.curved), calibration pairs each sketchable input.
     curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
-    sketchable = sum(controller._sketchable(slot) for slot in controller.sensitivity)
+    sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
     per_estimate = 1 + 2 * len(controller.sensitivity) + 2 * curved + 2 * CALIBRATION_PAIRS * sketchable
     assert curved >= 1 and sketchable >= 1 and adaptation.passes == 2 * per_estimate
     assert adaptation.seconds > 0
@@ -320,5 +320,5 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     with controller:
         model(x).square().mean().backward()
         adaptation = controller.adapt(lambda: model(x).square().mean().backward())
-    sketchable = sum(controller._sketchable(slot) for slot in controller.sensitivity)
+    sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
     assert adaptation.passes == 1 + 2 * len(controller.sensitivity) + 2 + 2 * CALIBRATION_PAIRS * sketchable

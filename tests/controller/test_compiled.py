@@ -12,6 +12,7 @@ from torch import nn
 import gactx
 from gactx.controller.compiled import HookGraph
 from gactx.controller.graph_nodes import module_name
+from gactx.controller.pack import PackPath
 
 WIDTH = 128
 
@@ -48,14 +49,13 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_the_pack_hook_runs_only_while_compiling():
+def test_the_pack_hook_runs_only_while_compiling(monkeypatch):
     model, x = mlp(), torch.randn(64, WIDTH)
     compiled = torch.compile(model, backend="aot_eager")
+    calls = []
+    eager_pack = PackPath.pack
+    monkeypatch.setattr(PackPath, "pack", lambda path, t: calls.append(t.shape) or eager_pack(path, t))
     with gactx.Controller(model, level="L1.1") as controller:
-        calls = []
-        eager_pack = controller._path.pack
-        controller._path.pack = lambda t: calls.append(t.shape) or eager_pack(t)
-        controller._renew_graph_hooks()
         for _ in range(3):
             grads(compiled, model, x)
     assert calls == [], "a compiled model's saves go through the graph, not the eager hook"
@@ -104,7 +104,7 @@ def test_a_compiled_root_begins_and_ends_its_passes(wrapped):
                 compiled(x[:8]).sum()  # never run backward
             grads(compiled, model, x)
             stats = controller.memory_stats()
-            seen.append((stats, [(str(r.key), r.bits) for r in controller.records], len(controller._path.key_ids)))
+            seen.append((stats, [(str(r.key), r.bits) for r in controller.records], controller.diagnostics()["keys"]))
     assert controller.allocation, "the adaptation allocated widths to the compiled model's tensors"
     (stats, records, keys), *rest = seen[1:]  # after the first adaptation
     assert stats.tensors == 6 and stats.original_bytes == 6 * 64 * WIDTH * 4
@@ -238,7 +238,7 @@ def test_hooks_are_graph_modules_that_bypass_the_compile_caches():
     model = mlp(1)
     controller = gactx.Controller(model, level="L1")
     with controller:
-        pack, unpack = controller._graph_hooks
+        pack, unpack = controller.hooks
     assert isinstance(pack, HookGraph) and isinstance(unpack, HookGraph)
     targets = [n.target.__name__ for n in pack.graph.nodes if n.op == "call_function"]
     assert targets == ["_uncached"]

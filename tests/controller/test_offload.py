@@ -3,6 +3,7 @@ at once and logs what it did, so the bookkeeping (what moves, when it comes back
 tested everywhere; the CUDA test runs the real streams and pinned memory."""
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 import gactx
 from gactx.controller import Packed
+from gactx.controller import controller as controller_module
 from gactx.controller.offload import HostCopy, Offloader
 from tests.helpers import live
 
@@ -67,9 +69,9 @@ def _mlp(depth=6):
 
 
 def _offloading(model, prefetch=2, **options):
-    controller = gactx.Controller(model, level="L3", **options)
     streams = CpuStreams()
-    controller._offloader = controller._path.offloader = Offloader(prefetch, streams)
+    with mock.patch.object(controller_module, "Offloader", lambda _: Offloader(prefetch, streams)):
+        controller = gactx.Controller(model, level="L3", **options)
     return controller, streams
 
 

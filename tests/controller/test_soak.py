@@ -22,10 +22,9 @@ def test_two_thousand_steps_with_adaptation_every_hundred():
     def held():
         # (the pass's tables of live storages and of stored handles are rebuilt every pass; they are bounded by the
         # pass's records: a dead handle's entry stays until the pass ends, so their sizes vary with addresses)
-        assert len(controller._pass.live) <= len(controller.records)
-        assert len(controller._path.dedupe) <= len(controller.records)
-        return (len(controller._path.key_ids), len(controller.records), len(controller.allocation),
-                len(controller.sensitivity))  # fmt: skip
+        sizes = controller.diagnostics()
+        assert sizes["storages"] <= len(controller.records) and sizes["handles"] <= len(controller.records)
+        return sizes["keys"], len(controller.records), len(controller.allocation), len(controller.sensitivity)
 
     with controller:
         for step in range(1, 2001):
