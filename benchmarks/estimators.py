@@ -104,7 +104,7 @@ VARIANTS = {"actnn": {}, "raw_norm_inputs": {"normalized": False}, "per_tensor":
 def _free(model, run, **switches) -> dict:
     controller = gactx.Controller(model, level=LEVEL, estimator="actnn")
     for name, value in switches.items():
-        setattr(controller._collector, name, value)
+        setattr(controller.estimator.collector, name, value)
     with controller:
         run()
         controller.iterate()  # step 1 collected; the adaptation read it
@@ -126,12 +126,12 @@ def _free_costs(model, run, repeats: int) -> tuple[dict, float, float]:
             run()
             ordinary.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
-            controller._collect_pending = True  # the next forward collects, as in the step before an adaptation
+            controller.estimator.pending = True  # the next forward collects, as in the step before an adaptation
             start = time.perf_counter()
             run()
-            controller._collector.take()
+            controller.estimator.collector.take()
             collecting.append(time.perf_counter() - start)
-            controller._collect_pending = False
+            controller.estimator.pending = False
     model.zero_grad(set_to_none=True)
     return sensitivity, statistics.median(ordinary[1:]), statistics.median(collecting[1:])
 

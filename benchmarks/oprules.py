@@ -156,9 +156,9 @@ def watcher_cost(steps: int) -> list[dict]:
         for c in controllers.values():  # learn, warm up
             for _ in range(2):
                 _forward(w, c, inputs, target)
-        ops_before = controllers["always"]._path.watcher.ops
+        ops_before = controllers["always"].diagnostics()["watched_ops"]
         _forward(w, controllers["always"], inputs, target)
-        ops = controllers["always"]._path.watcher.ops - ops_before
+        ops = controllers["always"].diagnostics()["watched_ops"] - ops_before
         times = {mode: [] for mode in controllers}
         for _ in range(steps):
             for mode, c in controllers.items():  # alternated, so drift hits both alike

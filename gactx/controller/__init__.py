@@ -1,7 +1,7 @@
 """Saved-tensor hooks, tensor identity, bits per tensor and memory accounting. Knows nothing of kernels' insides."""
 
 from gactx.controller.adaptation import Adaptation
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
 from gactx.controller.controller import Controller, Packed
 from gactx.controller.decide import Decision, decide
 from gactx.controller.identity import Key, Slot

@@ -12,8 +12,6 @@ import dataclasses
 import logging
 import threading
 import time
-import warnings
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -21,16 +19,15 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller import checkpoint
-from gactx.controller.adaptation import Adaptation, default_width, plan, reduce_across_ranks
-from gactx.controller.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
+from gactx.controller.adaptation import Adaptation, plan, reduce_across_ranks
+from gactx.controller.adaptation.choices import Choice
+from gactx.controller.adaptation.estimators import Estimator, make_estimator
 from gactx.controller.compiled import CompiledPath, HookGraph
-from gactx.controller.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
-from gactx.controller.plan import Plan, mix
-from gactx.controller.rules import Site, curved, sketchable
-from gactx.controller.sensitivity import Probe, estimate_sensitivities
+from gactx.controller.plan import Plan
+from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Kept, Packed
@@ -101,9 +98,8 @@ class Controller:
         self.config: Config = config if config is not None else make_config(level, **options)
         self._tracker = ModuleTracker(model, on_new_pass=self._new_pass, on_pass_end=self._pass_end)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self.sensitivity: dict[tuple, float] = {}  # the last estimate, by slot
+        self.sensitivity: dict[Slot, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
-        self._warned_no_closure = False
         self._offloader = Offloader(self.config.prefetch) if self.config.offload else None
         self._path = PackPath(
             self.config,
@@ -112,18 +108,10 @@ class Controller:
             Plan.initial(self.config.bits, self.config.adaptive, self.config.seed),
             self._offloader,
         )
-        # The stored error of each scheme, measured on each allocated tensor in the estimator's pass (choices.py).
-        self._meter: ChoiceMeter | None = None
-        if self.config.adaptive and len(self.config.schemes) > 1:
-            self._meter = ChoiceMeter(
-                self.config.schemes, self.config.group_size, self.sketchable, lambda: self._collector.armed
-            )
-            self._path.observers.append(self._meter)
+        self.estimator: Estimator = make_estimator(self.config, model, self._path, self._tracker)
         self._compiled = CompiledPath(self.config, self._tracker, self._path)
         self._graph_hooks: tuple[HookGraph, HookGraph] | None = None
         self._discovered: PassStats | None = None  # the eager pass an adaptation allocated for
-        self._collector = FreeCollector(model, self._tracker, self._path.observers, self.config.group_size)
-        self._collect_pending = False  # estimator "actnn": an adaptation waits for a step that collects
         if self._offloader is not None and not torch.cuda.is_available():
             self._offloader.warn("no CUDA device is available")
 
@@ -211,26 +199,10 @@ class Controller:
         self.step += 1
         self._compiled.drain()  # what compiled graphs logged this step: read once a step, it does not pile up
         cfg = self.config
-        if not cfg.adaptive or not (self._due(self.step) or self._collect_pending):
+        if not cfg.adaptive or not (self._due(self.step) or self.estimator.pending):
             return
-        if cfg.estimator == "actnn":
-            # The step just run collected the estimate (its forward began with the adaptation due); one that
-            # did not (hooks installed after its forward began) leaves the adaptation to the next step.
-            self._collect_pending = not self._collector.collected and backprop is None
-            if not self._collect_pending:
-                self.adapt(backprop)
-            return
-        if backprop is None:
-            if not self._warned_no_closure:
-                warnings.warn(
-                    f"gactx level {cfg.level} adapts bits only when iterate() gets a backprop closure; "
-                    f"every tensor stays at {default_width(cfg.bits)} bits",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._warned_no_closure = True
-            return
-        self.adapt(backprop)
+        if self.estimator.ready(backprop):
+            self.adapt(backprop)
 
     def adapt(self, backprop: Callable[[], object] | None = None) -> Adaptation:
         """Measure every compressed tensor's sensitivity with ``backprop`` and allocate bits now.
@@ -249,11 +221,7 @@ class Controller:
             )
         if not self._pass.records:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
-        # GACT's estimator measures each tensor with the others stored as they are now. A tensor's effect on the
-        # gradient depends on theirs (a normalisation's input on a BERT layer: 10 times larger with the others at
-        # the default width than at the widths then allocated), so the first adaptation measures again around the
-        # allocation it found, as every later one does.
-        rounds = 2 if cfg.estimator == "gact" and not self.plan.allocation else 1
+        rounds = self.estimator.rounds(bool(self.plan.allocation))
         progress, estimates = _Progress(self.step, rounds), []
         for progress.round in range(1, rounds + 1):
             estimates.append(self._adapt_once(backprop, progress))
@@ -277,26 +245,17 @@ class Controller:
             # Compiled regions run eagerly here: each probe changes one tensor's width, which a compiled graph
             # would have to be recompiled for.
             with torch.compiler.set_stance("force_eager"):
-                if cfg.estimator == "actnn":
-                    estimate = free_estimate(self.model, self._collector, backprop)
-                else:
-                    if backprop is None:
-                        raise TypeError("adapt() with estimator='gact' needs a backprop closure")
-                    estimate = estimate_sensitivities(
-                        self.model, backprop, self._discover, self._set_probe, cfg.probe_bits, self._probe_seed,
-                        progress, self._probed_choices, self._curved,
-                    )  # fmt: skip
+                estimate = self.estimator.estimate(backprop, self.step, progress)
         finally:
             if not was_installed:
                 self.uninstall_hook()
             discovered, self._pass, self._path.fresh = self._pass, training_pass, True
-        measured = self._meter.read() if self._meter is not None else {}
         # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
         absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
                     estimate.curves.items()}  # fmt: skip
         ratios = {s: {"rho": r} for s, r in estimate.ratios.items()}
         self.sensitivity, measured, probed, absolute, ratios = reduce_across_ranks(
-            estimate.sensitivity, measured, estimate.probed, absolute, ratios
+            estimate.sensitivity, estimate.measured, estimate.probed, absolute, ratios
         )
         curves = {s: (p["a"] / self.sensitivity[s], p["q"] / self.sensitivity[s]) for s, p in absolute.items()
                   if self.sensitivity[s] > 0}  # fmt: skip
@@ -404,16 +363,15 @@ class Controller:
     def sketchable(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
         learned, and so is every later save that shares what it stores (the other projections of one input)."""
-        learned = self._path.sites.get(slot)
-        sharers = self._path.sharers.get(slot, {}).values()
-        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
+        return self._path.sketchable(slot)
 
     def diagnostics(self) -> dict[str, int | bool]:
         """The sizes of the controller's own tables and the state of its op watcher, to check that nothing grows in a
         long run: ``keys`` (noise seeds' numbers, one a key ever seen), ``sites`` (learned ops, one a slot),
         ``handles`` and ``storages`` (this pass's dedupe entries and storages counted), ``watched_ops`` (aten ops the
         watcher has seen, all passes), ``watch_next`` (the next pass is watched), ``in_forward`` (a forward of the
-        model is under way), ``most_calls`` (the most calls of one module in the pass under way)."""
+        model is under way), ``most_calls`` (the most calls of one module in the pass under way), ``observers`` and
+        ``output_hooks`` (what the estimator watches saves and module outputs with, while it measures)."""
         path, tracker = self._path, self._tracker
         return {
             "keys": len(path.key_ids),
@@ -424,6 +382,8 @@ class Controller:
             "watch_next": path.relearn,
             "in_forward": tracker.inside,
             "most_calls": max(tracker.calls.values(), default=0),
+            "observers": len(path.observers),
+            "output_hooks": len(tracker.output_hooks),
         }
 
     @property
@@ -441,37 +401,6 @@ class Controller:
     def _due(self, step: int) -> bool:
         """Whether an adaptation is due when ``iterate()`` ends step ``step``."""
         return step == 1 or step % self.config.adapt_interval == 0
-
-    def _discover(self, run: Callable[[], object]) -> list[tuple]:
-        self._pass, self._path.fresh = PassStats(), False
-        if self._meter is not None:
-            self._meter.clear()  # nothing left from an earlier pass
-            self._meter.armed = True
-        try:
-            run()
-        finally:
-            if self._meter is not None:
-                self._meter.armed = False
-        return [r.key.slot for r in self._pass.records if r.allocated]
-
-    def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
-        """Choices whose effect on the gradient GACT's estimator measures for ``slot``: a sketch of half the rows,
-        where a sketch may be chosen (its error lands on the rows whose gradient is large or small alike only if
-        the gradient's rows are alike; the measurement says by how much they are not, see choices.py)."""
-        if self._meter is not None and "sketch" in self.config.schemes and self.sketchable(slot):
-            return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
-        return ()
-
-    def _curved(self, slot: Slot) -> bool:
-        """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""
-        learned = self._path.sites.get(slot)
-        return learned is not None and curved(learned[0])
-
-    def _set_probe(self, probe: Probe | None) -> None:
-        self._path.plan = self._path.plan.probing(probe)
-
-    def _probe_seed(self, slot: Slot, k: int) -> int:
-        return mix(self.config.seed, self.step, zlib.crc32(repr(slot).encode()), k)
 
     # -- accounting -------------------------------------------------------------------------------------------
 
@@ -509,11 +438,8 @@ class Controller:
         top = _top_hooks()
         if top is None or top[0] is self._graph_hooks[0]:
             self._path.begin_forward()
-            cfg = self.config
-            if cfg.adaptive and cfg.estimator == "actnn" and (self._due(self.step + 1) or self._collect_pending):
-                self._collector.arm()  # the step before an adaptation: read the free estimate
-                if self._meter is not None:
-                    self._meter.clear()  # and measure the choices' errors again
+            if self.config.adaptive:
+                self.estimator.forward_begins(self._due(self.step + 1))
 
     def _pass_end(self) -> None:
         self._path.end_forward()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gactx.config import Config
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
 from gactx.controller.graph_nodes import PASS_THROUGH, op_name, source
 from gactx.controller.identity import Slot
 from gactx.controller.plan import GraphSlot, Plan

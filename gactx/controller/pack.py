@@ -36,9 +36,11 @@ from gactx.controller.rules import (
     UNKNOWN,
     Rule,
     Site,
+    curved,
     node_id,
     output_rule,
     rule_for,
+    sketchable,
 )
 from gactx.controller.stats import AS_IS, KeyRecord, PassStats, counted_range
 from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
@@ -54,8 +56,9 @@ class PackPath:
     """Packs the saved tensors of the passes of one model (see the module docstring).
 
     ``plan`` (``plan.py``, replaced by the controller, never changed) gives the width of an allocated class, the
-    scheme the allocation chose for it (``None``: uniform codes; see ``choices.py``), the noise seed, and whether the
-    sensitivity estimator perturbs the slot now (then the tensor is quantized uniformly, whatever its class)."""
+    scheme the allocation chose for it (``None``: uniform codes; see ``adaptation/choices.py``), the noise seed, and
+    whether the sensitivity estimator perturbs the slot now (then the tensor is quantized uniformly, whatever its
+    class). ``decide.py`` reads it for each save."""
 
     def __init__(
         self,
@@ -198,6 +201,18 @@ class PackPath:
             self.relearn = True
         found = output_rule(t, self._claimed)
         return found if found is not None else (None, UNKNOWN)
+
+    def sketchable(self, slot: Slot) -> bool:
+        """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
+        learned, and so is every later save that shares what it stores (the other projections of one input)."""
+        learned = self.sites.get(slot)
+        sharers = self.sharers.get(slot, {}).values()
+        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
+
+    def curved(self, slot: Slot) -> bool:
+        """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""
+        learned = self.sites.get(slot)
+        return learned is not None and curved(learned[0])
 
     def _resolve(self, handle: Packed, site: Site, origin: str | None) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""

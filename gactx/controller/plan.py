@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import torch
 
-from gactx.controller.adaptation import default_width
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.budget import default_width
+from gactx.controller.adaptation.choices import Choice
+from gactx.controller.adaptation.sensitivity import Probe
 from gactx.controller.identity import Slot
-from gactx.controller.sensitivity import Probe
 
 __all__ = ["GraphSlot", "Plan", "mix"]
 

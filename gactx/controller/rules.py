@@ -53,7 +53,7 @@ The input of a normalisation is ``linear`` too, but its backward is not linear i
 normalises the saved input again and multiplies it by a sum over the row that holds it as well
 (``x_hat * sum(g w x_hat)``), so its rounding error enters twice and the gradient variance grows with the square of
 the stored error as much as with the error. :func:`curved` names these saves; the sensitivity estimator measures
-them at two widths (``sensitivity.py``).
+them at two widths (``adaptation/sensitivity.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from gactx.config import SCHEMES
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
 from gactx.controller.identity import Slot
 
 __all__ = ["STATE_VERSION", "write_state", "read_state"]

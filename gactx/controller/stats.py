@@ -71,7 +71,7 @@ class KeyRecord:
     storage_bytes: int  # bytes of its storage that keeping it holds (see counted_range)
     op: str = ""  # the aten op that saved it, and the argument or result when not self/result
     cls: str = ""  # its rule's class (see rules.py)
-    form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see choices.py)
+    form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see adaptation/choices.py)
     reason: str = ""  # why it was kept as it is ("small", "kept", "as is", "L0", ...); "" where it was stored
 
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
 from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import Rule, sketchable
@@ -258,8 +258,8 @@ def encode(
     choice: Choice | None = None, site=None,
 ):  # fmt: skip
     """What ``rule`` stores for ``t`` at ``bits`` (the width chosen for quantized and FewBit classes); ``choice``:
-    the scheme the allocation chose for a quantized class where not uniform codes (``choices.py``), ``site``: the
-    save's op (a sketch needs the input of a linear layer)."""
+    the scheme the allocation chose for a quantized class where not uniform codes (``adaptation/choices.py``),
+    ``site``: the save's op (a sketch needs the input of a linear layer)."""
     kind = rule.kind
     if kind == "mask":
         values = mask_values(rule, t.dtype)

@@ -10,7 +10,7 @@ from torch import nn
 
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
-from gactx.controller.choices import CALIBRATION_PAIRS
+from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
 
 class TwoBranches(nn.Module):
@@ -276,8 +276,8 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
 
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
 def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
-    from gactx.controller.allocator import variance_factor as S
-    from gactx.controller.sensitivity import fit_curve
+    from gactx.controller.adaptation.allocator import variance_factor as S
+    from gactx.controller.adaptation.sensitivity import fit_curve
 
     variance = {b: lin * S(b) + q * S(b) ** 2 for b in (1, 4)}
     (a, qq), c = fit_curve(variance, 2)
@@ -287,8 +287,8 @@ def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
 
 
 def test_fit_curve_never_underrates_where_the_two_points_disagree():
-    from gactx.controller.allocator import variance_factor as S
-    from gactx.controller.sensitivity import fit_curve
+    from gactx.controller.adaptation.allocator import variance_factor as S
+    from gactx.controller.adaptation.sensitivity import fit_curve
 
     # Relative to S(b), the 4-bit point above the 1-bit one: no curve with q >= 0 passes both; the line of the
     # larger ratio is taken, so that neither width is predicted below what it measured.

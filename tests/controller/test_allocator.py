@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gactx.controller.allocator import Item, allocate, variance_factor, widths_for
+from gactx.controller.adaptation.allocator import Item, allocate, variance_factor, widths_for
 from gactx.kernels.format import expected_nbytes
 
 DTYPES = [torch.float32, torch.bfloat16]

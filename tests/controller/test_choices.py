@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gactx
-from gactx.controller.allocator import Item, allocate, variance_factor
-from gactx.controller.choices import Choice, ChoiceMeter, choice_options
+from gactx.controller.adaptation.allocator import Item, allocate, variance_factor
+from gactx.controller.adaptation.choices import Choice, ChoiceMeter, choice_options
 from gactx.controller.rules import LINEAR
 from gactx.kernels.format import expected_nbytes
 from gactx.kernels.samples import split_nbytes
@@ -191,7 +191,7 @@ def test_every_scheme_is_chosen_on_bert_and_its_gradient_stays_unbiased(estimato
 
 
 def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
-    from gactx.controller.choices import CALIBRATION_SKETCH, calibration
+    from gactx.controller.adaptation.choices import CALIBRATION_SKETCH, calibration
 
     measured = {Choice(b): 10.0 / 4**b for b in (1, 2, 4, 8)} | {
         CALIBRATION_SKETCH: 3.0,
@@ -212,7 +212,7 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 
 def test_gact_probes_each_sketchable_tensor_with_its_calibration_pairs():
-    from gactx.controller.choices import CALIBRATION_PAIRS
+    from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
     from tests.controller.zoo import build
 
     model, run = build("transformer_layer", 1)
@@ -224,5 +224,5 @@ def test_gact_probes_each_sketchable_tensor_with_its_calibration_pairs():
             _grad(model, run)
             controller.iterate(lambda: _grad(model, run))
             passes[name] = controller.adapt(lambda: _grad(model, run)).passes  # one estimate (not the first)
-    sketchable = sum(sketching._sketchable(slot) for slot in sketching.sensitivity)
+    sketchable = sum(sketching.sketchable(slot) for slot in sketching.sensitivity)
     assert sketchable >= 2 and passes["sketching"] == passes["plain"] + 2 * CALIBRATION_PAIRS * sketchable

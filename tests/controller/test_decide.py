@@ -5,6 +5,7 @@ import torch
 
 import gactx
 from gactx.config import make_config
+from gactx.controller.adaptation.sensitivity import Probe
 from gactx.controller.decide import BOOL_MASK, decide, kept, may_share
 from gactx.controller.plan import GraphSlot
 from gactx.controller.rules import (
@@ -17,7 +18,6 @@ from gactx.controller.rules import (
     graph_result_rule,
     rule_for,
 )
-from gactx.controller.sensitivity import Probe
 
 SLOT = gactx.Slot("block", 1, 0)
 X = torch.randn(4, 64)

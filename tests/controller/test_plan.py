@@ -8,7 +8,7 @@ from torch import nn
 
 import gactx
 from gactx.controller.adaptation import default_width
-from gactx.controller.sensitivity import Probe
+from gactx.controller.adaptation.sensitivity import Probe
 
 
 def test_a_fixed_level_gives_its_width_and_no_choice():

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gactx
 from benchmarks.estimators import spearman
-from gactx.controller.free_sensitivity import range_variance
+from gactx.controller.adaptation.free_sensitivity import range_variance
 
 
 def _scaled_mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -77,7 +77,7 @@ def test_collecting_reads_nothing_to_the_host_inside_the_step():
     controller = gactx.Controller(model, level="L2.2", estimator="actnn", op_rules="off")
     mode = _NoHostReads()
     with controller:
-        collector = controller._collector
+        collector = controller.estimator.collector
         # the hooks' reductions run under the mode: the observer and the gradient hooks
         for name in ("_observe", "_gradient"):
             hook = getattr(collector, name)
@@ -103,14 +103,15 @@ def test_collecting_leaves_no_hooks_and_does_not_touch_the_model():
     controller = gactx.Controller(model, level="L2.2", estimator="actnn")
     with controller:
         model(x).square().mean().backward()
-        assert controller._collector.armed and controller._path.observers
+        assert controller.estimator.collector.armed and controller.diagnostics()["observers"] == 2
         controller.iterate()
-        assert not controller._collector.armed
+        assert not controller.estimator.collector.armed
         # What stays: the storage choices' meter (choices.py), armed only while an estimator measures.
-        assert controller._path.observers == [controller._meter] and controller._tracker.output_hooks == []
+        sizes = controller.diagnostics()
+        assert sizes["observers"] == 1 and controller.estimator.meter is not None and sizes["output_hooks"] == 0
         model.zero_grad()
         model(x).square().mean().backward()  # step 2: nothing is due, nothing collects
-        assert not controller._collector.armed
+        assert not controller.estimator.collector.armed
     assert all(torch.equal(a, p) for a, p in zip(reference, model.parameters(), strict=True))
 
 
@@ -151,7 +152,7 @@ def test_adapt_uses_the_collected_step_or_runs_one_closure_pass():
         assert controller.adapt().passes == 0  # step 1 collected
         model.zero_grad()
         run()  # still step 0 (adapt() does not count steps): this pass collects too; drop what it read
-        controller._collector.take()
+        controller.estimator.collector.take()
         grads = [p.grad.clone() for p in model.parameters()]
         rng = torch.get_rng_state()
         adaptation = controller.adapt(run)
@@ -183,13 +184,13 @@ def _token_stack() -> tuple[nn.Module, torch.Tensor]:
 
 def test_the_free_estimate_reports_each_normalization_inputs_noise_ratio():
     """rho = mean(R^2 / 6) * mean(1 / (var + eps)) for LayerNorm inputs as stored (groups of 256); none elsewhere."""
-    from gactx.controller.free_sensitivity import free_estimate
+    from gactx.controller.adaptation.free_sensitivity import free_estimate
 
     model, x = _token_stack()
     controller = gactx.Controller(model, level="L2.2", estimator="actnn")
     with controller:
         model(x).square().mean().backward()
-        estimate = free_estimate(model, controller._collector, None)
+        estimate = free_estimate(model, controller.estimator.collector, None)
     assert set(estimate.ratios) == {("0.0", 1, 0), ("1.0", 1, 0), ("2.0", 1, 0)}
     first = estimate.ratios[("0.0", 1, 0)]
     expected = float(range_variance(x, 256)) / x.numel() * float((1 / (x.var(-1, unbiased=False) + 1e-12)).mean())
@@ -200,7 +201,7 @@ def test_the_free_estimate_reports_each_normalization_inputs_noise_ratio():
     controller = gactx.Controller(model, level="L2.2", estimator="actnn")
     with controller:
         model(torch.randn(256, 64)).square().mean().backward()
-        estimate = free_estimate(model, controller._collector, None)
+        estimate = free_estimate(model, controller.estimator.collector, None)
     assert ("1", 1, 0) in estimate.sensitivity and estimate.ratios == {}
 
 
@@ -208,9 +209,9 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     """The allocator offers a normalization input ActNN's estimator rated only the widths w with rho S(w) <= 1;
     without that, the zoo transformer layer's gradient error at L2.2 was 11 to 15 times the gradient (1e16 on a
     small ViT): its LayerNorm inputs got 1 bit, the free formula does not see them multiply the noise below."""
-    from gactx.controller.adaptation import NOISE_CEILING, noise_floor, plan
-    from gactx.controller.allocator import WIDTHS, variance_factor
-    from gactx.controller.free_sensitivity import free_estimate
+    from gactx.controller.adaptation import NOISE_CEILING, noise_floor
+    from gactx.controller.adaptation.allocator import WIDTHS, variance_factor
+    from gactx.controller.adaptation.free_sensitivity import free_estimate
     from tests.controller.zoo import build
 
     assert noise_floor(WIDTHS, 10.0) == (4, 8, 16, 32) and noise_floor(WIDTHS, 0.5) == WIDTHS
@@ -218,14 +219,16 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     run = lambda: model(x).square().mean().backward()  # noqa: E731
     controller = _free(model, run)
     with controller:
-        ratios = free_estimate(model, controller._collector, run).ratios  # one pass, read as the step was
+        ratios = free_estimate(model, controller.estimator.collector, run).ratios  # one pass, read as the step was
     for slot, rho in ratios.items():
         assert rho * variance_factor(controller.allocation[slot]) <= NOISE_CEILING, (slot, rho)
     assert controller.allocation[("0.0", 1, 0)] >= 4  # rho over 1000
-    # The floor is paid from the level's budget, not added to it: the bytes stay what L2.2 allows.
-    floored, budget = plan(controller.config, controller._discovered, controller.sensitivity, ratios=ratios)
-    assert budget == plan(controller.config, controller._discovered, controller.sensitivity)[1]
-    assert floored.nbytes <= budget and floored.bits == controller.allocation
+    # The floor is paid from the level's budget, not added to it: the bytes stay what L2.2 allows, 2 bits an element
+    # (4 for attention) and 8 bytes a group of each allocated tensor.
+    a, group = controller.last_adaptation, controller.config.group_size
+    numels = [(math.prod(r.key.shape), r.cls) for r in controller.records if r.allocated]
+    assert a.budget_bytes == sum(n * (4 if cls == "attention" else 2) // 8 + 8 * -(-n // group) for n, cls in numels)
+    assert a.allocated_bytes <= a.budget_bytes
 
     model, run = build("transformer_layer", 1)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import gactx
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
 from gactx.controller.state import read_state, write_state
 
 

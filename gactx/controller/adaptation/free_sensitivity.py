@@ -49,9 +49,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gactx.controller.adaptation.sensitivity import Estimate, ModelSnapshot, cap
 from gactx.controller.identity import BACKWARD, OUTSIDE, Key, ModuleTracker
 from gactx.controller.rules import Rule
-from gactx.controller.sensitivity import Estimate, ModelSnapshot, cap
 
 __all__ = ["FreeCollector", "free_estimate", "range_variance"]
 

@@ -43,6 +43,7 @@ from fractions import Fraction
 
 import torch
 
+from gactx.controller.adaptation.widths import variance_factor
 from gactx.kernels.format import expected_nbytes, memory_order
 from gactx.kernels.normal import NORMAL_BITS
 from gactx.kernels.samples import SPLIT_FRACTIONS, sample_ranges, sample_variances, split_count, split_nbytes
@@ -195,8 +196,6 @@ def _split_values(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor
 def calibration(measured: dict[Choice, float], probed: dict | None, sensitivity: float, probe_bits: int) -> float:
     """How much more gradient variance a sketch of this tensor adds than predicted: the measured variance of
     :data:`CALIBRATION_SKETCH` over ``C * S(probe) * V(sketch) / V(probe)``; 1 where nothing was measured."""
-    from gactx.controller.allocator import variance_factor
-
     got = (probed or {}).get(CALIBRATION_SKETCH)
     reference, sampled = measured.get(Choice(probe_bits), 0.0), measured.get(CALIBRATION_SKETCH, 0.0)
     predicted = sensitivity * variance_factor(probe_bits) * sampled / reference if reference > 0 else 0.0
@@ -221,8 +220,6 @@ def choice_options(
     each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`). ``response``:
     ``(a, q)``, the variance per unit of sensitivity is ``a x + q x**2`` at the choice's ``x = S(probe) V(choice) /
     V(probe)`` (``sensitivity.fit_curve``; linear, ``(1, 0)``, but for a normalisation's input)."""
-    from gactx.controller.allocator import variance_factor
-
     numel = torch.Size(shape).numel()
     row_len = shape[-1] if shape else 1
     reference = measured.get(Choice(probe_bits), 0.0)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gactx.controller.allocator import variance_factor
+from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
 
@@ -66,6 +66,7 @@ class Estimate:
     curves: dict = field(default_factory=dict)
     # slot -> rho: a LayerNorm input's normalized noise at S(b) = 1 over its values' variance (ActNN's estimator)
     ratios: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)  # slot -> {choice: its stored error} (choices.ChoiceMeter)
 
 
 class ModelSnapshot:

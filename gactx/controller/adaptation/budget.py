@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from gactx.config import Config, parse_bytes
-from gactx.controller.allocator import WIDTHS, Allocation, Item, allocate, variance_factor
-from gactx.controller.choices import calibration, choice_options
+from gactx.controller.adaptation.allocator import Allocation, Item, allocate
+from gactx.controller.adaptation.choices import calibration, choice_options
+from gactx.controller.adaptation.widths import WIDTHS, variance_factor
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import AS_IS, PassStats
 

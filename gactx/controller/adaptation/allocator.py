@@ -31,27 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gactx.controller.choices import Choice
+from gactx.controller.adaptation.choices import Choice
+from gactx.controller.adaptation.widths import WIDTHS, variance_factor, widths_for
 from gactx.kernels.codes import coded_nbytes
 from gactx.kernels.format import expected_nbytes
 
 __all__ = ["WIDTHS", "Item", "Allocation", "variance_factor", "widths_for", "allocate"]
-
-WIDTHS = (1, 2, 4, 8, 16, 32)
-
-
-def variance_factor(bits: int, dtype: torch.dtype = torch.float32) -> float:
-    """``S(b)``: the gradient variance per unit of sensitivity that ``bits`` adds (see the module docstring)."""
-    if bits == 32 or (bits == 16 and dtype != torch.float32):
-        return 0.0
-    if bits == 16:
-        return variance_factor(8) / 16
-    return 1.0 / ((1 << bits) - 1) ** 2
-
-
-def widths_for(dtype: torch.dtype) -> tuple[int, ...]:
-    """Widths worth choosing for ``dtype``: for fp16/bf16, 16 is already "as is", so 32 adds nothing."""
-    return WIDTHS if dtype == torch.float32 else WIDTHS[:-1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,18 @@
+"""Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, and ActNN's,
+``free_sensitivity.py``, behind one protocol), the storage choices a tensor may be offered and their measured errors
+(``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
+one adaptation's plan from an estimate (``budget.py``).
+
+The controller imports ``estimators`` itself: it reads the pack path's plan, which reads this package's widths.
+"""
+
+from gactx.controller.adaptation.budget import (
+    NOISE_CEILING,
+    Adaptation,
+    default_width,
+    noise_floor,
+    plan,
+    reduce_across_ranks,
+)
+
+__all__ = ["NOISE_CEILING", "Adaptation", "default_width", "noise_floor", "plan", "reduce_across_ranks"]

@@ -1,0 +1,184 @@
+"""The sensitivity estimators: two implementations of one protocol, which the controller drives without knowing which
+one it holds.
+
+The controller tells an estimator when a training forward begins (:meth:`Estimator.forward_begins`), asks at a step
+where an adaptation is due whether it can adapt now (:meth:`Estimator.ready`), and then asks it for estimates
+(:meth:`Estimator.estimate`, ``rounds`` of them). The estimator owns its state: the probe it sets in the pack path's
+plan, the free collector's hooks, the storage choices' meter. It reaches the saves through the pack path
+(``pack.py``: its plan, its pass statistics, the ops it learned), never through the controller.
+
+- :class:`GactEstimator` (GACT): ``1 + 2 L`` extra forward and backward passes of a closure, each perturbing one
+  tensor (``sensitivity.py``).
+- :class:`ActnnEstimator` (ActNN): read in the ordinary training step before an adaptation, no extra pass
+  (``free_sensitivity.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from torch import nn
+
+from gactx.config import Config
+from gactx.controller.adaptation.budget import default_width
+from gactx.controller.adaptation.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
+from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
+from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
+from gactx.controller.identity import ModuleTracker, Slot
+from gactx.controller.plan import mix
+from gactx.controller.stats import PassStats
+
+if TYPE_CHECKING:
+    from gactx.controller.pack import PackPath
+
+__all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "make_estimator"]
+
+Progress = Callable[[int, int], None]
+
+
+class Estimator(Protocol):
+    """What the controller asks of a sensitivity estimator (the module docstring)."""
+
+    meter: ChoiceMeter | None  # measures each allocated tensor's stored error under each scheme, where several
+    pending: bool  # an adaptation that was due waits for a later step (ActNN's: one that collects)
+
+    def rounds(self, allocated: bool) -> int:
+        """How many estimates one adaptation takes (``allocated``: an allocation was made before)."""
+
+    def forward_begins(self, due: bool) -> None:
+        """A training forward pass begins; ``due``: an adaptation is due when this step ends."""
+
+    def ready(self, backprop: Callable[[], object] | None) -> bool:
+        """Whether an adaptation that is due can run now, with ``backprop`` (``None``: no closure was given)."""
+
+    def estimate(self, backprop: Callable[[], object] | None, step: int, progress: Progress) -> Estimate:
+        """One estimate of every allocated tensor's sensitivity (the model left as it was)."""
+
+
+def make_estimator(config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> Estimator:
+    """The estimator ``config.estimator`` names, with a meter of the storage choices where the level offers several
+    schemes."""
+    cls = ActnnEstimator if config.estimator == "actnn" else GactEstimator
+    return cls(config, model, path, tracker)
+
+
+class _Measuring:
+    """What both estimators hold: the model, the pack path they reach the saves through, and the choices' meter."""
+
+    def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
+        self.config, self.model, self.path, self.tracker = config, model, path, tracker
+        self.meter: ChoiceMeter | None = None
+        if config.adaptive and len(config.schemes) > 1:
+            self.meter = ChoiceMeter(config.schemes, config.group_size, path.sketchable, self._meter_armed)
+            path.observers.append(self.meter)
+
+    def _meter_armed(self) -> bool:
+        return False
+
+    def _measured(self, estimate: Estimate) -> Estimate:
+        """``estimate`` with what the meter measured since it was last read."""
+        return dataclasses.replace(estimate, measured=self.meter.read() if self.meter is not None else {})
+
+
+class GactEstimator(_Measuring):
+    """GACT's estimator: each allocated tensor perturbed in turn at the probe width, two passes of the closure each;
+    the gradient variance between them is its sensitivity (``sensitivity.py``). The first adaptation measures twice:
+    a tensor's effect on the gradient depends on how the others are stored (a normalisation's input on a BERT layer:
+    10 times larger with the others at the default width than at the widths then allocated), so the second round
+    measures around the allocation the first found, as every later adaptation does."""
+
+    def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
+        super().__init__(config, model, path, tracker)
+        self.pending = False
+        self._warned = False
+
+    def rounds(self, allocated: bool) -> int:
+        return 1 if allocated else 2
+
+    def forward_begins(self, due: bool) -> None:
+        return None
+
+    def ready(self, backprop: Callable[[], object] | None) -> bool:
+        if backprop is None and not self._warned:
+            cfg = self.config
+            warnings.warn(
+                f"gactx level {cfg.level} adapts bits only when iterate() gets a backprop closure; "
+                f"every tensor stays at {default_width(cfg.bits)} bits",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned = True
+        return backprop is not None
+
+    def estimate(self, backprop: Callable[[], object] | None, step: int, progress: Progress) -> Estimate:
+        if backprop is None:
+            raise TypeError("adapt() with estimator='gact' needs a backprop closure")
+        seed = self.config.seed
+
+        def seed_of(slot: Slot, k: int) -> int:
+            return mix(seed, step, zlib.crc32(repr(slot).encode()), k)
+
+        estimate = estimate_sensitivities(
+            self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
+            self._probed_choices, self.path.curved,
+        )  # fmt: skip
+        return self._measured(estimate)
+
+    def _discover(self, run: Callable[[], object]) -> list[Slot]:
+        """Run the estimator's first pass on fresh statistics (the meter measuring it); the slots it allocated."""
+        path = self.path
+        path.stats, path.fresh = PassStats(), False
+        if self.meter is not None:
+            self.meter.clear()  # nothing left from an earlier pass
+            self.meter.armed = True
+        try:
+            run()
+        finally:
+            if self.meter is not None:
+                self.meter.armed = False
+        return [r.key.slot for r in path.stats.records if r.allocated]
+
+    def _set_probe(self, probe: Probe | None) -> None:
+        self.path.plan = self.path.plan.probing(probe)
+
+    def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
+        """Choices whose effect on the gradient is measured for ``slot``: a sketch of half the rows, where a sketch may
+        be chosen (its error lands on the rows whose gradient is large or small alike only if the gradient's rows are
+        alike; the measurement says by how much they are not, see choices.py)."""
+        if self.meter is not None and "sketch" in self.config.schemes and self.path.sketchable(slot):
+            return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
+        return ()
+
+
+class ActnnEstimator(_Measuring):
+    """ActNN's estimator, free: the training step before an adaptation (and the first) is read as it runs, by a
+    collector of group ranges and output gradients (``free_sensitivity.py``); where no step collected (hooks installed
+    after its forward began), the next step does, or one ordinary pass of a closure given to ``adapt()``."""
+
+    def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
+        self.collector = FreeCollector(model, tracker, path.observers, config.group_size)
+        super().__init__(config, model, path, tracker)
+        self.pending = False  # an adaptation waits for a step that collects
+
+    def _meter_armed(self) -> bool:
+        return self.collector.armed
+
+    def rounds(self, allocated: bool) -> int:
+        return 1
+
+    def forward_begins(self, due: bool) -> None:
+        if due or self.pending:
+            self.collector.arm()  # the step before an adaptation: read the free estimate
+            if self.meter is not None:
+                self.meter.clear()  # and measure the choices' errors again
+
+    def ready(self, backprop: Callable[[], object] | None) -> bool:
+        self.pending = not self.collector.collected and backprop is None
+        return not self.pending
+
+    def estimate(self, backprop: Callable[[], object] | None, step: int, progress: Progress) -> Estimate:
+        return self._measured(free_estimate(self.model, self.collector, backprop))
