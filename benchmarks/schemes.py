@@ -40,9 +40,10 @@ from benchmarks import workloads
 from benchmarks.device import device_name, device_slug, summary
 from benchmarks.table import markdown_table
 from gactx import Controller
-from gactx.config import ESTIMATORS, SCHEMES
+from gactx.config import ESTIMATORS
+from gactx.kernels import schemes
 
-ALL = SCHEMES
+ALL = schemes.names()
 CONFIGS = {  # label -> (schemes, estimator)
     "uniform only": (("uniform",), "gact"),
     "+normal": (("uniform", "normal"), "gact"),

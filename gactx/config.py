@@ -8,7 +8,7 @@ import sys
 import warnings
 from dataclasses import dataclass, fields
 
-from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES
+from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES, schemes
 
 __all__ = [
     "Config",
@@ -40,7 +40,6 @@ OP_RULES = ("learn", "always", "off")
 ESTIMATORS = ("gact", "actnn")
 # The schemes offered where none are given, by estimator: ActNN's measures no sketch (docs/adaptive.md).
 DEFAULT_SCHEMES = {"gact": ("uniform", "normal", "sketch"), "actnn": ("uniform", "normal")}
-SCHEMES = ("uniform", "normal", "sketch", "samples")
 CHECKPOINT_BITS = (2, 4, 8, 16)  # widths of a checkpointed region's inputs (None: kept)
 
 
@@ -158,11 +157,12 @@ class Config:
         if (
             not isinstance(self.schemes, tuple)
             or "uniform" not in self.schemes
-            or any(s not in SCHEMES for s in self.schemes)
+            or any(s not in schemes.names() for s in self.schemes)
             or len(set(self.schemes)) != len(self.schemes)
         ):
             raise ValueError(
-                f"schemes={self.schemes!r} must be a tuple of distinct names from {SCHEMES} that includes 'uniform'"
+                f"schemes={self.schemes!r} must be a tuple of distinct names from {schemes.names()} (the registered "
+                "storage schemes) that includes 'uniform'"
             )
         if not _is_int(self.probe_bits) or self.probe_bits not in (1, 2, 4, 8):
             raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")

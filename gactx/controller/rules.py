@@ -40,7 +40,7 @@ linear          everything else                                               qu
 A tensor whose op is not known (saved outside the model's forward, inside a compiled region, by a custom
 ``autograd.Function``) is ``linear`` unless it is an output whose ``grad_fn`` names its op (free to read).
 
-Inputs of linear layers may also be stored as a sketch of their rows (``gactx.kernels.sketch``: FewBit's
+Inputs of linear layers may also be stored as a sketch of their rows (``gactx.kernels.schemes.sketch``: FewBit's
 randomized linear): :func:`sketchable` says which saves. For ``y = x W^T`` backward reads ``x`` only in
 ``grad_W = g^T x``, linear in ``x``, and ``grad_x = g W`` never reads it; so an unbiased estimate of ``x`` keeps
 ``grad_W`` unbiased and ``grad_x`` exact. That holds for the activation operand of a matrix product whose other
@@ -399,7 +399,7 @@ def matrix_partner(op: str, role: str) -> str | None:
 
 
 def sketchable(site: Site) -> bool:
-    """Whether the save at ``site`` may be stored as a row sketch (``gactx.kernels.sketch``): it is a matrix
+    """Whether the save at ``site`` may be stored as a row sketch (``gactx.kernels.schemes.sketch``): it is a matrix
     operand of a product whose other operand is a weight, so backward reads it only for the weight's gradient,
     linearly. A result save, a product of two activations, or any other op: ``False``."""
     return site.weight_operand and not site.result and matrix_partner(site.op, site.role) is not None

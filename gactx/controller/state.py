@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from gactx.config import SCHEMES
-from gactx.controller.adaptation.choices import Choice
 from gactx.controller.identity import Slot
+from gactx.kernels import schemes
+from gactx.kernels.schemes import Choice
 
 __all__ = ["STATE_VERSION", "write_state", "read_state"]
 
@@ -74,7 +74,7 @@ def _choices(rows, bits: dict) -> dict:
     out = {}
     for row in rows:
         ok = isinstance(row, (list, tuple)) and len(row) == 6 and tuple(row[:3]) in bits
-        ok = ok and row[3] in SCHEMES and isinstance(row[4], (int, float)) and not isinstance(row[4], bool)
+        ok = ok and row[3] in schemes.names() and isinstance(row[4], (int, float)) and not isinstance(row[4], bool)
         ok = ok and isinstance(row[5], int) and not isinstance(row[5], bool) and 0 < row[4] <= 1
         if not ok:
             raise ValueError(f"gactx Controller state: 'choices' has a malformed row {row!r}")

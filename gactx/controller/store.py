@@ -14,17 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from gactx.controller.adaptation.choices import Choice
 from gactx.controller.offload import HostCopy
 from gactx.controller.policy import storage_ptr
 from gactx.controller.rules import Rule, sketchable
 from gactx.kernels import QuantizedTensor, dequantize, quantize
-from gactx.kernels.codes import CodedTensor, decode_codes, encode_bins, encode_codes, encode_compare
+from gactx.kernels.codes import encode_bins, encode_codes, encode_compare
 from gactx.kernels.fewbit import fewbit_table
 from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
 from gactx.kernels.functional import choose_backend, quantize_checked
-from gactx.kernels.samples import SplitTensor, split_samples
-from gactx.kernels.sketch import SketchedTensor, sketch_rows
+from gactx.kernels.schemes import Choice, scheme
 
 __all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form"]
 
@@ -132,9 +130,7 @@ class Packed:
             s = s.offloader.fetch(s)
         if isinstance(s, QuantizedTensor):
             return dequantize(s, backend=self.backend)
-        if isinstance(s, CodedTensor):
-            return decode_codes(s)
-        return s.decode()
+        return s.decode()  # every other stored form: codes, a scheme's (gactx/kernels/schemes), nothing
 
     def _check_version(self) -> None:
         saved = self.saved()
@@ -295,26 +291,17 @@ def encode(
 
 
 def _encode_choice(t: torch.Tensor, choice: Choice, seed: int, group_size: int, stochastic: bool, backend: str, site):
-    """``t`` stored under a scheme other than uniform codes, or ``None`` where the scheme does not apply to this save
-    (a graph that changed since the allocation: a sketch of a tensor that is no longer a linear layer's input)."""
-    if choice.scheme == "normal" and t.dtype in FLOAT_DTYPES:
-        return quantize(t, choice.bits, group_size, stochastic=stochastic, seed=seed, backend=backend, scheme="normal")
-    if choice.scheme == "samples" and t.dim() >= 2 and t.shape[0] >= 2 and t.dtype in FLOAT_DTYPES:
-        return split_samples(
-            t, choice.bits, choice.high, choice.fraction, group_size, stochastic=stochastic, seed=seed, backend=backend
-        )
-    if choice.scheme == "sketch" and t.dim() >= 2 and t.dtype in FLOAT_DTYPES and site is not None and sketchable(site):
-        return sketch_rows(
-            t, choice.fraction, choice.bits, seed, group_size, stochastic, backend, complement=choice.complement
-        )
-    return None
+    """``t`` stored under a scheme other than uniform codes (``gactx/kernels/schemes``), or ``None`` where the scheme
+    does not apply to this save (a graph that changed since the allocation: a sketch of a tensor that is no longer a
+    linear layer's input)."""
+    return scheme(choice.scheme).encode(
+        t, choice, seed, group_size, stochastic, backend, site is not None and sketchable(site)
+    )
 
 
 def stored_form(stored, choice: Choice) -> str:
     """What a record says of a tensor stored under ``choice``: ``""`` for uniform codes (also where the choice did not
     apply and uniform codes were stored instead)."""
-    if isinstance(stored, SketchedTensor | SplitTensor):
-        return str(choice).split(" ", 1)[1]
-    if isinstance(stored, QuantizedTensor) and stored.scheme != "uniform":
-        return stored.scheme
-    return ""
+    if isinstance(stored, QuantizedTensor) and stored.scheme == "uniform":
+        return ""
+    return scheme(choice.scheme).form(choice)

@@ -55,6 +55,10 @@ class CodedTensor:
     def numel(self) -> int:
         return self.dense_shape.numel()
 
+    def decode(self) -> torch.Tensor:
+        """The values the codes stand for (:func:`decode_codes`)."""
+        return decode_codes(self)
+
     @property
     def nbytes(self) -> int:
         """Bytes held on the device: the packed codes and the table."""

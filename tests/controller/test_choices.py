@@ -14,8 +14,9 @@ import gactx
 from gactx.controller.adaptation.allocator import Item, allocate, variance_factor
 from gactx.controller.adaptation.choices import Choice, ChoiceMeter, choice_options
 from gactx.controller.rules import LINEAR
+from gactx.kernels import schemes
 from gactx.kernels.format import expected_nbytes
-from gactx.kernels.samples import split_nbytes
+from gactx.kernels.schemes.samples import split_nbytes
 
 
 def test_choices_name_themselves_and_their_bits():
@@ -171,7 +172,7 @@ def test_every_scheme_is_chosen_on_bert_and_its_gradient_stays_unbiased(estimato
         return unseeded()
 
     exact = _grad(model, run)
-    controller = gactx.Controller(model, "L2.2", schemes=gactx.config.SCHEMES, estimator=estimator)
+    controller = gactx.Controller(model, "L2.2", schemes=schemes.names(), estimator=estimator)
     with controller:
         _grad(model, run)
         controller.iterate(lambda: _grad(model, run))

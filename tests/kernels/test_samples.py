@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gactx.kernels.samples import (
+from gactx.kernels.schemes.samples import (
     sample_ranges,
     sample_variances,
     split_count,

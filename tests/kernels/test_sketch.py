@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gactx.kernels.format import QuantizedTensor
-from gactx.kernels.sketch import (
+from gactx.kernels.schemes.sketch import (
     SketchedTensor,
     kept_rows,
     row_length,

@@ -1,6 +1,7 @@
 """How an allocated tensor may be stored, and what each way costs it in variance, measured on its own values.
 
-A :class:`Choice` is a width and a scheme:
+A :class:`Choice` is a width and a scheme, one of the storage schemes registered in ``gactx/kernels/schemes`` (each
+one module there: what it stores, its bytes, its measured error). The built-in ones:
 
 =================  ==============================================================  =========================
 scheme             stored                                                          for
@@ -8,10 +9,10 @@ scheme             stored                                                       
 ``uniform``        codes on the group's min-max grid (``gactx/kernels/format.py``)  every allocated tensor
 ``normal``         codes on levels fitted to the group's normal (``normal.py``)     linear and attention saves
 ``sketch``         a ``fraction`` of the rows, each kept row at ``bits``            inputs of linear layers
-                   (``sketch.py``): FewBit's randomized linear
+                   (``schemes/sketch.py``): FewBit's randomized linear
 ``samples``        the ``fraction`` of samples of widest range at ``high`` bits,    tensors whose samples are
-                   the others at ``bits`` (``samples.py``): ActNN's per-sample      whole groups
-                   widths
+                   the others at ``bits`` (``schemes/samples.py``): ActNN's    whole groups
+                   per-sample widths
 =================  ==============================================================  =========================
 
 The allocator's model is GACT's: storing tensor ``l`` adds gradient variance ``C_l * S(b)``, ``S(b) = 1 / (2**b -
@@ -38,21 +39,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 
 from gactx.controller.adaptation.widths import variance_factor
 from gactx.kernels.format import expected_nbytes, memory_order
-from gactx.kernels.normal import NORMAL_BITS
-from gactx.kernels.samples import SPLIT_FRACTIONS, sample_ranges, sample_variances, split_count, split_nbytes
-from gactx.kernels.sketch import sketch_nbytes, sketch_variance
-from gactx.kernels.variance import rounding_variance
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, scheme
+from gactx.kernels.schemes.sketch import SKETCH_FRACTIONS
 
 __all__ = [
+    "CODE_WIDTHS",
     "Choice",
-    "SCHEMES",
     "SKETCH_FRACTIONS",
     "CALIBRATION_SKETCH",
     "CALIBRATION_PAIR",
@@ -61,49 +58,6 @@ __all__ = [
     "calibration",
     "choice_options",
 ]
-
-SCHEMES = ("uniform", "normal", "sketch", "samples")
-# Fractions of rows a sketch keeps: 1/2 to 1/8, so that a sketch of 1-bit rows holds 1/8 bit an element.
-SKETCH_FRACTIONS = (0.5, 0.25, 0.125)
-CODE_WIDTHS = (1, 2, 4, 8)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One way to store an allocated tensor: ``bits`` per stored element under ``scheme``; a sketch stores
-    ``fraction`` of the rows; per-sample widths store ``fraction`` of the samples at ``high`` bits."""
-
-    bits: int
-    scheme: str = "uniform"
-    fraction: float = 1.0
-    high: int = 0
-    complement: bool = False  # a sketch of the rows its seed does not choose: only GACT's estimator stores one
-
-    def __str__(self) -> str:
-        if self.scheme == "uniform":
-            return str(self.bits)
-        share = Fraction(self.fraction).limit_denominator(1 << 16)
-        if self.scheme == "sketch":
-            return f"{self.bits} sketch {share}"
-        if self.scheme == "samples":
-            return f"{self.bits} samples {share} at {self.high}"
-        return f"{self.bits} {self.scheme}"
-
-    @property
-    def effective_bits(self) -> float:
-        """Bits an element of the whole tensor, metadata aside."""
-        if self.scheme == "samples":
-            return self.bits + self.fraction * (self.high - self.bits)
-        return self.bits * self.fraction
-
-    @property
-    def fallback_bits(self) -> int:
-        """The uniform width stored where the scheme does not apply to a save (a sketch of a tensor that is no
-        longer a linear layer's input): the widest code width within :attr:`effective_bits`, at least 1."""
-        if self.fraction >= 1 or self.scheme != "sketch":
-            return self.bits
-        return max((w for w in CODE_WIDTHS if w <= self.effective_bits), default=1)
-
 
 # What GACT's estimator probes where a sketch may be chosen: half the rows, kept as they are (the sampling alone), and
 # then the other half with the same seed. The two average to the tensor, so a quarter of their gradients' squared
@@ -146,15 +100,9 @@ class ChoiceMeter:
 
         x = t.detach()
         flat = memory_order(x)[0].contiguous()
-        g = self.group_size
-        values = {Choice(b): rounding_variance(flat, b, g, "uniform") for b in CODE_WIDTHS}
-        if "normal" in self.schemes:
-            values |= {Choice(b, "normal"): rounding_variance(flat, b, g, "normal") for b in NORMAL_BITS}
-        if "sketch" in self.schemes and x.dim() >= 2 and self.sketchable(slot):
-            for f in SKETCH_FRACTIONS:  # the sampling alone: choice_options adds the kept rows' rounding
-                values[Choice(32, "sketch", f)] = sketch_variance(x, f)
-        if "samples" in self.schemes:
-            values |= _split_values(x, g)
+        values = {}
+        for name in self.schemes:  # the storage schemes' registry (gactx/kernels/schemes)
+            values |= scheme(name).measure(x, flat, self.group_size, lambda: self.sketchable(slot))
         self._values[slot] = values
 
     def clear(self) -> None:
@@ -172,25 +120,6 @@ class ChoiceMeter:
         for (slot, choice, _), value in zip(flat, numbers, strict=True):
             out.setdefault(slot, {})[choice] = value
         return out
-
-
-def _split_values(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor]:
-    """Per-sample widths: the stored error of each split, from each sample's error at each width, with the samples
-    that :func:`~gactx.kernels.samples.split_samples` would widen (the widest ranges). Empty where the samples are
-    not whole groups."""
-    if x.dim() < 2 or x.shape[0] < 2:
-        return {}
-    per_width = {b: sample_variances(x, b, group_size) for b in CODE_WIDTHS}
-    if per_width[1] is None:
-        return {}
-    order = torch.argsort(sample_ranges(x), descending=True, stable=True)
-    out = {}
-    for low, high in zip(CODE_WIDTHS, CODE_WIDTHS[1:], strict=False):
-        lo, hi = per_width[low][order], per_width[high][order]
-        for f in SPLIT_FRACTIONS:
-            k = split_count(x.shape[0], f)
-            out[Choice(low, "samples", f, high)] = hi[:k].sum() + lo[k:].sum()
-    return out
 
 
 def calibration(measured: dict[Choice, float], probed: dict | None, sensitivity: float, probe_bits: int) -> float:
@@ -221,7 +150,6 @@ def choice_options(
     ``(a, q)``, the variance per unit of sensitivity is ``a x + q x**2`` at the choice's ``x = S(probe) V(choice) /
     V(probe)`` (``sensitivity.fit_curve``; linear, ``(1, 0)``, but for a normalisation's input)."""
     numel = torch.Size(shape).numel()
-    row_len = shape[-1] if shape else 1
     reference = measured.get(Choice(probe_bits), 0.0)
     scale = variance_factor(probe_bits) / reference if reference > 0 else math.inf
 
@@ -235,23 +163,18 @@ def choice_options(
         x = scale * v
         return a * x + q * x * x
 
-    sketches = {}
-    for choice, sampled in measured.items():
-        if choice.scheme == "sketch":  # kept rows at b: their rounding error, scaled by 1/f for a fraction f of rows
-            f = choice.fraction
-            sketches[choice] = sketch_scale * sampled
-            sketches |= {Choice(b, "sketch", f): sketch_scale * sampled + measured[Choice(b)] / f for b in CODE_WIDTHS}
+    # Each measured choice as the options it stands for (a sketch: its kept rows at every code width), those of
+    # schemes derived from others' measurements last.
+    offered = {}
+    for derived in (False, True):
+        for choice, v in measured.items():
+            s = scheme(choice.scheme)
+            if s.derived == derived:
+                offered |= s.options(choice, v, measured, sketch_scale)
     options = []
-    for choice, v in ({c: v for c, v in measured.items() if c.scheme != "sketch"} | sketches).items():
-        if choice.bits < min_bits:
-            continue
-        if choice.scheme == "sketch":
-            nbytes = sketch_nbytes(numel, row_len, dtype, choice.fraction, choice.bits, group_size)
-        elif choice.scheme == "samples":
-            nbytes = split_nbytes(shape, dtype, choice.bits, choice.high, choice.fraction, group_size)
-        else:
-            nbytes = expected_nbytes(numel, dtype, choice.bits, group_size, scheme=choice.scheme)
-        options.append((choice, nbytes, factor(v)))
+    for choice, v in offered.items():
+        if choice.bits >= min_bits:
+            options.append((choice, scheme(choice.scheme).nbytes(shape, dtype, choice, group_size), factor(v)))
     eight = measured.get(Choice(8), 0.0)
     if dtype == torch.float32:  # bfloat16 storage: see allocator.variance_factor
         options.append((Choice(16), expected_nbytes(numel, dtype, 16, group_size), factor(eight / 16)))

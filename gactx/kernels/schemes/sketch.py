@@ -52,9 +52,16 @@ from gactx.kernels.format import (
     restore_perm,
 )
 from gactx.kernels.functional import SEED_LIMIT, dequantize, quantize
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
 from gactx.kernels.traced import fmix32, mul32
 
-__all__ = ["SketchedTensor", "sketch_rows", "sketch_variance", "sketch_nbytes", "kept_rows", "row_length"]
+__all__ = [
+    "SKETCH_FRACTIONS", "SketchScheme", "SketchedTensor", "kept_rows", "row_length", "sketch_nbytes", "sketch_rows",
+    "sketch_variance",
+]  # fmt: skip
+
+# Fractions of rows a sketch keeps: 1/2 to 1/8, so that a sketch of 1-bit rows holds 1/8 bit an element.
+SKETCH_FRACTIONS = (0.5, 0.25, 0.125)
 
 _MASK = 0xFFFFFFFF
 # Fractions are read as the nearest fraction of denominator at most 2**16: 0.1 is 1/10, so 10 rows keep 1
@@ -256,3 +263,45 @@ def sketch_nbytes(
     row_len = max(row_len, 1)
     k = _n_kept(numel // row_len, fraction)
     return expected_nbytes(k * row_len, dtype, bits, group_size)
+
+
+class SketchScheme(Scheme):
+    """Row sketches of a linear layer's input (the module docstring), measured by their sampling error alone; the
+    kept rows' rounding is added for each code width from the uniform scheme's measurement."""
+
+    name = "sketch"
+    derived = True
+
+    def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
+        if x.dim() < 2 or not sketchable():
+            return {}
+        return {Choice(32, "sketch", f): sketch_variance(x, f) for f in SKETCH_FRACTIONS}
+
+    def options(self, choice, error, measured, scale) -> dict[Choice, float]:
+        f = choice.fraction  # kept rows at b: their rounding error, scaled by 1/f for a fraction f of rows
+        return {choice: scale * error} | {
+            Choice(b, "sketch", f): scale * error + measured[Choice(b)] / f for b in CODE_WIDTHS
+        }
+
+    def nbytes(self, shape, dtype, choice, group_size) -> int:
+        numel, row_len = torch.Size(shape).numel(), shape[-1] if shape else 1
+        return sketch_nbytes(numel, row_len, dtype, choice.fraction, choice.bits, group_size)
+
+    def encode(self, t, choice, seed, group_size, stochastic, backend, sketchable):
+        if t.dim() < 2 or t.dtype not in FLOAT_DTYPES or not sketchable:
+            return None
+        return sketch_rows(
+            t, choice.fraction, choice.bits, seed, group_size, stochastic, backend, complement=choice.complement
+        )
+
+    def label(self, choice: Choice) -> str:
+        return f"{choice.bits} sketch {choice.share}"
+
+    def form(self, choice: Choice) -> str:
+        return f"sketch {choice.share}"
+
+    def fallback_bits(self, choice: Choice) -> int:
+        """The widest code width within the choice's effective bits, at least 1."""
+        if choice.fraction >= 1:
+            return choice.bits
+        return max((w for w in CODE_WIDTHS if w <= choice.effective_bits), default=1)

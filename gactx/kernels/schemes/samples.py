@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gactx.kernels.format import QuantizedTensor, contiguous_strides
+from gactx.kernels.format import FLOAT_DTYPES, QuantizedTensor, contiguous_strides
 from gactx.kernels.functional import dequantize, quantize
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
 
 __all__ = [
-    "SplitTensor", "split_samples", "split_count", "split_nbytes", "sample_ranges", "sample_variances",
-    "SPLIT_FRACTIONS",
+    "SPLIT_FRACTIONS", "SamplesScheme", "SplitTensor", "sample_ranges", "sample_variances", "split_count",
+    "split_errors", "split_nbytes", "split_samples",
 ]  # fmt: skip
 
 SPLIT_FRACTIONS = (0.25, 0.5)  # samples at the wider width
@@ -143,3 +144,49 @@ def split_nbytes(shape: tuple[int, ...], dtype: torch.dtype, bits: int, high: in
     if k < batch:
         nbytes += expected_nbytes((batch - k) * per_sample, dtype, bits, group_size)
     return nbytes
+
+
+def split_errors(x: torch.Tensor, group_size: int) -> dict[Choice, torch.Tensor]:
+    """The stored error of each split, from each sample's error at each width, with the samples that
+    :func:`split_samples` would widen (the widest ranges). Empty where the samples are not whole groups."""
+    if x.dim() < 2 or x.shape[0] < 2:
+        return {}
+    per_width = {b: sample_variances(x, b, group_size) for b in CODE_WIDTHS}
+    if per_width[1] is None:
+        return {}
+    order = torch.argsort(sample_ranges(x), descending=True, stable=True)
+    out = {}
+    for low, high in zip(CODE_WIDTHS, CODE_WIDTHS[1:], strict=False):
+        lo, hi = per_width[low][order], per_width[high][order]
+        for f in SPLIT_FRACTIONS:
+            k = split_count(x.shape[0], f)
+            out[Choice(low, "samples", f, high)] = hi[:k].sum() + lo[k:].sum()
+    return out
+
+
+class SamplesScheme(Scheme):
+    """Per-sample widths (the module docstring): the widest samples one code width up."""
+
+    name = "samples"
+
+    def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
+        return split_errors(x, group_size)
+
+    def nbytes(self, shape, dtype, choice, group_size) -> int:
+        return split_nbytes(shape, dtype, choice.bits, choice.high, choice.fraction, group_size)
+
+    def encode(self, t, choice, seed, group_size, stochastic, backend, sketchable):
+        if t.dim() < 2 or t.shape[0] < 2 or t.dtype not in FLOAT_DTYPES:
+            return None
+        return split_samples(
+            t, choice.bits, choice.high, choice.fraction, group_size, stochastic=stochastic, seed=seed, backend=backend
+        )
+
+    def label(self, choice: Choice) -> str:
+        return f"{choice.bits} samples {choice.share} at {choice.high}"
+
+    def form(self, choice: Choice) -> str:
+        return f"samples {choice.share} at {choice.high}"
+
+    def effective_bits(self, choice: Choice) -> float:
+        return choice.bits + choice.fraction * (choice.high - choice.bits)

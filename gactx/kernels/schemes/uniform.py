@@ -1,0 +1,35 @@
+"""Uniform codes: each group's values on a grid of ``2**bits`` levels over its min-max range, stochastic rounding
+(``gactx/kernels/format.py``; the kernels: ``quantize.py``, ``dequantize.py``, ``csrc/uniform.cpp``). Every allocated
+tensor may take it; GACT's variance model ``S(b)`` is its error."""
+
+from __future__ import annotations
+
+import torch
+
+from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
+from gactx.kernels.functional import quantize
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
+from gactx.kernels.variance import rounding_variance
+
+__all__ = ["UniformScheme"]
+
+
+class UniformScheme(Scheme):
+    name = "uniform"
+
+    def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
+        return {Choice(b): rounding_variance(flat, b, group_size, "uniform") for b in CODE_WIDTHS}
+
+    def nbytes(self, shape, dtype, choice, group_size) -> int:
+        return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size)
+
+    def encode(self, t, choice, seed, group_size, stochastic, backend, sketchable):
+        if t.dtype not in FLOAT_DTYPES:
+            return None
+        return quantize(t, choice.bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
+
+    def label(self, choice: Choice) -> str:
+        return str(choice.bits)
+
+    def form(self, choice: Choice) -> str:
+        return ""
