@@ -58,14 +58,14 @@ from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmas
 from gactx.kernels.dequantize import _dequantize_kernel, dequantize_launch
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
-from gactx.kernels.normal import (
-    NORMAL_BITS,
+from gactx.kernels.quantize import _quantize_kernel, quantize_launch
+from gactx.kernels.schemes.normal.format import NORMAL_BITS
+from gactx.kernels.schemes.normal.triton import (
     _normal_dequantize_kernel,
     _normal_quantize_kernel,
     normal_dequantize_launch,
     normal_quantize_launch,
 )
-from gactx.kernels.quantize import _quantize_kernel, quantize_launch
 
 __all__ = [
     "ARCHS",

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from gactx.kernels.format import expected_nbytes
-from gactx.kernels.normal import SHAPES
-from gactx.kernels.normal import _factors as _normal_factors
 from gactx.kernels.quantize import step_factor
+from gactx.kernels.schemes.normal.format import SHAPES
+from gactx.kernels.schemes.normal.format import factors as _normal_factors
 
 __all__ = [
     "available", "extension", "quantize", "dequantize", "normal_quantize", "normal_dequantize", "encode_bins",
@@ -46,7 +46,15 @@ __all__ = [
 log = logging.getLogger("gactx")
 
 
-_SOURCES = Path(__file__).parent / "csrc"  # the C++: common.h, a file a scheme, the graph ops, the module
+_SOURCES = Path(__file__).parent / "csrc"  # the C++: common.h, uniform codes, masks, the graph ops, the module
+_SCHEMES = Path(__file__).parent / "schemes"  # a scheme folder's own C++ (schemes/normal/normal.cpp)
+
+
+def _source_files() -> list[Path]:
+    """Every C++ file of the extension: ``csrc``'s and the scheme folders', in a fixed order."""
+    return sorted(p for p in _SOURCES.iterdir() if p.suffix in (".cpp", ".h")) + sorted(_SCHEMES.glob("*/*.cpp"))
+
+
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _tried = False  # extension() has run: ``built`` is what it gave
@@ -54,7 +62,7 @@ built = None  # the compiled extension once built; the kernels below call it dir
 
 
 def _name() -> str:
-    texts = [p.read_text() for p in sorted(_SOURCES.iterdir()) if p.suffix in (".cpp", ".h")]
+    texts = [p.read_text() for p in _source_files()]
     key = "\n".join([*texts, *_FLAGS, platform.machine(), torch.__version__])
     return "gactx_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
@@ -106,8 +114,15 @@ def _build():
 
     log.info("gactx: compiling the CPU kernels (once for this machine and torch; about a minute)")
     try:
-        sources = sorted(str(p) for p in _SOURCES.glob("*.cpp"))
-        return cpp_extension.load(_name(), sources, extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
+        return cpp_extension.load(
+            _name(),
+            sources,
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_SOURCES)],
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
         warnings.warn(
             f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "

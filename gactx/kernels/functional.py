@@ -22,13 +22,9 @@ from gactx.kernels.format import (
     restore_perm,
 )
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
-from gactx.kernels.normal import (
-    torch_normal_dequantize,
-    torch_normal_quantize,
-    triton_normal_dequantize,
-    triton_normal_quantize,
-)
 from gactx.kernels.quantize import torch_quantize, triton_quantize
+from gactx.kernels.schemes.normal.reference import torch_normal_dequantize, torch_normal_quantize
+from gactx.kernels.schemes.normal.triton import triton_normal_dequantize, triton_normal_quantize
 
 __all__ = ["quantize", "dequantize", "BACKENDS"]
 
@@ -89,7 +85,7 @@ def quantize(
             ``"cpp"`` or ``"torch"`` (the reference twins).
         scheme: ``"uniform"`` (levels evenly spaced from the group's min to its max) or ``"normal"`` (levels
             placed by a normal fitted to the group, min and max outermost; bits 2, 4 or 8; 12 bytes of
-            metadata a group instead of 8; see ``gactx/kernels/normal.py``).
+            metadata a group instead of 8; see ``gactx/kernels/schemes/normal``).
     """
     check_args(x, bits, group_size)
     check_scheme(scheme, bits, x.dtype)

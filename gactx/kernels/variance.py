@@ -18,8 +18,8 @@ import torch
 
 from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.format import SCHEME_BITS, SCHEMES, pack_planes, unpack_planes
-from gactx.kernels.normal import normal_levels
 from gactx.kernels.quantize import quantize_groups
+from gactx.kernels.schemes.normal.reference import normal_levels
 
 __all__ = ["rounding_variance"]
 

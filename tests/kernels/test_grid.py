@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gactx.kernels._grid import plan
+from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
 
 
 @given(n=st.integers(0, 10**7), block=st.sampled_from([32, 4096, 8192, 1 << 16]), split=st.sampled_from([1, 2, 4]))
@@ -52,13 +53,14 @@ def _round_trips(n: int, device: str) -> dict:
     """Each kernel family's launcher on ``n`` elements, with the GPU's programs (``interpret=False``), and what its
     torch twin gives: ``family -> (kernel module, kernel name, run)``."""
     bitmask, dequantize, half, normal, quantize = (
-        importlib.import_module(f"gactx.kernels.{m}") for m in ("bitmask", "dequantize", "half", "normal", "quantize")
+        importlib.import_module(f"gactx.kernels.{m}")
+        for m in ("bitmask", "dequantize", "half", "schemes.normal.triton", "quantize")
     )  # the modules: gactx.kernels exports functions of some of these names
 
     x = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 3).to(device)
     mask = x > 0
     codes, meta = quantize.torch_quantize(x, 4, 256, False, 0)
-    ncodes, nmeta = normal.torch_normal_quantize(x, 4, 256, False, 0)
+    ncodes, nmeta = torch_normal_quantize(x, 4, 256, False, 0)
     packed = bitmask.torch_pack_bool(mask)
     return {
         "quantize": (quantize, "_quantize_kernel",
@@ -72,7 +74,7 @@ def _round_trips(n: int, device: str) -> dict:
         "normal_dequantize": (normal, "_normal_dequantize_kernel",
                               lambda: normal.triton_normal_dequantize(ncodes, nmeta, 4, 256, n, torch.float32,
                                                                       interpret=False),
-                              normal.torch_normal_dequantize(ncodes, nmeta, 4, 256, n, torch.float32)),
+                              torch_normal_dequantize(ncodes, nmeta, 4, 256, n, torch.float32)),
         # Stochastic: round to nearest is the hardware conversion when compiled, which the interpreter does not run.
         "round_bf16": (half, "_round_bf16_kernel", lambda: half.triton_round_bf16(x, True, 9, interpret=False),
                        _neighbours(x)),

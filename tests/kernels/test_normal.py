@@ -1,4 +1,4 @@
-"""gactx/kernels/normal.py: the normal scheme's Triton kernels against their torch twins, unbiasedness, error
+"""gactx/kernels/schemes/normal: the normal scheme's Triton kernels against their torch twins, unbiasedness, error
 bounds, special and extreme values, and the public API's ``scheme=``."""
 
 import numpy as np
@@ -10,7 +10,7 @@ from hypothesis.extra.numpy import arrays
 
 import gactx
 from gactx.kernels.format import expected_nbytes, pack_planes, unpack_planes
-from gactx.kernels.normal import (
+from gactx.kernels.schemes.normal import (
     NORMAL_BITS,
     normal_levels,
     normal_nbytes,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.normal import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.quantize import torch_quantize
+from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.variance import rounding_variance
 
 

@@ -17,7 +17,7 @@ void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bit
                    int64_t seed, double factor, double factor_special);
 void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group);
 
-// normal.cpp: normal-fitted levels (normal.py).
+// schemes/normal/normal.cpp: normal-fitted levels (schemes/normal/format.py).
 std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic,
                                                    int64_t seed, std::vector<double> factors, int64_t tails);
 void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,

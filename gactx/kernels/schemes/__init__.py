@@ -19,6 +19,7 @@ Adding a scheme is a module with a :class:`Scheme` subclass and a :func:`registe
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
@@ -51,7 +52,7 @@ class Choice:
     complement: bool = False  # a sketch of the rows its seed does not choose: only GACT's estimator stores one
 
     def __str__(self) -> str:
-        found = _REGISTRY.get(self.scheme)
+        found = _registry().get(self.scheme)
         return found.label(self) if found is not None else f"{self.bits} {self.scheme}"
 
     @property
@@ -111,42 +112,53 @@ class Scheme:
         return choice.bits
 
 
+# The built-in schemes: one line each, "module:class", imported on first use (their modules import the kernels, which
+# import the normal scheme's folder, which is inside this package).
+_BUILT_IN = {
+    "uniform": "gactx.kernels.schemes.uniform:UniformScheme",
+    "normal": "gactx.kernels.schemes.normal.scheme:NormalScheme",
+    "sketch": "gactx.kernels.schemes.sketch:SketchScheme",
+    "samples": "gactx.kernels.schemes.samples:SamplesScheme",
+}
 _REGISTRY: dict[str, Scheme] = {}
+_loaded = False
+
+
+def _registry() -> dict[str, Scheme]:
+    """The registry, the built-in schemes loaded on first use (before any other: ``register`` asks for it first)."""
+    global _loaded
+    if not _loaded:
+        for name, where in _BUILT_IN.items():
+            module, cls = where.split(":")
+            _REGISTRY[name] = getattr(importlib.import_module(module), cls)()
+        _loaded = True
+    return _REGISTRY
 
 
 def register(s: Scheme) -> Scheme:
     """Add ``s`` under ``s.name`` (a name already registered: ``ValueError``)."""
-    if not s.name or s.name in _REGISTRY:
+    registry = _registry()
+    if not s.name or s.name in registry:
         raise ValueError(f"scheme name {s.name!r} is empty or registered already; registered: {names()}")
-    _REGISTRY[s.name] = s
+    registry[s.name] = s
     return s
 
 
 def unregister(name: str) -> None:
     """Remove a scheme (the built-in ones stay: ``ValueError``)."""
-    if name in _BUILT_IN or name not in _REGISTRY:
+    registry = _registry()
+    if name in _BUILT_IN or name not in registry:
         raise ValueError(f"scheme {name!r} is built in or not registered; registered: {names()}")
-    del _REGISTRY[name]
+    del registry[name]
 
 
 def scheme(name: str) -> Scheme:
-    found = _REGISTRY.get(name)
+    found = _REGISTRY.get(name) or _registry().get(name)
     if found is None:
         raise ValueError(f"scheme {name!r} is not registered; registered: {names()}")
     return found
 
 
 def names() -> tuple[str, ...]:
-    """The registered schemes' names, in registration order."""
-    return tuple(_REGISTRY)
-
-
-# The built-in schemes: one line each.
-from gactx.kernels.schemes.normal import NormalScheme  # noqa: E402
-from gactx.kernels.schemes.samples import SamplesScheme  # noqa: E402
-from gactx.kernels.schemes.sketch import SketchScheme  # noqa: E402
-from gactx.kernels.schemes.uniform import UniformScheme  # noqa: E402
-
-for _s in (UniformScheme(), NormalScheme(), SketchScheme(), SamplesScheme()):
-    register(_s)
-_BUILT_IN = frozenset(_REGISTRY)
+    """The registered schemes' names, in registration order (the built-in ones first)."""
+    return tuple(_registry())

@@ -1,6 +1,6 @@
 """Normal-fitted levels: codes on levels placed at the quantiles of each group's fitted normal, stochastic rounding
-between them (``gactx/kernels/normal.py``, ``csrc/normal.cpp``): a bell-shaped group errs less than on a uniform
-grid at the same width. Widths :data:`~gactx.kernels.normal.NORMAL_BITS`."""
+between them (this folder: ``format.py``, ``triton.py``, ``reference.py``, ``normal.cpp``): a bell-shaped group errs
+less than on a uniform grid at the same width. Widths :data:`~gactx.kernels.schemes.normal.NORMAL_BITS`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.functional import quantize
-from gactx.kernels.normal import NORMAL_BITS
 from gactx.kernels.schemes import Choice, Scheme
+from gactx.kernels.schemes.normal.format import NORMAL_BITS
 from gactx.kernels.variance import rounding_variance
 
 __all__ = ["NormalScheme"]

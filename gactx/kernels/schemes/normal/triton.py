@@ -1,92 +1,12 @@
-"""Levels placed by a normal fitted to each group (after SmaQ): ``_normal_quantize_kernel``,
-``triton_normal_quantize``, ``torch_normal_quantize`` and their dequantize counterparts.
-
-Activations are close to normal, and uniform min-max levels spend most codes where few values are (the tails
-of a bell, the gap up to an outlier). Here each group gets a piecewise-uniform compander in
-``z = (x - mean) / std``: an inner segment ``|z| <= K`` and two tails out to the group's min and max. Each
-segment has a fixed number of equal intervals; segment ends are levels, and the outermost levels are the
-min and the max, so every element lies between two neighbouring levels and stochastic rounding between
-them, ``p(up) = (x - t_j) / (t_{j+1} - t_j)``, is unbiased. Outliers are handled explicitly: a tail holds
-them on its own intervals, the bulk keeps the fine inner ones. Finding an element's segment takes two
-comparisons and rounding inside it is the uniform scheme's; no transcendental function an element::
-
-    levels of a 4-bit group (15 intervals: 2 + 11 + 2), K = 1.7:
-
-    lo                  mean - K std                      mean + K std                        hi (outlier)
-    |---------|---------|--|--|--|--|--|--|--|--|--|--|--|-----------------|-----------------|
-     lower tail: 2       inner: 11 equal intervals         upper tail: 2
-    codes 0 .. 2         2 .. 13                           13 .. 15
-
-    A tail narrower than its intervals would be at the inner step (``b1 - lo <= (b2 - b1) * tail / inner``,
-    which includes an end at or past the group's min) is empty: its intervals go to the inner segment (lo,
-    13 inner, 2 upper), so no code is spent finer than the bulk's; with both empty the grid is uniform (the
-    case of uniform-distributed groups, whose fitted normal reaches past their ends).
-
-Constants (``SHAPES``: ``K`` and intervals a tail; the inner segment has the rest of ``2**bits - 1``):
-
-    bits  K    tail  inner   rounding variance / uniform's, 256-element groups (script below)
-    2     0.7  1     1       normal 0.84, normal + one 20-sigma outlier 0.14, Student-t(3) 0.35, uniform 1.08
-    4     1.7  2     11      normal 0.80, outlier 0.11, Student-t(3) 0.47, uniform-distributed 1.37
-    8     1.8  28    199     normal 0.81, outlier 0.16, Student-t(3) 0.59, uniform-distributed 1.07
-
-found by a grid search (K in steps of 0.1 from 0.6 to 3, every tail count at 2 and 4 bits, 8 to 76 in steps
-of 4 at 8 bits) minimising the expected stochastic-rounding variance ``sum (x - t_j)(t_{j+1} - x)`` of 1,500
-(8 bits: 400) groups of 256 standard normal samples, with numpy in float64. The standard deviation beat the
-mean absolute deviation as the spread on the outlier and Student-t groups at equal normal-group variance
-(an outlier widens the inner segment to cover the bulk). Five segments (a shoulder between inner and tail)
-gained 2% more at 4 bits for two more comparisons an element: not taken.
-
-Metadata, 12 bytes a group (uniform: 8), int32 ``[n_groups, 3]``::
-
-    word 0: lo, float32 bits     the group's min (special groups: NaN, +Inf or -Inf, as format.py)
-    word 1: hi, float32 bits     the group's max (special groups: max |x| of the finite elements)
-    word 2: bits 0-15 C, 16-31 D mean and standard deviation as fractions of hi - lo, in 1/65536
-
-Mean and deviation, the same in any summation order: each element's fraction of the range,
-``U = round((x - lo) * (65536 / (hi - lo)))`` (an integer in ``[0, 65536]``), is summed as an integer
-(at most ``4096 * 2**16 = 2**28``: int32), ``C = round(sum U / count)``; then the deviations, at 1/1024
-of the range, ``e = (|U - C| + 32) >> 6``, ``D = round(sqrt(sum e**2 / count) * 64)``: ``sum e**2`` is at
-most ``count * 2**18 + 2**22 < 2**31`` because no variance of values in a range exceeds a quarter of its
-square. Encoder and decoder both derive the knots from the stored words, in the same float32 operations
-(IEEE division and square root, no fused multiply-add: ``enable_fp_fusion=False``), so the Triton kernels
-and the torch twins agree bit for bit with ``stochastic=False``; so do the C++ CPU kernels (``cpu.py``:
-``normal_quantize``, ``normal_dequantize``, a group a thread), which run this scheme on CPU tensors.
-
-Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (as ``quantize.py``'s scale)::
-
-    a0 = lo * s;  span = hi * s - a0;  unit = span / 65536;  centre = a0 + C * unit;  spread = D * unit
-    b1 = centre - K * spread;  b2 = centre + K * spread;  w = (b2 - b1) * (tail / inner)
-    lower tail present when b1 - a0 > w;  upper tail when hi * s - b2 > w
-    step0 = max((b1 - a0) / tail, 2**-126)        a1 = a0 + n_lower * step0
-    step1 = max((end - a1) * f, 2**-126)           a2 = a1 + n_inner * step1   (end = b2, or hi * s when last)
-    step2 = max((hi * s - a2) * f', 2**-126)       f, f' = 1 / n, or (1 + 2**-20) / n for the last segment
-
-Each knot is computed from the one before, so a segment's top level is exactly the next one's first; the
-last segment's margin (``quantize.py``'s) puts the top level at or just above ``hi``. A segment of zero width
-has step 0 and holds no element. Level ``j`` of segment ``k`` is ``(a_k + (j - J_k) * step_k) / s`` (J the
-segment's first code), saturated at the output dtype's largest finite value. An element ``x`` of segment ``k``
-(``a_k <= x * s < a_{k+1}``) gets ``J_k + min(trunc((x * s - a_k) / step_k + 1 + u), n_k + 1) - 1``, ``u ~
-U[0, 1)`` (``1/2``: round half up); the clamp acts only on a float32 rounding at a segment's end (bias under
-``2**-20`` of a step).
-
-Groups that hold NaN or +-Inf (format.py's special groups): word 0 is the non-finite value, the top code
-stands for it at its places, and the finite elements use one uniform segment of ``L - 1`` intervals on
-``[-max|x|, max|x|]``, as the uniform scheme's centred grid. Extreme finite groups (spans past FLT_MAX, values
-near 65504 in float16, subnormal ranges, constant groups) decode finite and between their two levels. A
-group whose range is subnormal gets a coarse mean (``U`` saturates) and the 2**-126 floor on steps: still
-unbiased, on coarser levels. ``rounding_variance`` (``variance.py``) gives the expected squared error.
-
-Bits: 2, 4, 8 (``NORMAL_BITS``). 1 bit is refused: two levels are the min and the max, the uniform grid.
-"""
+"""The normal scheme's Triton kernels (the format: ``format.py``): quantize and dequantize, one program a run of
+groups, and what the launchers pass them (``normal_quantize_launch``, ``normal_dequantize_launch``)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
-from gactx.kernels.format import pack_planes, unpack_planes
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.quantize import (
     FLT_MAX,
@@ -97,33 +17,21 @@ from gactx.kernels.quantize import (
     _nan_if_not_finite,
     philox,
     program_rows,
-    step_factor,
+)
+from gactx.kernels.schemes.normal.format import (
+    DEV_SHIFT,
+    FRACTION,
+    INV_FRACTION,
+    META_WORDS,
+    NORMAL_BITS,
+    NORMAL_MAX_REGISTERS,
+    NORMAL_WARPS,
+    SHAPES,
+    allocate,
 )
 
-__all__ = [
-    "NORMAL_BITS",
-    "SHAPES",
-    "normal_nbytes",
-    "triton_normal_quantize",
-    "torch_normal_quantize",
-    "triton_normal_dequantize",
-    "torch_normal_dequantize",
-    "normal_quantize_launch",
-    "normal_dequantize_launch",
-    "normal_levels",
-]
+__all__ = ["normal_dequantize_launch", "normal_quantize_launch", "triton_normal_dequantize", "triton_normal_quantize"]
 
-NORMAL_BITS = (2, 4, 8)
-SHAPES = {2: (0.7, 1), 4: (1.7, 2), 8: (1.8, 28)}  # bits -> (K, intervals a tail): see the module docstring
-META_WORDS = 3  # int32 words a group: 12 bytes
-FRACTION = 65536.0  # C and D are in 1/65536 of the range
-DEV_SHIFT = 6  # deviations summed in units of 64/65536 of the range (1/1024): the sum of squares fits int32
-INV_FRACTION = 1.0 / FRACTION
-# Quantize keeps each element's fraction U as well as its value through the program (two reductions): with 4
-# warps (32 elements a thread) ptxas spills at 128 registers a thread (8-16 bytes, float32) and at 168 (160
-# bytes, 16-bit inputs). 8 warps, 16 elements a thread, hold them in 128.
-NORMAL_MAX_REGISTERS = 128
-NORMAL_WARPS = 8
 _FLT_MAX, _MIN_STEP, _FRACTION, _INV_FRACTION = (constexpr(v) for v in (FLT_MAX, MIN_STEP, FRACTION, INV_FRACTION))
 _ROUNDS, _WORDS, _DEV_SHIFT = constexpr(ROUNDS), constexpr(META_WORDS), constexpr(DEV_SHIFT)
 _SAFETY = constexpr(1.0 + 2.0**-20)  # quantize.py's margin, on the last segment
@@ -131,31 +39,6 @@ _POS_INF_BITS = constexpr(0x7F800000)
 _NEG_INF_UBITS = constexpr(0xFF800000)
 _NAN_BITS = constexpr(0x7FC00000)  # the canonical quiet NaN, stored as the kind of a group mixing non-finite values
 _NEG_INF_BITS = constexpr(-0x800000)  # -Inf's pattern as int32
-
-
-def normal_nbytes(numel: int, bits: int, group_size: int) -> int:
-    """Bytes of codes and metadata for ``numel`` elements: the uniform payload plus 12 bytes a group."""
-    n_groups = -(-numel // group_size)
-    return n_groups * group_size * bits // 8 + 4 * META_WORDS * n_groups
-
-
-def _f32(v: float) -> float:
-    return float(np.float32(v))
-
-
-def _factors(bits: int) -> dict[str, float]:
-    """The float32 factors of the knots: ``1/n`` of a segment that is not last, ``(1 + 2**-20)/n`` of the last."""
-    levels = (1 << bits) - 1
-    k, tail = SHAPES[bits]
-    inner = levels - 2 * tail
-    return dict(
-        k=_f32(k), share=_f32(tail / inner), tail=_f32(1.0 / tail), last_tail=step_factor(tail),
-        inner_both=_f32(1.0 / inner), inner_no_lower=_f32(1.0 / (inner + tail)),
-        last_with_lower=step_factor(inner + tail), last_alone=step_factor(levels), last_special=step_factor(levels - 1),
-    )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------- Triton
 
 
 @jit
@@ -489,19 +372,13 @@ def normal_dequantize_launch(
     return programs, full, meta
 
 
-def _allocate(n: int, bits: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    n_groups = -(-n // group_size)
-    codes = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8, device=device)
-    return codes, torch.empty((n_groups, META_WORDS), dtype=torch.int32, device=device)
-
-
 def triton_normal_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, interpret: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a contiguous 1-D float tensor: ``(codes, meta)``, meta int32 ``[n_groups, 3]``."""
     assert flat.dim() == 1 and flat.is_contiguous() and bits in NORMAL_BITS
     n = flat.numel()
-    codes, meta = _allocate(n, bits, group_size, flat.device)
+    codes, meta = allocate(n, bits, group_size, flat.device)
     if n == 0:
         return codes, meta
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
@@ -522,179 +399,3 @@ def triton_normal_dequantize(
     programs, full, launch = normal_dequantize_launch(n, dtype, bits, group_size, interpret)
     _normal_dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------- torch
-
-
-def _torch_knots(lo: torch.Tensor, hi: torch.Tensor, c16: torch.Tensor, d16: torch.Tensor, special, bits: int):
-    """:func:`_knots` in torch, on ``[n_groups]`` tensors: the same float32 operations in the same order."""
-    f = _factors(bits)
-    levels = (1 << bits) - 1
-    tail = SHAPES[bits][1]
-    base = torch.where(special, -hi, lo)
-    scale = torch.where(hi - base <= FLT_MAX, 1.0, 0.25)
-    a0 = base * scale
-    top = hi * scale
-    unit = (top - a0) * INV_FRACTION
-    centre = a0 + c16.float() * unit
-    spread = d16.float() * unit
-    b1 = centre - spread * f["k"]
-    b2 = centre + spread * f["k"]
-    inner = (b2 - b1) * f["share"]
-    lower = ((b1 - a0) > inner) & ~special
-    upper = ((top - b2) > inner) & ~special
-    zero = torch.zeros((), dtype=torch.int32, device=lo.device)
-    n0 = torch.where(lower, tail, zero)
-    n2 = torch.where(upper, tail, zero)
-    n1 = torch.where(special, levels - 1, levels - n0 - n2).to(torch.int32)
-    step0 = torch.where(lower, ((b1 - a0) * f["tail"]).clamp(min=MIN_STEP), 0.0)
-    a1 = a0 + n0.float() * step0
-    f_inner = torch.where(lower, f["inner_both"], f["inner_no_lower"])
-    f_last = torch.where(special, f["last_special"], torch.where(lower, f["last_with_lower"], f["last_alone"]))
-    w1 = torch.where(upper, b2, top) - a1
-    step1 = torch.where(w1 > 0, (w1 * torch.where(upper, f_inner, f_last)).clamp(min=MIN_STEP), 0.0)
-    a2 = a1 + n1.float() * step1
-    w2 = top - a2
-    step2 = torch.where(upper & (w2 > 0), (w2 * f["last_tail"]).clamp(min=MIN_STEP), 0.0)
-    return scale, (a0, a1, a2), (step0, step1, step2), (n0, n0 + n1), (n0, n1, n2)
-
-
-def _unpack_meta(meta: torch.Tensor):
-    """``(lo, hi, C, D, special, kind)`` of int32 metadata ``[n_groups, 3]``."""
-    lo, hi = meta[:, 0].contiguous().view(torch.float32), meta[:, 1].contiguous().view(torch.float32)
-    special = ~torch.isfinite(lo)
-    c16, d16 = meta[:, 2] & 0xFFFF, (meta[:, 2] >> 16) & 0xFFFF
-    return torch.where(special, 0.0, lo), hi, c16, d16, special, lo
-
-
-def _encode_meta(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Int32 metadata ``[n_groups, 3]`` of the padded groups ``x`` (``valid`` marks real elements)."""
-    inf = float("inf")
-    finite = valid & torch.isfinite(x)
-    fmin = torch.where(finite, x, inf).amin(1)
-    fmax = torch.where(finite, x, -inf).amax(1)
-    has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
-    special = has_nan | has_pinf | has_ninf
-    fmin = torch.where(fmin < inf, fmin, 0.0) + 0.0  # -0 as +0, as the kernel (any reduction order)
-    fmax = torch.where(fmax > -inf, fmax, 0.0) + 0.0
-    lo = torch.where(special, 0.0, fmin)
-    hi = torch.where(special, torch.maximum(-fmin, fmax) + 0.0, fmax)
-
-    base = torch.where(special, -hi, lo)
-    scale = torch.where(hi - base <= FLT_MAX, 1.0, 0.25)
-    a0 = base * scale
-    span = hi * scale - a0
-    r = torch.where(span > 0, (FRACTION / torch.where(span > 0, span, 1.0)).clamp(max=FLT_MAX), 0.0)
-    v = ((x * scale[:, None] - a0[:, None]) * r[:, None]).clamp(max=FRACTION)
-    u = torch.where(finite, v + 0.5, 0.0).to(torch.int32)
-    count = valid.sum(1, dtype=torch.int32).clamp(min=1)
-    c16 = torch.div(u.sum(1, dtype=torch.int32) + count // 2, count, rounding_mode="floor").clamp(max=65535)
-    e = ((u - c16[:, None]).abs() + 32) >> DEV_SHIFT
-    squares = torch.where(finite, e * e, 0).sum(1, dtype=torch.int32)
-    var = squares.float() / count.float()
-    # float64's square root rounded to float32 is IEEE's float32 square root (the kernels' sqrt_rn); torch's own
-    # float32 sqrt on a CPU may be a unit in the last place off.
-    d16 = (var.double().sqrt().float() * 64.0 + 0.5).to(torch.int32).clamp(max=65535)
-    c16 = torch.where(special, 0, c16)
-    d16 = torch.where(special, 0, d16)
-
-    kind = torch.where(has_nan | (has_pinf & has_ninf), 0x7FC00000, torch.where(has_pinf, 0x7F800000, -0x800000))
-    word0 = torch.where(special, kind.to(torch.int32), lo.view(torch.int32))
-    word2 = (c16.long() | (d16.long() << 16)).to(torch.int32)
-    return torch.stack([word0, hi.view(torch.int32), word2], dim=1)
-
-
-def _segments(x: torch.Tensor, meta: torch.Tensor, bits: int):
-    """Per element (``[n_groups, group_size]``): scaled value, segment origin, step, first code, intervals, and
-    the group's scale, from the metadata."""
-    lo, hi, c16, d16, special, _ = _unpack_meta(meta)
-    scale, (a0, a1, a2), steps, (j1, j2), counts = _torch_knots(lo, hi, c16, d16, special, bits)
-    xs = x * scale[:, None]
-    up, mid = xs >= a2[:, None], xs >= a1[:, None]
-
-    def pick(k2, k1, k0):
-        return torch.where(up, k2[:, None], torch.where(mid, k1[:, None], k0[:, None]))
-
-    zero = torch.zeros_like(j1)
-    return xs, pick(a2, a1, a0), pick(*steps[::-1]), pick(j2, j1, zero), pick(*counts[::-1]), scale
-
-
-def _codes(x, meta, bits, one_plus_u):
-    """Codes (int32, ``[n_groups, group_size]``) of the padded groups ``x``: ``one_plus_u`` the noise."""
-    xs, origin, step, first, count, _ = _segments(x, meta, bits)
-    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step, 1.0), 0.0)
-    s = torch.minimum((xs - origin) * inv + one_plus_u, (count + 1).float())
-    fin = torch.isfinite(x)
-    s = torch.where(fin, s, 1.0)
-    return torch.where(fin, first + s.to(torch.int32) - 1, (1 << bits) - 1)
-
-
-def _levels(q: torch.Tensor, meta: torch.Tensor, bits: int) -> torch.Tensor:
-    """Float32 levels of codes ``q`` (``[n_groups, group_size]``), before any saturation, non-finite codes as the
-    group's non-finite value: what :func:`torch_normal_dequantize` writes, unsaturated."""
-    lo, hi, c16, d16, special, kind = _unpack_meta(meta)
-    scale, (a0, a1, a2), (s0, s1, s2), (j1, j2), _ = _torch_knots(lo, hi, c16, d16, special, bits)
-    up, mid = q >= j2[:, None], q >= j1[:, None]
-
-    def pick(k2, k1, k0):
-        return torch.where(up, k2[:, None], torch.where(mid, k1[:, None], k0[:, None]))
-
-    origin, step = pick(a2, a1, a0), pick(s2, s1, s0)
-    start = pick(j2, j1, torch.zeros_like(j1))
-    value = ((q - start).float() * step + origin) * torch.where(scale < 1, 4.0, 1.0)[:, None]
-    return value, special[:, None] & (q == (1 << bits) - 1), kind[:, None]
-
-
-def _padded(flat: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = flat.numel()
-    n_groups = -(-n // group_size)
-    x = torch.nn.functional.pad(flat.float(), (0, n_groups * group_size - n)).view(n_groups, group_size)
-    index = torch.arange(n_groups * group_size, device=flat.device).view(n_groups, group_size)
-    return x, index < n
-
-
-def torch_normal_quantize(
-    flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference of :func:`triton_normal_quantize` and of the C++ kernels (the CPU path where those cannot be
-    built): same contract, same arithmetic; the noise from ``torch.rand`` of a ``torch.Generator`` seeded with
-    ``seed``."""
-    assert bits in NORMAL_BITS
-    if flat.numel() == 0:
-        return _allocate(0, bits, group_size, flat.device)
-    x, valid = _padded(flat, group_size)
-    meta = _encode_meta(x, valid)
-    if stochastic:
-        gen = torch.Generator(device=flat.device).manual_seed(seed)
-        one_plus_u = 1.0 + torch.rand(x.shape, generator=gen, device=flat.device)
-    else:
-        one_plus_u = 1.5
-    q = torch.where(valid, _codes(x, meta, bits, one_plus_u), 0)
-    return pack_planes(q, bits), meta
-
-
-def torch_normal_dequantize(
-    codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The reference of :func:`triton_normal_dequantize` and of the C++ kernels (the CPU path where those cannot be
-    built)."""
-    if meta.shape[0] == 0:
-        return torch.empty(n, dtype=dtype, device=codes.device)
-    value, non_finite, kind = _levels(unpack_planes(codes, bits, group_size), meta, bits)
-    out_max = torch.finfo(dtype).max
-    value = torch.where(non_finite, kind, value.clamp(-out_max, out_max))
-    return value.view(-1)[:n].to(dtype)
-
-
-def normal_levels(flat: torch.Tensor, bits: int, group_size: int):
-    """``(x, below, above, live)``, each ``[n_groups, group_size]``: the padded groups in float32, the two levels
-    between which stochastic rounding puts each element (decoded as float32, saturated at FLT_MAX) from the
-    metadata the quantizer stores, and which elements are real and finite. For ``variance.py``."""
-    x, valid = _padded(flat, group_size)
-    meta = _encode_meta(x, valid)
-    q = _codes(x, meta, bits, 1.0)  # u = 0: the level below
-    top = (1 << bits) - 1
-    below, _, _ = _levels(q, meta, bits)
-    above, _, _ = _levels(torch.clamp(q + 1, max=top), meta, bits)
-    return x, below.clamp(-FLT_MAX, FLT_MAX), above.clamp(-FLT_MAX, FLT_MAX), valid & torch.isfinite(x)
