@@ -60,7 +60,7 @@ def spearman(a, b) -> float:
 
 
 def _zoo(name: str, scale: int) -> tuple[torch.nn.Module, Callable[[], object]]:
-    from tests.controller.zoo import build
+    from benchmarks.zoo import build
 
     model, run = build(name, scale)
     return model, lambda: run().backward()

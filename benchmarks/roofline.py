@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.device import summary
-from gactx.kernels import _triton, aot
+from gactx import kernels
+from gactx.kernels import aot
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENTS = 1 << 26  # 64 Mi elements: a 256 MiB float32 activation, far past any cache
@@ -159,7 +160,7 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
-    if _triton.INTERPRET:
+    if kernels.TRITON_INTERPRET:
         parser.error("compiling for a GPU needs the real JIT: unset TRITON_INTERPRET")
     here = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     specs = pick(args.family, args.quick)
@@ -168,7 +169,7 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
         device = DEVICES[name]
         measure = here is not None and torch.cuda.get_device_capability()[0] * 10 == device.arch
         env = {
-            "triton": _triton.triton.__version__,
+            "triton": kernels.TRITON_VERSION,
             "compiled_on": "a machine with " + (here or "no GPU"),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "elements": args.elements,

@@ -31,7 +31,7 @@ from benchmarks.device import device_name, device_slug, summary
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import COMPILABLE, METHODS, Method
 from benchmarks.output import kept_rows, read_results
-from gactx.kernels import _triton
+from gactx import kernels
 
 MIB = 1 << 20
 
@@ -320,7 +320,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     )
     env = {
         "device_name": device_name(args.device), "torch": torch.__version__,
-        "triton": _triton.triton.__version__ if _triton.HAS_TRITON else "not installed",
+        "triton": kernels.TRITON_VERSION or "not installed",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size, "memory": memory,
         "timed": args.timed, "warmup": args.warmup, "train_steps": args.train_steps,
         "memory_cap_gib": args.memory_cap_gib,

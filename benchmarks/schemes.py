@@ -64,7 +64,7 @@ BASE = "uniform only"
 def _model(name: str, size: str = "small") -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable | None]:
     """``(model, loss closure, workload)`` of a zoo model (``zoo:NAME``) or a small model of the models benchmark."""
     if name.startswith("zoo:"):
-        from tests.controller.zoo import build
+        from benchmarks.zoo import build
 
         model, run = build(name[4:], 1)
         return model, run, None

@@ -44,7 +44,8 @@ if __package__ in (None, ""):  # run as a script: import the gactx of this check
 
 import gactx  # noqa: E402
 from benchmarks.device import device_name, device_slug  # noqa: E402
-from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, _triton, cpu  # noqa: E402
+from gactx import kernels  # noqa: E402
+from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, cpu  # noqa: E402
 
 MIB = 1 << 20
 GB = 1e9
@@ -107,11 +108,11 @@ def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Refuse runs whose numbers would be mislabelled or meaningless."""
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no CUDA device; CPU numbers are never labelled as GPU ones")
-    if args.device == "cuda" and not _triton.HAS_TRITON:
+    if args.device == "cuda" and not kernels.HAS_TRITON:
         parser.error("timing on cuda uses triton.testing.do_bench; install triton")
     if args.quick and args.out is None:
         parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
-    if args.device == "cpu" and args.backend == "triton" and not _triton.INTERPRET:
+    if args.device == "cpu" and args.backend == "triton" and not kernels.TRITON_INTERPRET:
         parser.error("--backend triton on cpu needs TRITON_INTERPRET=1 (the interpreter: correct, not fast)")
 
 
@@ -132,7 +133,7 @@ def resolve_backend(device: str, backend: str) -> str:
     CPU (the torch twins where they cannot be built)."""
     if backend == "auto":
         if device == "cuda":
-            return "triton" if _triton.HAS_TRITON else "torch"
+            return "triton" if kernels.HAS_TRITON else "torch"
         return "cpp" if cpu.available() else "torch"
     return backend
 
@@ -153,7 +154,7 @@ def environment(args: argparse.Namespace) -> dict:
         "device_name": device_name(args.device),
         "backend": backend_label(args),
         "torch": torch.__version__,
-        "triton": _triton.triton.__version__ if _triton.HAS_TRITON else "not installed",
+        "triton": kernels.TRITON_VERSION or "not installed",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "group_size": args.group_size,
         "rounding": f"stochastic, fixed seed {SEED}",

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import gactx
+from benchmarks.zoo import build
 from tests.controller.test_zoo import grads
-from tests.controller.zoo import build
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer_layer", "bert", "conv3d"])

@@ -163,7 +163,7 @@ def test_schemes_are_validated():
 
 @pytest.mark.parametrize("estimator", ["gact", "actnn"])
 def test_every_scheme_is_chosen_on_bert_and_its_gradient_stays_unbiased(estimator):
-    from tests.controller.zoo import build
+    from benchmarks.zoo import build
 
     model, unseeded = build("bert", 1)
 
@@ -213,8 +213,8 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 
 def test_gact_probes_each_sketchable_tensor_with_its_calibration_pairs():
+    from benchmarks.zoo import build
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
-    from tests.controller.zoo import build
 
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))

@@ -209,10 +209,10 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
     """The allocator offers a normalization input ActNN's estimator rated only the widths w with rho S(w) <= 1;
     without that, the zoo transformer layer's gradient error at L2.2 was 11 to 15 times the gradient (1e16 on a
     small ViT): its LayerNorm inputs got 1 bit, the free formula does not see them multiply the noise below."""
+    from benchmarks.zoo import build
     from gactx.controller.adaptation import NOISE_CEILING, noise_floor
     from gactx.controller.adaptation.allocator import WIDTHS, variance_factor
     from gactx.controller.adaptation.free_sensitivity import free_estimate
-    from tests.controller.zoo import build
 
     assert noise_floor(WIDTHS, 10.0) == (4, 8, 16, 32) and noise_floor(WIDTHS, 0.5) == WIDTHS
     model, x = _token_stack()

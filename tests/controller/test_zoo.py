@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import gactx
+from benchmarks.zoo import ZOO, build
 from gactx.controller import Packed
 from gactx.controller.pack import PackPath
 from gactx.controller.store import Kept
 from gactx.kernels import QuantizedTensor
 from gactx.kernels.codes import CodedTensor
-from tests.controller.zoo import ZOO, build
 from tests.helpers import live
 
 NAMES = list(ZOO)
@@ -197,7 +197,7 @@ def test_double_backward_through_compressed_tensors(level):
 
 def _ratios(level):
     """(name, original MiB, ratio, share of gactx's bytes that are integer tensors it must keep)."""
-    from tests.controller.zoo import REALISTIC_SCALE
+    from benchmarks.zoo import REALISTIC_SCALE
 
     rows = []
     for name in NAMES:

@@ -1,4 +1,5 @@
-"""Real architectures for the controller tests: each entry builds a model and a loss closure.
+"""Real architectures for the controller tests and the estimator and scheme benchmarks: each entry builds a model and
+a loss closure.
 
 ``build(name, scale)`` returns ``(model, run)`` where ``run()`` does a forward pass and returns a scalar
 loss. ``scale=1`` is small enough for hundreds of steps on a CPU; larger scales give several MB of
