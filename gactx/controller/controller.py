@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -19,9 +18,9 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller import checkpoint
-from gactx.controller.adaptation import Adaptation, plan, reduce_across_ranks
+from gactx.controller.adaptation import Adaptation, allocate_estimate
 from gactx.controller.adaptation.choices import Choice
-from gactx.controller.adaptation.estimators import Estimator, make_estimator
+from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_estimator
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.offload import Offloader
@@ -43,27 +42,6 @@ def _top_hooks() -> tuple | None:
 
 
 logger = logging.getLogger(__name__)
-
-PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
-
-
-class _Progress:
-    """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
-    2 passes per compressed tensor of a deep net) says where it is."""
-
-    def __init__(self, step: int, rounds: int = 1) -> None:
-        self.step, self.every, self.rounds, self.round = step, PROGRESS_SECONDS, rounds, 1
-        self.start = self.last = time.perf_counter()
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.every:
-            self.last = now
-            estimate = f", estimate {self.round} of {self.rounds}" if self.rounds > 1 else ""
-            logger.info(
-                "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate, done,
-                total, now - self.start,
-            )  # fmt: skip
 
 
 class Controller:
@@ -222,7 +200,7 @@ class Controller:
         if not self._pass.records:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
         rounds = self.estimator.rounds(bool(self.plan.allocation))
-        progress, estimates = _Progress(self.step, rounds), []
+        progress, estimates = ProgressLog(self.step, rounds), []
         for progress.round in range(1, rounds + 1):
             estimates.append(self._adapt_once(backprop, progress))
         self.last_adaptation = a = dataclasses.replace(
@@ -235,7 +213,7 @@ class Controller:
         )  # fmt: skip
         return a
 
-    def _adapt_once(self, backprop: Callable[[], object] | None, progress: _Progress) -> Adaptation:
+    def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog) -> Adaptation:
         """One estimate and one allocation (:meth:`adapt`)."""
         cfg = self.config
         training_pass, was_installed = self._pass, self.installed
@@ -250,25 +228,10 @@ class Controller:
             if not was_installed:
                 self.uninstall_hook()
             discovered, self._pass, self._path.fresh = self._pass, training_pass, True
-        # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
-        absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
-                    estimate.curves.items()}  # fmt: skip
-        ratios = {s: {"rho": r} for s, r in estimate.ratios.items()}
-        self.sensitivity, measured, probed, absolute, ratios = reduce_across_ranks(
-            estimate.sensitivity, estimate.measured, estimate.probed, absolute, ratios
-        )
-        curves = {s: (p["a"] / self.sensitivity[s], p["q"] / self.sensitivity[s]) for s, p in absolute.items()
-                  if self.sensitivity[s] > 0}  # fmt: skip
         # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
-        # compiled saves take widths from it by module, shape and dtype (_compiled_width).
+        # compiled saves take widths from it by module, shape and dtype (plan.compiled_width).
         eager = training_pass if not training_pass.graph_runs else discovered
-        # A training forward that met an op for the first time stored its tensors as linear inputs; the
-        # estimator's passes, watched, know better where they stored one at a fixed width.
-        settled = frozenset(r.key.slot for r in discovered.records if not r.allocated)
-        allocation, budget = plan(
-            cfg, eager, self.sensitivity, settled - set(self.sensitivity), measured, probed, curves,
-            {s: r["rho"] for s, r in ratios.items()},
-        )  # fmt: skip
+        self.sensitivity, allocation, budget = allocate_estimate(cfg, estimate, eager, discovered)
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         old = self.plan
         if (allocation.bits != old.allocation or choices != old.choices) and self._compiled.saves:

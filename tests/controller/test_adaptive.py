@@ -245,10 +245,10 @@ def _adaptation_log(caplog) -> tuple[list[str], gactx.Controller]:
 
 
 def test_an_adaptation_logs_one_line_with_its_cost(caplog, monkeypatch):
-    import gactx.controller.controller as controller_module
+    import gactx.controller.adaptation.estimators as estimators_module
 
     # Progress lines start after PROGRESS_SECONDS (3 s), which a loaded machine can reach: not this test's subject.
-    monkeypatch.setattr(controller_module, "PROGRESS_SECONDS", float("inf"))
+    monkeypatch.setattr(estimators_module, "PROGRESS_SECONDS", float("inf"))
     lines, controller = _adaptation_log(caplog)
     a = controller.last_adaptation
     assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure in" in lines[0] and "budget" in lines[0]
@@ -257,9 +257,9 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog, monkeypatch):
 def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     """Past PROGRESS_SECONDS (3 s; 0 here, so that every slot logs) an adaptation says how far it is, then its
     cost as usual."""
-    import gactx.controller.controller as controller_module
+    import gactx.controller.adaptation.estimators as estimators_module
 
-    monkeypatch.setattr(controller_module, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(estimators_module, "PROGRESS_SECONDS", 0.0)
     lines, controller = _adaptation_log(caplog)
     total = controller.last_adaptation.passes
     slots = len(controller.sensitivity)

@@ -9,7 +9,7 @@ def _worker(rank: int) -> dict:
     import torch.nn.functional as F
 
     import gactx
-    import gactx.controller.controller as controller_module
+    import gactx.controller.adaptation.budget as budget_module
     from benchmarks.digits import digits_cnn
 
     torch.manual_seed(0)
@@ -17,13 +17,13 @@ def _worker(rank: int) -> dict:
     gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
     x, y = torch.randn(64, 1, 8, 8, generator=gen), torch.randint(0, 10, (64,), generator=gen)
     raw = {}
-    reduce = controller_module.reduce_across_ranks
+    reduce = budget_module.reduce_across_ranks
 
     def spy(sensitivity, *tables):
         raw.update(sensitivity)
         return reduce(sensitivity, *tables)
 
-    controller_module.reduce_across_ranks = spy
+    budget_module.reduce_across_ranks = spy
     controller = gactx.Controller(model, level="L2.2")
     with controller:
         F.cross_entropy(model(x), y).backward()

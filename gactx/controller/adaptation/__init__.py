@@ -9,10 +9,13 @@ The controller imports ``estimators`` itself: it reads the pack path's plan, whi
 from gactx.controller.adaptation.budget import (
     NOISE_CEILING,
     Adaptation,
+    allocate_estimate,
     default_width,
     noise_floor,
     plan,
     reduce_across_ranks,
 )
 
-__all__ = ["NOISE_CEILING", "Adaptation", "default_width", "noise_floor", "plan", "reduce_across_ranks"]
+__all__ = [
+    "NOISE_CEILING", "Adaptation", "allocate_estimate", "default_width", "noise_floor", "plan", "reduce_across_ranks"
+]  # fmt: skip

@@ -17,7 +17,9 @@ from gactx.controller.adaptation.widths import WIDTHS, variance_factor
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import AS_IS, PassStats
 
-__all__ = ["Adaptation", "NOISE_CEILING", "default_width", "noise_floor", "reduce_across_ranks", "plan"]
+__all__ = [
+    "Adaptation", "NOISE_CEILING", "allocate_estimate", "default_width", "noise_floor", "plan", "reduce_across_ranks"
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -149,3 +151,29 @@ def plan(
             raise ValueError(message + "; raise the budget or use strict=False to fall back to the narrowest widths")
         warnings.warn(message + "; using the narrowest widths", RuntimeWarning, stacklevel=4)
     return allocation, budget
+
+
+def allocate_estimate(
+    config: Config, estimate, eager: PassStats, discovered: PassStats
+) -> tuple[dict, Allocation, int]:
+    """One adaptation's allocation from an estimate (``sensitivity.Estimate``): agreed across ranks, then :func:`plan`
+    for the saves of ``eager`` (the training pass, or the estimator's first pass where training ran compiled graphs).
+    ``discovered``: the estimator's first pass. Returns the sensitivities (averaged over the ranks), the allocation
+    and its budget."""
+    # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
+    absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
+                estimate.curves.items()}  # fmt: skip
+    ratios = {s: {"rho": r} for s, r in estimate.ratios.items()}
+    sensitivity, measured, probed, absolute, ratios = reduce_across_ranks(
+        estimate.sensitivity, estimate.measured, estimate.probed, absolute, ratios
+    )
+    curves = {s: (p["a"] / sensitivity[s], p["q"] / sensitivity[s]) for s, p in absolute.items()
+              if sensitivity[s] > 0}  # fmt: skip
+    # A training forward that met an op for the first time stored its tensors as linear inputs; the estimator's
+    # passes, watched, know better where they stored one at a fixed width.
+    settled = frozenset(r.key.slot for r in discovered.records if not r.allocated)
+    allocation, budget = plan(
+        config, eager, sensitivity, settled - set(sensitivity), measured, probed, curves,
+        {s: r["rho"] for s, r in ratios.items()},
+    )  # fmt: skip
+    return sensitivity, allocation, budget

@@ -16,6 +16,8 @@ plan, the free collector's hooks, the storage choices' meter. It reaches the sav
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import warnings
 import zlib
 from collections.abc import Callable
@@ -35,9 +37,30 @@ from gactx.controller.stats import PassStats
 if TYPE_CHECKING:
     from gactx.controller.pack import PackPath
 
-__all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "make_estimator"]
+__all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_estimator"]
 
 Progress = Callable[[int, int], None]
+PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
+logger = logging.getLogger(__name__)
+
+
+class ProgressLog:
+    """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
+    2 passes per compressed tensor of a deep net) says where it is."""
+
+    def __init__(self, step: int, rounds: int = 1) -> None:
+        self.step, self.every, self.rounds, self.round = step, PROGRESS_SECONDS, rounds, 1
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            estimate = f", estimate {self.round} of {self.rounds}" if self.rounds > 1 else ""
+            logger.info(
+                "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate, done,
+                total, now - self.start,
+            )  # fmt: skip
 
 
 class Estimator(Protocol):
