@@ -1,4 +1,4 @@
-"""Adaptive levels: the estimator (gactx/controller/sensitivity.py) and its use by the controller."""
+"""Adaptive levels: the estimator (gactx/controller/adaptation/sensitivity.py) and its use by the controller."""
 
 import math
 import warnings

@@ -215,7 +215,7 @@ NORMAL_SIZES = [1, 255, 257, 4099]
 
 def _normal_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """test_normal.py's samples (an outlier in one group in three), special and extreme groups."""
-    from tests.kernels.test_normal import _sample, _special
+    from tests.kernels.schemes.test_normal import _sample, _special
 
     return {"sample": _sample(4099, dtype, "cpu"), "special": _special(dtype, "cpu"), "extreme": extreme_input(dtype)}
 
@@ -225,7 +225,7 @@ def _normal_inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [32, 256])
 def test_normal_deterministic_bytes_and_decodes_are_the_twins(n, bits, dtype, group):
-    from tests.kernels.test_normal import _same, _sample
+    from tests.kernels.schemes.test_normal import _same, _sample
 
     x = _sample(n, dtype, "cpu", seed=n)
     codes, meta = cpu.normal_quantize(x, bits, group, False, 0)
@@ -252,7 +252,7 @@ def test_normal_metadata_of_many_small_groups_is_the_twins(dtype):
 def test_normal_special_and_extreme_groups_are_the_twins(bits, dtype):
     """NaN and +-Inf groups (the canonical NaN in word 0), constant, tiny and huge groups, spans past FLT_MAX
     (scale 1/4), values at the dtype's largest: the twin's bytes, and its decodes, saturated in the dtype."""
-    from tests.kernels.test_normal import _same
+    from tests.kernels.schemes.test_normal import _same
 
     for name, x in _normal_inputs(dtype).items():
         codes, meta = cpu.normal_quantize(x, bits, 32, False, 0)
@@ -273,7 +273,7 @@ def test_normal_special_and_extreme_groups_are_the_twins(bits, dtype):
 def test_normal_any_codes_decode_as_the_twin(bits, dtype):
     """Every code of every group (random bytes, not only those the encoder writes) decodes to the twin's bits,
     through the metadata of ordinary, special and extreme groups."""
-    from tests.kernels.test_normal import _same
+    from tests.kernels.schemes.test_normal import _same
 
     g = torch.Generator().manual_seed(bits)
     for name, x in _normal_inputs(dtype).items():
@@ -288,7 +288,7 @@ def test_normal_any_codes_decode_as_the_twin(bits, dtype):
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_normal_stochastic_rounding_is_unbiased_and_seeded(bits):
-    from tests.kernels.test_normal import _gaps, _sample
+    from tests.kernels.schemes.test_normal import _gaps, _sample
 
     n, group, seeds = 257, 32, 400
     x = _sample(n, torch.float32, "cpu", seed=1)
@@ -312,7 +312,7 @@ def test_normal_stochastic_rounding_is_unbiased_and_seeded(bits):
 def test_normal_memory_order_round_trip_runs_the_cpp_kernels(backend, dtype):
     """channels_last and transposed tensors: quantized in memory order without a copy, the twin's bytes, decoded
     with their strides."""
-    from tests.kernels.test_normal import _same
+    from tests.kernels.schemes.test_normal import _same
 
     base = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(0)) * 2
     for x, perm in ((base.to(memory_format=torch.channels_last), (0, 2, 3, 1)), (base[0, 0].t(), (1, 0))):

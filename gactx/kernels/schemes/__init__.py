@@ -14,7 +14,7 @@ fraction and high width). A :class:`Scheme` answers everything the rest of gactx
   reports and records, and its width where it does not apply.
 
 Adding a scheme is a module with a :class:`Scheme` subclass and a :func:`register` call (a test registers one:
-``tests/kernels/test_schemes.py``). The allocation offers it once a controller's ``schemes=`` names it.
+``tests/kernels/schemes/test_registry.py``). The allocation offers it once a controller's ``schemes=`` names it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""gactx/controller/choices.py: storage choices, their measured variance, and the allocator choosing among them."""
+"""gactx/controller/adaptation/choices.py: storage choices, their measured variance, and the allocator choosing
+among them."""
 
 import itertools
 import statistics

@@ -1,4 +1,4 @@
-"""gactx/kernels/samples.py: per-sample widths, unbiased, within their bytes, without a host read."""
+"""gactx/kernels/schemes/samples.py: per-sample widths, unbiased, within their bytes, without a host read."""
 
 import pytest
 import torch

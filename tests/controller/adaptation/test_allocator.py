@@ -1,4 +1,4 @@
-"""gactx/controller/allocator.py: optimal against brute force, always within budget."""
+"""gactx/controller/adaptation/allocator.py: optimal against brute force, always within budget."""
 
 import itertools
 

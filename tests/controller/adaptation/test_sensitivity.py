@@ -1,4 +1,4 @@
-"""The free sensitivity estimate (gactx/controller/free_sensitivity.py) and its use by the controller."""
+"""The free sensitivity estimate (gactx/controller/adaptation/free_sensitivity.py) and its use by the controller."""
 
 import math
 import warnings
