@@ -35,6 +35,7 @@ from gactx.controller.rules import (
     sketchable,
 )
 from gactx.controller.stats import AS_IS
+from gactx.kernels.format import as_is_width
 
 __all__ = ["BOOL_MASK", "Decision", "decide", "kept", "may_share", "node_rule"]
 
@@ -95,7 +96,7 @@ def decide(t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, conf
         choice = None
     elif rule.cls == "attention" and bits < ATTENTION_BITS:
         bits = ATTENTION_BITS
-    if choice is None and rule.kind == "quantize" and (bits == 32 or (bits == 16 and t.dtype != torch.float32)):
+    if choice is None and rule.kind == "quantize" and as_is_width(bits, t.dtype):
         return Decision(rule, bits, None, AS_IS)
     return Decision(rule, bits, choice)
 

@@ -20,7 +20,7 @@ from gactx.controller.rules import Rule, sketchable
 from gactx.kernels import QuantizedTensor, dequantize, quantize
 from gactx.kernels.codes import encode_bins, encode_codes, encode_compare
 from gactx.kernels.fewbit import fewbit_table
-from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
+from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES, as_is_width
 from gactx.kernels.functional import choose_backend, quantize_checked
 from gactx.kernels.schemes import Choice, scheme
 
@@ -283,7 +283,7 @@ def encode(
         if stored is not None:
             return stored
         bits = choice.fallback_bits
-    if kind == "keep" or bits is None or bits == 32 or (bits == 16 and t.dtype != torch.float32):
+    if kind == "keep" or bits is None or as_is_width(bits, t.dtype):
         return as_is(t)
     if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
         return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)

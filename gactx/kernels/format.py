@@ -54,6 +54,7 @@ __all__ = [
     "GROUP_SIZES",
     "FLOAT_DTYPES",
     "QuantizedTensor",
+    "as_is_width",
     "expected_nbytes",
     "memory_order",
     "contiguous_order",
@@ -119,6 +120,12 @@ class QuantizedTensor:
             f"group_size={self.group_size}, nbytes={self.nbytes}, device={self.device}"
             + (")" if self.scheme == "uniform" else f", scheme={self.scheme!r})")
         )
+
+
+def as_is_width(bits: int | None, dtype: torch.dtype) -> bool:
+    """Whether ``bits`` stores a tensor of ``dtype`` as it is: 32 bits, or 16 bits of a 16-bit tensor (16 bits of a
+    float32 tensor are bfloat16 with stochastic rounding)."""
+    return bits == 32 or (bits == 16 and dtype != torch.float32)
 
 
 def expected_nbytes(numel: int, dtype: torch.dtype, bits: int, group_size: int = 256, scheme: str = "uniform") -> int:

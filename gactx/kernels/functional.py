@@ -14,6 +14,7 @@ from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pac
 from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.format import (
     QuantizedTensor,
+    as_is_width,
     check_args,
     check_scheme,
     contiguous_order,
@@ -122,7 +123,7 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     ``x`` may require grad (a saved activation): its values are stored, never its history; a width at or above
     its own (32, or 16 of a 16-bit tensor) keeps ``x`` itself, so callers detach it first there."""
     dtype = x.dtype
-    if dtype != torch.bool and (bits == 32 or (bits == 16 and dtype != torch.float32)):
+    if dtype != torch.bool and as_is_width(bits, dtype):
         return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
     if chosen == "cpp" and bits <= 8 and dtype != torch.bool:  # the pack hook's usual call
         flat, dense_shape, perm = contiguous_order(x)

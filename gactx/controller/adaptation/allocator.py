@@ -34,7 +34,7 @@ import torch
 from gactx.controller.adaptation.choices import Choice
 from gactx.controller.adaptation.widths import WIDTHS, variance_factor, widths_for
 from gactx.kernels.codes import coded_nbytes
-from gactx.kernels.format import expected_nbytes
+from gactx.kernels.format import as_is_width, expected_nbytes
 
 __all__ = ["WIDTHS", "Item", "Allocation", "variance_factor", "widths_for", "allocate"]
 
@@ -57,8 +57,7 @@ def _bytes(item: Item, bits: int, group_size: int) -> int:
     if item.coded and bits <= 8:
         return coded_nbytes(item.numel, bits, item.dtype)
     nbytes = expected_nbytes(item.numel, item.dtype, bits, group_size)
-    as_is = bits == 32 or (bits == 16 and item.dtype != torch.float32)
-    return max(nbytes, item.as_is_bytes or 0) if as_is else nbytes
+    return max(nbytes, item.as_is_bytes or 0) if as_is_width(bits, item.dtype) else nbytes
 
 
 @dataclass(frozen=True)

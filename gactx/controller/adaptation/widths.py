@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from gactx.kernels.format import as_is_width
+
 __all__ = ["WIDTHS", "variance_factor", "widths_for"]
 
 WIDTHS = (1, 2, 4, 8, 16, 32)
@@ -12,7 +14,7 @@ WIDTHS = (1, 2, 4, 8, 16, 32)
 
 def variance_factor(bits: int, dtype: torch.dtype = torch.float32) -> float:
     """``S(b)``: the gradient variance per unit of sensitivity that ``bits`` adds (``allocator.py``'s docstring)."""
-    if bits == 32 or (bits == 16 and dtype != torch.float32):
+    if as_is_width(bits, dtype):
         return 0.0
     if bits == 16:
         return variance_factor(8) / 16
