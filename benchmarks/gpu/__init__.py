@@ -1,6 +1,6 @@
 """The GPU evaluation: one command that measures gactx where users train, sized to a short loan of one GPU.
 
-    python -m benchmarks.gpu                  # on a GPU: about 8 minutes on one H100
+    python -m benchmarks.gpu                  # on a GPU: under 9 minutes on one H100
     python -m benchmarks.gpu --tiny           # the same code at tiny sizes, on any machine, in a minute
     python -m benchmarks.gpu --arms kernels llama-lora --limit llama-lora=200
 
@@ -9,12 +9,17 @@ under its own time limit (``--limit ARM=SECONDS``; all of them within ``--budget
 
 1. ``kernels``: quantize and dequantize against ``torch.clone`` on 1 to 256 MiB, float32 and bfloat16, at 2,
    4 and 8 bits: GB/s, host microseconds a call, kernel launches a call (:mod:`benchmarks.gpu.kernels`).
-2. ``llama-lora``: a Llama-3.2-1B-shaped model (``benchmarks/llm.py``), LoRA r=16, bf16, SDPA, sequence 4096:
+2. ``host``: ``benchmarks.host``'s MLP of 64 x 64 tensors, eager and compiled: host time a saved tensor.
+3. ``llama-lora``: a Llama-3.2-1B-shaped model (``benchmarks/llm.py``), LoRA r=16, bf16, SDPA, sequence 4096:
    plain, Hugging Face gradient checkpointing, gactx L1, checkpointing + L1, L1.2 and L2.2.
-3. ``resnet50``: torchvision's ResNet-50, bf16 autocast, channels_last, batch 256: plain, checkpointing, L1,
+4. ``resnet50``: torchvision's ResNet-50, bf16 autocast, channels_last, batch 256: plain, checkpointing, L1,
    L1.2, L2.2.
-4. ``bert-large``: transformers' BERT-large, sequence 128, batch 64: plain, checkpointing, L1, L2, L2.2.
-5. ``compiled``: BERT-large and the Llama LoRA model under ``torch.compile``, plain and L1.
+5. ``bert-large``: transformers' BERT-large, sequence 128, batch 64: plain, checkpointing, L1, L2, L2.2.
+6. ``compiled``: BERT-large under ``torch.compile``, plain and L1.
+
+Within a training arm, each model's methods run in phases, so that a short limit still yields what matters
+most: the fixed methods' warm-ups and peaks, their step times in turns, then the adaptive methods (their first
+adaptation is the longest warm-up) timed in turns with plain again, and the maximum batch searches last.
 
 For each training method: the step's peak (``max_memory_allocated``), throughput (median of 10 steps after 3
 warm-up steps, alternated between methods) and the maximum batch (:mod:`benchmarks.gpu.training`), each
