@@ -44,9 +44,9 @@ def assert_unbiased_at_the_edges(quantize, bits: int, seeds: int) -> None:
     """Stochastic rounding of the first two groups of :func:`extreme_input` (float32: spans of twice FLT_MAX
     and of 4e38) by ``quantize(x, bits, seed) -> (codes, meta)`` at group size 32: every decode finite and
     within a step, and the mean of ``seeds`` decodes within 5 standard errors of ``x`` (a draw's variance is at
-    most step**2 / 4). The one exception, documented in quantize.py: at 1 bit such a group's step is FLT_MAX,
-    and its elements above ``lo + FLT_MAX`` take the top code in every draw."""
-    from gactx.kernels.dequantize import torch_dequantize
+    most step**2 / 4). The one exception, documented in schemes/uniform/format.py: at 1 bit such a group's step is
+    FLT_MAX, and its elements above ``lo + FLT_MAX`` take the top code in every draw."""
+    from gactx.kernels.schemes.uniform.reference import torch_dequantize
 
     flt_max = torch.finfo(torch.float32).max
     x = extreme_input(torch.float32)[:64]

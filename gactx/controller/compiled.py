@@ -21,17 +21,17 @@ path's ``decide`` (``decide.py``), under the rule that the op table gives the no
 - Attention: ``exp``/``softmax`` results and what is divided out of an ``exp`` result (a softmax the graph
   decomposed) get at least ``ATTENTION_BITS``.
 - Anything else is quantized at the width: the level's, or at adaptive levels the widest the allocation
-  gave the eager saves of that shape in the modules that made or used it. By the format's kernels (Triton,
-  C++) as custom ops the graph calls (``traced.kernel_quantize_saved``; ``backend="auto"``, ``"triton"``,
-  ``"cpp"``), or with ``backend="torch"`` in torch ops (``traced.quantize``) that Inductor compiles into the
-  graph's own code and fuses (the same bytes deterministically, longer to compile).
+  gave the eager saves of that shape in the modules that made or used it. By the uniform scheme's kernels
+  (Triton, C++) as custom ops the graph calls (``uniform.kernel_quantize_saved``, in the scheme's ``traced.py``;
+  ``backend="auto"``, ``"triton"``, ``"cpp"``), or with ``backend="torch"`` in torch ops (``uniform.quantize``)
+  that Inductor compiles into the graph's own code and fuses (the same bytes deterministically, longer to compile).
 
 The op rules that need the op's own test or its function (masks decoded from ReLU-like tests, FewBit codes
 of GELU inputs, pooling inputs stored as nothing) are eager-only: a compiled graph has decomposed those
 ops, and one saved node serves every backward use of the value.
 
 Every save the hook handles ticks in the forward graph (``traced.tick``, or inside the kernel's op,
-``traced.kernel_quantize_saved``, so that one op reads the value): at run time it tells the controller which
+``uniform.kernel_quantize_saved``, so that one op reads the value): at run time it tells the controller which
 saves ran (the records of ``memory_stats()`` and ``report()``), and with ``backend="torch"`` its count, a
 counter on the device, seeds the noise (the C++ kernels' hash of (seed, index)). Either way a graph draws
 new noise every step without recompiling.
@@ -56,6 +56,7 @@ from gactx.controller.policy import value_reason
 from gactx.controller.stats import KeyRecord
 from gactx.kernels import cpu, traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
+from gactx.kernels.schemes.uniform import traced as uniform
 
 __all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 
@@ -226,7 +227,7 @@ class CompiledPath:
                 packed, count = traced.kernel_pack_bool_saved(t, cfg.backend, token)
                 return (BOOL_KERNEL, count, packed, t.numel(), shape)
             salt = _salt(cfg.seed, token)
-            codes, meta, count = traced.kernel_quantize_saved(
+            codes, meta, count = uniform.kernel_quantize_saved(
                 t, save.bits, cfg.group_size, cfg.stochastic, salt, cfg.backend, token
             )
             return (KERNEL, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
@@ -235,7 +236,7 @@ class CompiledPath:
         if t.dtype == torch.bool:
             return (BOOL, count, traced.pack_bool(t), t.numel(), shape)
         seed = (count << 32) | _salt(cfg.seed, token)
-        codes, meta = traced.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
+        codes, meta = uniform.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
         return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
 
     def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave):
@@ -282,9 +283,9 @@ class CompiledPath:
             return traced.unpack_bool(data, n).view(shape)
         _, _, codes, meta, bits, group_size, n, shape, dtype = packed
         if tag == KERNEL:
-            flat = traced.kernel_dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype], self.config.backend)
+            flat = uniform.kernel_dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype], self.config.backend)
         else:
-            flat = traced.dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype])
+            flat = uniform.dequantize(codes, meta, bits, group_size, n, FLOAT_DTYPES[dtype])
         return flat.view(shape)
 
     def _decide(self, t: torch.Tensor, node, fw_graph, bw_graph) -> tuple[int, GraphSave]:

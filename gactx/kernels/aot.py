@@ -41,31 +41,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import itertools
 import json
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
-from gactx.kernels import _triton
+from gactx.kernels import _triton, schemes
 from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmask_launch
-from gactx.kernels.dequantize import _dequantize_kernel, dequantize_launch
-from gactx.kernels.format import CODE_BITS, GROUP_SIZES
+from gactx.kernels.format import CODE_BITS
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
-from gactx.kernels.quantize import _quantize_kernel, quantize_launch
-from gactx.kernels.schemes.normal.format import NORMAL_BITS
-from gactx.kernels.schemes.normal.triton import (
-    _normal_dequantize_kernel,
-    _normal_quantize_kernel,
-    normal_dequantize_launch,
-    normal_quantize_launch,
-)
+from gactx.kernels.specs import SIZE_SEED, KernelSpec, both, spec
 
 __all__ = [
     "ARCHS",
@@ -73,136 +62,42 @@ __all__ = [
     "Compiled",
     "KernelSpec",
     "compile_spec",
+    "families",
     "specs",
     "variant_specs",
 ]
 
 ARCHS = (80, 90)  # A100 and H100/H200: the GPUs gactx's users train on
-FAMILIES = ("quantize", "dequantize", "round_bf16", "pack_bool", "unpack_bool", "normal_quantize", "normal_dequantize")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# How the launchers pass a tensor of each dtype: bfloat16 as its int16 bits (the interpreter has no bf16 math).
-POINTER = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*i16"}
-OPTIONS = ("num_warps", "enable_fp_fusion", "maxnreg")  # launch options among a launcher's meta-parameters
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """One compiled variant of one kernel: what the launcher passes, and what its code must show."""
-
-    family: str
-    config: dict  # the launcher's choices, in words: dtype, bits, group, stochastic, masked
-    kernel: object = field(repr=False, compare=False)
-    signature: dict  # argument -> Triton type, "constexpr" for meta-parameters
-    constexprs: dict
-    options: dict  # num_warps, enable_fp_fusion
-    elements: int  # elements a program
-    bytes_per_element: float  # bytes the kernel moves to and from memory an element
-    exact: bool  # its results must equal its torch twin's bit for bit: no fused multiply-add
-    wide: str  # "ld", "st" or "ld st": the global accesses that must be 128 bits wide (without a tail)
-    wide_bits: int = 128  # less where a thread's run of consecutive elements is shorter than 16 bytes
-    aligned: bool = True  # pointers 16-byte aligned (what the JIT assumes of a fresh torch allocation)
-
-    @property
-    def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.config.items())
-
-    @property
-    def threads(self) -> int:
-        return self.options["num_warps"] * 32
-
-
-def _spec(family: str, config: dict, kernel, pointers: dict, ints: dict, meta: dict, **kwargs) -> KernelSpec:
-    constexprs = {k: v for k, v in meta.items() if k not in OPTIONS}
-    options = {k: v for k, v in meta.items() if k in OPTIONS}
-    signature = {**pointers, **ints, **dict.fromkeys(constexprs, "constexpr")}
-    return KernelSpec(family, {**config, "rest": meta["REST"]}, kernel, signature, constexprs, options, **kwargs)
-
-
-# A size that is a whole number of programs for every launcher, and one element more: the launch without a rest and
-# the one with.
-_WHOLE = 1 << 24
-
-
-_SIZE_SEED = {"n": "i32", "seed": "i64", "full": "i32"}  # sizes below 2**31; seeds drawn below 2**62
-
-
-def _both(launcher: Callable[..., tuple[int, int, dict]], *args) -> list[dict]:
-    """The meta-parameters ``launcher(n, *args)`` gives ``_WHOLE`` elements (no rest) and ``_WHOLE + 1`` (a rest)."""
-    return [launcher(_WHOLE, *args)[2], launcher(_WHOLE + 1, *args)[2]]
-
-
-def _quantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = False) -> list[KernelSpec]:
-    """Quantize's specs, of the uniform scheme or (``normal``) of ``normal.py``'s: 12 bytes of int32 metadata."""
-    out = []
-    family, kernel, launcher = (
-        ("normal_quantize", _normal_quantize_kernel, normal_quantize_launch)
-        if normal
-        else ("quantize", _quantize_kernel, quantize_launch)
-    )
-    widths = NORMAL_BITS if normal else CODE_BITS
-    for name, dtype in DTYPES.items():
-        pointers = {"x_ptr": POINTER[name], "codes_ptr": "*u8", "meta_ptr": "*i32" if normal else "*fp32"}
-        bits_list = [b for b in (bits_filter or widths) if b in widths]
-        for bits, group, stochastic in itertools.product(bits_list, GROUP_SIZES, (False, True)):
-            config = dict(dtype=name, bits=bits, group=group, stochastic=stochastic)
-            for meta in _both(launcher, dtype, bits, group, stochastic):
-                # Bits a thread can load in one piece: a slice's width, or its share of the slice.
-                width, threads = group // meta["SLICES"], meta["num_warps"] * 32
-                run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
-                moved = dtype.itemsize + bits / 8 + (12 if normal else 8) / group
-                spec = _spec(family, config, kernel, pointers, _SIZE_SEED, meta,
-                             elements=meta["ROWS"] * group, bytes_per_element=moved, exact=True, wide="ld",
-                             wide_bits=min(128, run))  # fmt: skip
-                out.append(spec)
-    return out
-
-
-def _dequantize_specs(bits_filter: Iterable[int] | None = None, normal: bool = False) -> list[KernelSpec]:
-    """Dequantize's specs, of the uniform scheme or (``normal``) of ``normal.py``'s."""
-    out = []
-    family, kernel, launcher = (
-        ("normal_dequantize", _normal_dequantize_kernel, normal_dequantize_launch)
-        if normal
-        else ("dequantize", _dequantize_kernel, dequantize_launch)
-    )
-    widths = NORMAL_BITS if normal else CODE_BITS
-    for name, dtype in DTYPES.items():
-        pointers = {"codes_ptr": "*u8", "meta_ptr": "*i32" if normal else "*fp32", "out_ptr": POINTER[name]}
-        bits_list = [b for b in (bits_filter or widths) if b in widths]
-        for bits, group in itertools.product(bits_list, GROUP_SIZES):
-            for meta in _both(launcher, dtype, bits, group):
-                # Bits a thread can store in one piece: a plane's width (format.py), or its share of the plane.
-                width, threads = group // (8 // bits), meta["num_warps"] * 32
-                run = min(width, meta["ROWS"] * width // threads) * dtype.itemsize * 8
-                spec = _spec(family, dict(dtype=name, bits=bits, group=group), kernel, pointers,
-                             {"n": "i32", "full": "i32"}, meta, elements=meta["ROWS"] * group,
-                             bytes_per_element=dtype.itemsize + bits / 8 + (12 if normal else 8) / group, exact=True,
-                             wide="st",
-                             wide_bits=min(128, run))  # fmt: skip
-                out.append(spec)
-    return out
-
-
-def _round_bf16_specs() -> list[KernelSpec]:
-    out = []
+def _round_bf16_specs(bits=None) -> list[KernelSpec]:
     pointers = {"x_ptr": "*fp32", "out_ptr": "*i16"}
-    for stochastic in (False, True):
-        for meta in _both(round_bf16_launch, stochastic):
-            spec = _spec("round_bf16", dict(stochastic=stochastic), _round_bf16_kernel, pointers, _SIZE_SEED, meta,
-                         elements=meta["BLOCK"],
-                         bytes_per_element=6.0, exact=True, wide="ld st")  # fmt: skip
-            out.append(spec)
-    return out
+    return [
+        spec(
+            "round_bf16",
+            dict(stochastic=stochastic),
+            _round_bf16_kernel,
+            pointers,
+            SIZE_SEED,
+            meta,
+            elements=meta["BLOCK"],
+            bytes_per_element=6.0,
+            exact=True,
+            wide="ld st",
+        )  # fmt: skip
+        for stochastic in (False, True)
+        for meta in both(round_bf16_launch, stochastic)
+    ]
 
 
-def _bitmask_specs(family: str) -> list[KernelSpec]:
+def _bitmask_specs(family: str, bits=None) -> list[KernelSpec]:
     kernel, names, wide = {
         "pack_bool": (_pack_bool_kernel, ("mask_ptr", "out_ptr"), "ld"),
         "unpack_bool": (_unpack_bool_kernel, ("packed_ptr", "out_ptr"), "st"),
     }[family]
     pointers = dict.fromkeys(names, "*u8")
     return [
-        _spec(
+        spec(
             family,
             {},
             kernel,
@@ -214,23 +109,40 @@ def _bitmask_specs(family: str) -> list[KernelSpec]:
             exact=True,
             wide=wide,
         )  # fmt: skip
-        for meta in _both(bitmask_launch)
+        for meta in both(bitmask_launch)
     ]
 
 
+_SHARED = {  # kernels of no one scheme: bool masks and bfloat16 rounding
+    "round_bf16": _round_bf16_specs,
+    "pack_bool": lambda bits=None: _bitmask_specs("pack_bool"),
+    "unpack_bool": lambda bits=None: _bitmask_specs("unpack_bool"),
+}
+
+
+def _builders() -> dict:
+    """Every kernel family's specs: each registered scheme's (``Scheme.kernel_specs``), then the shared kernels'."""
+    out = {}
+    for name in schemes.names():
+        out.update(schemes.scheme(name).kernel_specs())
+    return out | _SHARED
+
+
+def families() -> tuple[str, ...]:
+    """The kernel families there are specs of, the registered schemes' included."""
+    return tuple(_builders())
+
+
+FAMILIES = families()  # the built-in schemes' and the shared kernels'
+
+
 def specs(families: Iterable[str] = FAMILIES, bits: Iterable[int] | None = None) -> list[KernelSpec]:
-    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows (de)quantize, of both
-    schemes)."""
-    builders = {
-        "quantize": lambda: _quantize_specs(bits),
-        "dequantize": lambda: _dequantize_specs(bits),
-        "round_bf16": _round_bf16_specs,
-        "pack_bool": lambda: _bitmask_specs("pack_bool"),
-        "unpack_bool": lambda: _bitmask_specs("unpack_bool"),
-        "normal_quantize": lambda: _quantize_specs(bits, normal=True),
-        "normal_dequantize": lambda: _dequantize_specs(bits, normal=True),
-    }
-    return [spec for family in families for spec in builders[family]()]
+    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows the schemes' kernels)."""
+    builders = _builders()
+    unknown = [f for f in families if f not in builders]
+    if unknown:
+        raise ValueError(f"families={unknown!r}: the kernel families are {list(builders)}")
+    return [s for family in families for s in builders[family](bits)]
 
 
 def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:

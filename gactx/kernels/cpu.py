@@ -1,6 +1,6 @@
 """CPU kernels: quantize, dequantize and table codes in C++, with no temporary larger than a group a thread.
 
-The torch twins (``quantize.py``, ``dequantize.py``, ``normal.py``, ``codes.py``, ``bitmask.py``) are written
+The torch twins (each scheme folder's ``reference.py``, ``codes.py``, ``bitmask.py``) are written
 for clarity and as the test oracle: about 60 full-size ATen passes a call, and temporaries several times the
 tensor (a padded float32 copy, an index tensor, int32 codes), which is what an allocator's peak sees. On a CPU
 the same arithmetic runs here instead: one pass to find each group's range and one to write its codes (the
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from gactx.kernels.format import expected_nbytes
-from gactx.kernels.quantize import step_factor
 from gactx.kernels.schemes.normal.format import SHAPES
 from gactx.kernels.schemes.normal.format import factors as _normal_factors
+from gactx.kernels.schemes.uniform.format import step_factor
 
 __all__ = [
     "available", "extension", "quantize", "dequantize", "normal_quantize", "normal_dequantize", "encode_bins",

@@ -15,20 +15,20 @@ and byte ``k`` of the group holds element ``k`` of each plane, plane 0 in the lo
     meta:    float32 [n_groups, 2] = (lo, step), 8 bytes a group: 0.25 bit/element at group_size 256
 
 Planes, not neighbours, share a byte so that a GPU thread holding a run of consecutive elements of each
-plane packs and unpacks whole bytes in its own registers (``quantize.py``).
+plane packs and unpacks whole bytes in its own registers (``schemes/uniform/quantize.py``).
 
 A code ``q`` decodes to ``q * step + lo``. float32 metadata is exact for any input dtype and range, so
-quantizing against the stored values keeps stochastic rounding unbiased (see ``quantize.py``). At the edges
-of the range: a group whose span ``max - min`` overflows float32 (values of both signs more than FLT_MAX
-apart) keeps the same ``(lo, step)`` meaning, computed without overflow (``quantize.py``), and is decoded on
-halves where ``q * step`` would overflow (``dequantize.py``); at 1 bit its step is clamped to FLT_MAX, and its
-elements more than that above ``lo`` take the top code. Decoded finite values saturate at the largest finite
+quantizing against the stored values keeps stochastic rounding unbiased (see ``schemes/uniform/format.py``). At
+the edges of the range: a group whose span ``max - min`` overflows float32 (values of both signs more than
+FLT_MAX apart) keeps the same ``(lo, step)`` meaning, computed without overflow, and is decoded on halves where
+``q * step`` would overflow (both in ``schemes/uniform/format.py``); at 1 bit its step is clamped to FLT_MAX, and
+its elements more than that above ``lo`` take the top code. Decoded finite values saturate at the largest finite
 value of the output dtype, so a finite input comes back finite and within one step.
 
 A group holding NaN or +-Inf is marked by a non-finite ``lo``: its top code ``2**bits - 1`` stands for
 that value (NaN when the group mixes NaN or both infinities), and its finite elements use the other
 codes on a grid centred on zero, ``(q - (2**bits - 2) / 2) * step``. Non-finite values therefore come
-back non-finite, at their places; see ``quantize.py`` for what that costs the finite ones.
+back non-finite, at their places; see ``schemes/uniform/format.py`` for what that costs the finite ones.
 
 A second scheme, ``"normal"`` (``normal.py``), packs its codes in the same planes and keeps 12 bytes a group,
 int32 ``[n_groups, 3]``: the float32 bits of ``lo`` and ``hi`` and two 16-bit fractions of the range (the

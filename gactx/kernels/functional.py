@@ -11,7 +11,6 @@ import torch
 
 from gactx.kernels import _triton, cpu
 from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
-from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
 from gactx.kernels.format import (
     QuantizedTensor,
     as_is_width,
@@ -23,9 +22,11 @@ from gactx.kernels.format import (
     restore_perm,
 )
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
-from gactx.kernels.quantize import torch_quantize, triton_quantize
 from gactx.kernels.schemes.normal.reference import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.schemes.normal.triton import triton_normal_dequantize, triton_normal_quantize
+from gactx.kernels.schemes.uniform.dequantize import triton_dequantize
+from gactx.kernels.schemes.uniform.quantize import triton_quantize
+from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 
 __all__ = ["quantize", "dequantize", "BACKENDS"]
 

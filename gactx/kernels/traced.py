@@ -1,16 +1,13 @@
-"""The format in torch ops that trace: quantize and dequantize for ``torch.compile`` graphs.
+"""Ops that trace, for ``torch.compile`` graphs: the run-time counters and bit packing that every scheme's traced
+form uses (the uniform scheme's codes: ``schemes/uniform/traced.py``).
 
 Compressing inside a compiled graph (saved-tensor hooks given as ``torch.fx.GraphModule``s are inlined by
 AOTAutograd into the forward and backward graphs) needs the format written in ops that trace and that
 Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no data-dependent shapes.
 
-- :func:`quantize` is the twin's arithmetic (``quantize.quantize_groups``), so with ``stochastic=False`` its
-  bytes are the twin's and the Triton kernel's.
-- With ``stochastic=True`` the noise is the C++ kernels' (``cpu.py``): murmur3's finalizer of (seed, element
-  index), twice, 23 bits a draw; so a compiled graph and an eager step on a CPU store the same bytes for the
-  same seed. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads it at run
-  time draws new noise every step without recompiling.
-- :func:`dequantize` is the twin's.
+- :func:`uniform_bits` is the C++ kernels' noise (``cpu.py``): murmur3's finalizer of (seed, element index),
+  twice, 23 bits a draw. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads
+  it at run time draws new noise every step without recompiling.
 - :func:`fresh_seed` is a seed that a compiled graph reads at run time: a custom op (``gactx::fresh_seed``)
   that advances a counter on the tensor's device and returns it, with no host synchronization. A seed made
   while tracing (``torch.tensor(5)``) would be a constant of the graph, and the noise would repeat every step.
@@ -18,16 +15,13 @@ Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no da
   registered for the token (:func:`new_token`) is told, on the host, in the graph's order, and shown the
   tensor (its shape, where the graph's shapes are dynamic) and the count it returns (a graph that saves the
   count holds it until its backward has run). That is how a
-  controller knows which of a compiled graph's saves ran in a pass, and how often.
+  controller knows which of a compiled graph's saves ran in a pass, and how often. :func:`advance` is the
+  same inside another op (a scheme's saved-value op ticks and encodes in one op).
 - :func:`pack_bool` and :func:`unpack_bool`: a bool tensor as 1 bit an element (8 to a byte, LSB first).
-- :func:`kernel_quantize` and :func:`kernel_dequantize` (``gactx::quantize``, ``gactx::dequantize``): the
-  format's kernels (Triton on a GPU, C++ on a CPU) as custom ops, opaque to Inductor: a graph calls them as
-  it calls a matmul, so nothing of the format is compiled per graph and each runs at its kernel's speed.
-  The noise seed of a stochastic quantization is drawn on the host at every call (a counter mixed with the
-  caller's salt): a graph draws new noise every step without reading anything back from the device.
   :func:`kernel_pack_bool` and :func:`kernel_unpack_bool` (``gactx::pack_bool``, ``gactx::unpack_bool``) are
-  the bit packing's kernels the same way. :func:`kernel_quantize_saved` and :func:`kernel_pack_bool_saved`
-  are :func:`tick` and the kernel in one op, so that a graph reads the saved value once.
+  the bit packing's kernels (Triton on a GPU, C++ on a CPU) as custom ops, opaque to Inductor;
+  :func:`kernel_pack_bool_saved` is :func:`tick` and the packing in one op, so that a graph reads the saved
+  value once.
 
 32-bit multiplications are done on 16-bit halves in int64, so that no product overflows (the low 32 bits of
 ``h * c`` are ``(h_lo * c + ((h_hi * c) << 16)) mod 2**32``).
@@ -41,29 +35,24 @@ from collections.abc import Callable
 
 import torch
 
-from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.format import QuantizedTensor
 from gactx.kernels.functional import dequantize as _dequantize
 from gactx.kernels.functional import quantize as _quantize
-from gactx.kernels.quantize import _allocate, quantize_groups
 
 __all__ = [
-    "quantize",
-    "dequantize",
-    "uniform_bits",
-    "mul32",
+    "SAVED_TAGS",
+    "advance",
     "fmix32",
     "fresh_seed",
-    "tick",
+    "kernel_pack_bool",
+    "kernel_pack_bool_saved",
+    "kernel_unpack_bool",
+    "mul32",
     "new_token",
     "pack_bool",
+    "tick",
+    "uniform_bits",
     "unpack_bool",
-    "kernel_quantize",
-    "kernel_dequantize",
-    "kernel_pack_bool",
-    "kernel_unpack_bool",
-    "kernel_quantize_saved",
-    "kernel_pack_bool_saved",
 ]
 
 _MASK = 0xFFFFFFFF
@@ -97,7 +86,7 @@ def _(like: torch.Tensor) -> torch.Tensor:
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 # The ops that read a saved value take it in any layout: Inductor may then hand them the buffer that holds it
 # rather than a copy with the strides the value had when traced.
-_SAVED_TAGS = _TAGS + ((torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ())
+SAVED_TAGS = _TAGS + ((torch.Tag.flexible_layout,) if hasattr(torch.Tag, "flexible_layout") else ())
 _LISTENERS: dict[int, Callable[[int, torch.Tensor, torch.Tensor], None]] = {}
 _TOKENS = itertools.count(1)
 
@@ -119,7 +108,8 @@ def new_token(listener: Callable[[int, torch.Tensor, torch.Tensor], None]) -> in
     return token
 
 
-def _tick(like: torch.Tensor, token: int) -> torch.Tensor:
+def advance(like: torch.Tensor, token: int) -> torch.Tensor:
+    """:func:`tick`'s work, inside another custom op: a new count, and the token's listener told."""
     count = _counter(like.device).add_(1).clone()
     listener = _LISTENERS.get(token)
     if listener is not None:
@@ -131,7 +121,7 @@ def _tick(like: torch.Tensor, token: int) -> torch.Tensor:
 def tick(like: torch.Tensor, token: int) -> torch.Tensor:
     """A new int64 count on ``like``'s device (as :func:`fresh_seed`'s counter, nothing read back); tells the
     token's listener that it ran."""
-    return _tick(like, token)
+    return advance(like, token)
 
 
 @tick.register_fake
@@ -176,35 +166,6 @@ def uniform_bits(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     return h >> 9
 
 
-def quantize(
-    flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int | torch.Tensor = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, meta)`` of a 1-D float tensor, in the format of ``format.py``."""
-    noise = None
-    if stochastic:
-
-        def noise(index: torch.Tensor) -> torch.Tensor:
-            return (uniform_bits(index, seed) | 0x3F800000).to(torch.int32).view(torch.float32)
-
-    return quantize_groups(flat, bits, group_size, noise)
-
-
-def dequantize(
-    codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Decode ``n`` elements of ``dtype`` from ``(codes, meta)`` (the twin: it traces as it is)."""
-    return torch_dequantize(codes, meta, bits, group_size, n, dtype)
-
-
-_DRAWS = itertools.count(1)
-
-
-def _kernel_codes(flat, bits, group_size, stochastic, salt, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    seed = ((next(_DRAWS) * 0x9E3779B97F4A7C15) ^ (salt * 0xC2B2AE3D27D4EB4F)) & ((1 << 62) - 1)
-    q = _quantize(flat, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
-    return q.data, q.meta
-
-
 def _kernel_bits(flat: torch.Tensor, backend: str) -> torch.Tensor:
     return _quantize(flat, 1, backend=backend).data
 
@@ -213,58 +174,11 @@ def _bits_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(-(-t.numel() // 8), dtype=torch.uint8)
 
 
-@torch.library.custom_op("gactx::quantize", mutates_args=())
-def kernel_quantize(
-    flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, salt: int, backend: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, meta)`` of a contiguous 1-D float tensor by the format's kernel for ``backend``; a new noise
-    seed at every call (``salt`` tells callers apart)."""
-    return _kernel_codes(flat, bits, group_size, stochastic, salt, backend)
-
-
-@kernel_quantize.register_fake
-def _(flat, bits, group_size, stochastic, salt, backend):
-    return _allocate(flat, bits, group_size)
-
-
-@torch.library.custom_op("gactx::dequantize", mutates_args=())
-def kernel_dequantize(
-    codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype, backend: str
-) -> torch.Tensor:
-    """The ``n`` elements of ``dtype`` that :func:`kernel_quantize` encoded, as a 1-D tensor."""
-    size = torch.Size([n])
-    q = QuantizedTensor(codes, meta, bits, group_size, size, dtype, size, None)
-    return _dequantize(q, backend=backend)
-
-
-@kernel_dequantize.register_fake
-def _(codes, meta, bits, group_size, n, dtype, backend):
-    return codes.new_empty(n, dtype=dtype)
-
-
-@torch.library.custom_op("gactx::quantize_saved", mutates_args=(), tags=_SAVED_TAGS)
-def kernel_quantize_saved(
-    t: torch.Tensor, bits: int, group_size: int, stochastic: bool, salt: int, backend: str, token: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`tick` and :func:`kernel_quantize` of ``t`` (any shape, flattened) in one op: ``(codes, meta,
-    count)``. One op reading the saved value: Inductor copies a view of a value it has not stored yet into a
-    buffer of its own for each opaque op that reads it, so two ops held two full-size copies at once."""
-    count = _tick(t, token)
-    codes, meta = _kernel_codes(t.reshape(-1), bits, group_size, stochastic, salt, backend)
-    return codes, meta, count
-
-
-@kernel_quantize_saved.register_fake
-def _(t, bits, group_size, stochastic, salt, backend, token):
-    codes, meta = _allocate(t.reshape(-1), bits, group_size)
-    return codes, meta, torch.empty((), dtype=torch.int64, device=t.device)
-
-
-@torch.library.custom_op("gactx::pack_bool_saved", mutates_args=(), tags=_SAVED_TAGS)
+@torch.library.custom_op("gactx::pack_bool_saved", mutates_args=(), tags=SAVED_TAGS)
 def kernel_pack_bool_saved(t: torch.Tensor, backend: str, token: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tick` and :func:`kernel_pack_bool` of a bool ``t`` (any shape, flattened) in one op:
     ``(packed, count)``."""
-    count = _tick(t, token)
+    count = advance(t, token)
     return _kernel_bits(t.reshape(-1), backend), count
 
 

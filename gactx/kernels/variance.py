@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from gactx.kernels.dequantize import torch_dequantize
 from gactx.kernels.format import SCHEME_BITS, SCHEMES, pack_planes, unpack_planes
-from gactx.kernels.quantize import quantize_groups
 from gactx.kernels.schemes.normal.reference import normal_levels
+from gactx.kernels.schemes.uniform.reference import quantize_groups, torch_dequantize
 
 __all__ = ["rounding_variance"]
 
@@ -37,8 +36,9 @@ def _uniform_levels(flat: torch.Tensor, bits: int, group_size: int):
 
 def rounding_variance(flat: torch.Tensor, bits: int, group_size: int, scheme: str = "uniform") -> torch.Tensor:
     """``sum (x - t_j)(t_{j+1} - x)`` over the elements of ``flat`` (any shape: its elements in order), with
-    the levels of ``scheme`` (``"uniform"``: ``quantize.py``; ``"normal"``: ``normal.py``) at ``bits`` and
-    ``group_size``: a 0-d float32 tensor on ``flat``'s device, computed in float64."""
+    the levels of ``scheme`` (``"uniform"``: ``schemes/uniform/format.py``; ``"normal"``:
+    ``schemes/normal/format.py``) at ``bits`` and ``group_size``: a 0-d float32 tensor on ``flat``'s device,
+    computed in float64."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme={scheme!r} is not allowed; allowed values are {SCHEMES}")
     allowed = tuple(b for b in SCHEME_BITS[scheme] if b <= 8)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from gactx.kernels import aot
-from gactx.kernels.dequantize import dequantize_launch
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
-from gactx.kernels.quantize import quantize_launch
+from gactx.kernels.schemes.uniform.dequantize import dequantize_launch
+from gactx.kernels.schemes.uniform.quantize import quantize_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the kernels are built to: SASS instructions an element on sm_90 (H100, H200), unmasked programs.

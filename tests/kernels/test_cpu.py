@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 import gactx
 from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
-from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.quantize import torch_quantize
 from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
+from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 from tests.helpers import assert_unbiased_at_the_edges, extreme_input, group_steps, same_values, special_input
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from gactx.kernels._grid import plan
 from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
+from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 
 
 @given(n=st.integers(0, 10**7), block=st.sampled_from([32, 4096, 8192, 1 << 16]), split=st.sampled_from([1, 2, 4]))
@@ -16,7 +17,7 @@ def test_a_launch_covers_each_element_once_and_masks_only_the_rest(n, block, spl
     rest_block = max(1, block // split)
     programs, full, rest = plan(n, block, rest_block)
     assert rest == (n % block != 0)
-    covered = []  # (start, end, masked) of each program, as a kernel maps its index (quantize.py)
+    covered = []  # (start, end, masked) of each program, as a kernel maps its index (schemes/uniform/quantize.py)
     for p in range(programs):
         if p < full:
             covered.append((p * block, (p + 1) * block, False))
@@ -54,12 +55,12 @@ def _round_trips(n: int, device: str) -> dict:
     torch twin gives: ``family -> (kernel module, kernel name, run)``."""
     bitmask, dequantize, half, normal, quantize = (
         importlib.import_module(f"gactx.kernels.{m}")
-        for m in ("bitmask", "dequantize", "half", "schemes.normal.triton", "quantize")
+        for m in ("bitmask", "schemes.uniform.dequantize", "half", "schemes.normal.triton", "schemes.uniform.quantize")
     )  # the modules: gactx.kernels exports functions of some of these names
 
     x = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 3).to(device)
     mask = x > 0
-    codes, meta = quantize.torch_quantize(x, 4, 256, False, 0)
+    codes, meta = torch_quantize(x, 4, 256, False, 0)
     ncodes, nmeta = torch_normal_quantize(x, 4, 256, False, 0)
     packed = bitmask.torch_pack_bool(mask)
     return {
@@ -67,7 +68,7 @@ def _round_trips(n: int, device: str) -> dict:
                      lambda: quantize.triton_quantize(x, 4, 256, False, 0, interpret=False), (codes, meta)),
         "dequantize": (dequantize, "_dequantize_kernel",
                        lambda: dequantize.triton_dequantize(codes, meta, 4, 256, n, torch.float32, interpret=False),
-                       dequantize.torch_dequantize(codes, meta, 4, 256, n, torch.float32)),
+                       torch_dequantize(codes, meta, 4, 256, n, torch.float32)),
         "normal_quantize": (normal, "_normal_quantize_kernel",
                             lambda: normal.triton_normal_quantize(x, 4, 256, False, 0, interpret=False),
                             (ncodes, nmeta)),

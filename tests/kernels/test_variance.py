@@ -4,9 +4,8 @@ scheme against the uniform one where each should win."""
 import pytest
 import torch
 
-from gactx.kernels.dequantize import torch_dequantize
-from gactx.kernels.quantize import torch_quantize
 from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
+from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 from gactx.kernels.variance import rounding_variance
 
 

@@ -61,7 +61,7 @@ at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
   return out;
 }
 
-int64_t next_seed(int64_t salt) {  // as traced.py's draws: ((draw * golden) ^ (salt * c)) mod 2**62
+int64_t next_seed(int64_t salt) {  // as schemes/uniform/traced.py's draws: ((draw * golden) ^ (salt * c)) mod 2**62
   const uint64_t draw = draws.fetch_add(1) + 1;
   const uint64_t mixed = (draw * 0x9E3779B97F4A7C15ull) ^ (uint64_t(salt) * 0xC2B2AE3D27D4EB4Full);
   return int64_t(mixed & ((uint64_t(1) << 62) - 1));

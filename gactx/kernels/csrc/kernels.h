@@ -8,7 +8,7 @@
 
 namespace gactx {
 
-// uniform.cpp: per-group codes with stochastic or nearest rounding (quantize.py, dequantize.py, format.py).
+// schemes/uniform/uniform.cpp: per-group codes with stochastic or nearest rounding (schemes/uniform/format.py).
 std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic, int64_t seed,
                                             double factor, double factor_special);
 void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group);

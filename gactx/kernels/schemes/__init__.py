@@ -11,9 +11,12 @@ fraction and high width). A :class:`Scheme` answers everything the rest of gactx
 - ``encode(t, choice, seed, group_size, stochastic, backend, sketchable)``: what it stores (a ``Stored``: ``nbytes``
   and ``decode()``), or ``None`` where it does not apply to this save (then uniform codes are stored);
 - ``label(choice)``, ``form(choice)``, ``effective_bits(choice)``, ``fallback_bits(choice)``: how a choice reads in
-  reports and records, and its width where it does not apply.
+  reports and records, and its width where it does not apply;
+- ``kernel_specs()``: its Triton kernels' ahead-of-time compile specs by family (``gactx/kernels/aot.py`` collects
+  them; none for a scheme of torch ops alone).
 
-Adding a scheme is a module with a :class:`Scheme` subclass and a :func:`register` call (a test registers one:
+Adding a scheme is a module (or a folder: ``uniform/``, ``normal/``) with a :class:`Scheme` subclass and a
+:func:`register` call (a test registers one:
 ``tests/kernels/schemes/test_registry.py``). The allocation offers it once a controller's ``schemes=`` names it.
 """
 
@@ -111,11 +114,16 @@ class Scheme:
     def fallback_bits(self, choice: Choice) -> int:
         return choice.bits
 
+    def kernel_specs(self) -> dict:
+        """Its Triton kernels' ahead-of-time compile specs, by family: ``{family: specs(bits=None)}`` (its folder's
+        ``specs.py``; ``aot.py`` collects every registered scheme's). None for a scheme of torch ops alone."""
+        return {}
+
 
 # The built-in schemes: one line each, "module:class", imported on first use (their modules import the kernels, which
 # import the normal scheme's folder, which is inside this package).
 _BUILT_IN = {
-    "uniform": "gactx.kernels.schemes.uniform:UniformScheme",
+    "uniform": "gactx.kernels.schemes.uniform.scheme:UniformScheme",
     "normal": "gactx.kernels.schemes.normal.scheme:NormalScheme",
     "sketch": "gactx.kernels.schemes.sketch:SketchScheme",
     "samples": "gactx.kernels.schemes.samples:SamplesScheme",

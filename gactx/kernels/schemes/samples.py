@@ -114,9 +114,9 @@ def split_samples(
 
 def sample_variances(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor | None:
     """Each sample's expected squared error under uniform codes at ``bits`` (``[B]``, float32, device work only), from
-    its groups' grids (``quantize.py``); ``None`` where a sample is not a whole number of groups (groups would
+    its groups' grids (``uniform/format.py``); ``None`` where a sample is not a whole number of groups (groups would
     straddle samples). Non-finite values count 0."""
-    from gactx.kernels.quantize import MIN_STEP, step_factor
+    from gactx.kernels.schemes.uniform.format import MIN_STEP, step_factor
 
     batch = x.shape[0]
     per_sample = x.numel() // max(batch, 1)

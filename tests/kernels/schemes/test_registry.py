@@ -99,3 +99,29 @@ def test_a_registered_scheme_is_measured_chosen_stored_and_decoded(half):
     assert all(r.bits == 16 and r.packed_bytes == r.original_bytes // 2 for r in halves)
     assert "16 half" in controller.report()
     assert F.cosine_similarity(got, plain, 0) > 0.99999
+
+
+def test_the_ahead_of_time_tool_collects_each_schemes_kernel_specs():
+    from gactx.kernels import aot
+    from gactx.kernels.schemes.uniform.specs import SPECS as UNIFORM
+
+    for name in ("uniform", "normal"):  # the folders with Triton kernels list them in their specs.py
+        assert set(schemes.scheme(name).kernel_specs()) <= set(aot.FAMILIES)
+    assert schemes.scheme("sketch").kernel_specs() == {}  # torch ops alone: nothing to compile
+    assert aot.families()[:2] == ("quantize", "dequantize") and "pack_bool" in aot.FAMILIES
+
+    class WithKernels(HalfScheme):  # a scheme with kernels of its own (here, the uniform scheme's, renamed)
+        name = "half_kernels"
+
+        def kernel_specs(self):
+            return {"half_quantize": lambda bits=None: UNIFORM["quantize"](bits)[:3]}
+
+    schemes.register(WithKernels())
+    try:
+        assert "half_quantize" in aot.families()
+        assert aot.specs(["half_quantize"]) == UNIFORM["quantize"]()[:3]
+    finally:
+        schemes.unregister("half_kernels")
+    assert "half_quantize" not in aot.families()
+    with pytest.raises(ValueError, match="families="):
+        aot.specs(["half_quantize"])

@@ -53,7 +53,7 @@ square. Encoder and decoder both derive the knots from the stored words, in the 
 and the torch twins agree bit for bit with ``stochastic=False``; so do the C++ CPU kernels (``cpu.py``:
 ``normal_quantize``, ``normal_dequantize``, a group a thread), which run this scheme on CPU tensors.
 
-Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (as ``quantize.py``'s scale)::
+Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (as ``uniform/format.py``'s scale)::
 
     a0 = lo * s;  span = hi * s - a0;  unit = span / 65536;  centre = a0 + C * unit;  spread = D * unit
     b1 = centre - K * spread;  b2 = centre + K * spread;  w = (b2 - b1) * (tail / inner)
@@ -63,7 +63,7 @@ Knots, one group, in float32, ``s = 1`` or ``1/4`` where ``hi - lo`` overflows (
     step2 = max((hi * s - a2) * f', 2**-126)       f, f' = 1 / n, or (1 + 2**-20) / n for the last segment
 
 Each knot is computed from the one before, so a segment's top level is exactly the next one's first; the
-last segment's margin (``quantize.py``'s) puts the top level at or just above ``hi``. A segment of zero width
+last segment's margin (``uniform/format.py``'s) puts the top level at or just above ``hi``. A segment of zero width
 has step 0 and holds no element. Level ``j`` of segment ``k`` is ``(a_k + (j - J_k) * step_k) / s`` (J the
 segment's first code), saturated at the output dtype's largest finite value. An element ``x`` of segment ``k``
 (``a_k <= x * s < a_{k+1}``) gets ``J_k + min(trunc((x * s - a_k) / step_k + 1 + u), n_k + 1) - 1``, ``u ~
@@ -85,7 +85,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gactx.kernels.quantize import step_factor
+from gactx.kernels.schemes.uniform.format import step_factor
 
 __all__ = ["META_WORDS", "NORMAL_BITS", "SHAPES", "allocate", "factors", "normal_nbytes"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels.format import pack_planes, unpack_planes
-from gactx.kernels.quantize import FLT_MAX, MIN_STEP
 from gactx.kernels.schemes.normal.format import (
     DEV_SHIFT,
     FRACTION,
@@ -16,6 +15,7 @@ from gactx.kernels.schemes.normal.format import (
     allocate,
     factors,
 )
+from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP
 
 __all__ = ["normal_levels", "torch_normal_dequantize", "torch_normal_quantize"]
 

@@ -28,3 +28,8 @@ class NormalScheme(Scheme):
         if t.dtype not in FLOAT_DTYPES:
             return None
         return quantize(t, choice.bits, group_size, stochastic=stochastic, seed=seed, backend=backend, scheme="normal")
+
+    def kernel_specs(self) -> dict:
+        from gactx.kernels.schemes.normal.specs import SPECS
+
+        return SPECS

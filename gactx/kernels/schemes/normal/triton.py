@@ -8,16 +8,7 @@ import torch
 from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits
-from gactx.kernels.quantize import (
-    FLT_MAX,
-    MIN_STEP,
-    NUM_WARPS,
-    ROUNDS,
-    _load_fp32,
-    _nan_if_not_finite,
-    philox,
-    program_rows,
-)
+from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.normal.format import (
     DEV_SHIFT,
     FRACTION,
@@ -29,12 +20,14 @@ from gactx.kernels.schemes.normal.format import (
     SHAPES,
     allocate,
 )
+from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP
+from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, _load_fp32, _nan_if_not_finite, program_rows
 
 __all__ = ["normal_dequantize_launch", "normal_quantize_launch", "triton_normal_dequantize", "triton_normal_quantize"]
 
 _FLT_MAX, _MIN_STEP, _FRACTION, _INV_FRACTION = (constexpr(v) for v in (FLT_MAX, MIN_STEP, FRACTION, INV_FRACTION))
 _ROUNDS, _WORDS, _DEV_SHIFT = constexpr(ROUNDS), constexpr(META_WORDS), constexpr(DEV_SHIFT)
-_SAFETY = constexpr(1.0 + 2.0**-20)  # quantize.py's margin, on the last segment
+_SAFETY = constexpr(1.0 + 2.0**-20)  # the uniform scheme's margin, on the last segment
 _POS_INF_BITS = constexpr(0x7F800000)
 _NEG_INF_UBITS = constexpr(0xFF800000)
 _NAN_BITS = constexpr(0x7FC00000)  # the canonical quiet NaN, stored as the kind of a group mixing non-finite values
@@ -138,7 +131,7 @@ def _normal_quantize_program(
     for i in tl.static_range(SLICES):
         xs = xs + (_load_fp32(x_ptr, offs + i * WIDTH, n, IN_BF16, MASKED),)
 
-    # min and max of the finite values, and the largest patterns as signed and unsigned int32 (quantize.py).
+    # min and max of the finite values, and the largest patterns as signed and unsigned int32 (uniform/quantize.py).
     low = _nan_if_not_finite(xs[0], offs, n, MASKED)
     high = low
     sbits = xs[0].to(tl.int32, bitcast=True)
@@ -220,7 +213,7 @@ def _normal_quantize_program(
     n1 = n1[:, None]
     n2 = n2[:, None]
     if STOCHASTIC:
-        # One Philox call for four slices, as quantize.py: 1 + u with 23 random bits in the mantissa.
+        # One Philox call for four slices, as uniform/quantize.py: 1 + u with 23 random bits in the mantissa.
         local = (offs - pid * (ROWS * GROUP)).to(tl.uint32)
         block = local * 0 + pid.to(tl.uint32)
         data = xs[0].to(tl.uint32, bitcast=True)
@@ -340,7 +333,7 @@ def normal_quantize_launch(
     n: int, dtype: torch.dtype, bits: int, group_size: int, stochastic: bool, interpret: bool = False
 ) -> tuple[int, int, dict]:
     """``(programs, full, meta-parameters)`` of the launch of ``_normal_quantize_kernel``: the programs of
-    ``quantize.py`` (4096 elements, masked ones of 2048 for the rest) on 8 warps, four slices a group."""
+    ``uniform/quantize.py`` (4096 elements, masked ones of 2048 for the rest) on 8 warps, four slices a group."""
     rows = program_rows(group_size, bits, dtype.itemsize, interpret)
     rest_rows = program_rows(group_size, bits, dtype.itemsize, interpret, masked=True)
     programs, full, rest = plan(n, rows * group_size, rest_rows * group_size)

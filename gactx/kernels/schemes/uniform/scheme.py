@@ -1,6 +1,4 @@
-"""Uniform codes: each group's values on a grid of ``2**bits`` levels over its min-max range, stochastic rounding
-(``gactx/kernels/format.py``; the kernels: ``quantize.py``, ``dequantize.py``, ``csrc/uniform.cpp``). Every allocated
-tensor may take it; GACT's variance model ``S(b)`` is its error."""
+"""The uniform scheme's registry entry (the scheme: ``__init__.py``)."""
 
 from __future__ import annotations
 
@@ -33,3 +31,8 @@ class UniformScheme(Scheme):
 
     def form(self, choice: Choice) -> str:
         return ""
+
+    def kernel_specs(self) -> dict:
+        from gactx.kernels.schemes.uniform.specs import SPECS
+
+        return SPECS

@@ -1,43 +1,5 @@
-"""Per-group quantization to 1/2/4/8-bit codes: ``_quantize_kernel``, ``triton_quantize``, ``torch_quantize``.
-
-For a group with finite values in ``[min, max]`` and ``L = 2**bits - 1``::
-
-    step = max((max - min) * f, 2**-126)                  # fp32, f = (1 + 2**-20) / L rounded to fp32: the
-                                                          # margin keeps (x - min) / step < L
-    inv  = 1 / step                                       # once a group (IEEE division), not once an element
-    q    = trunc((x - min) * inv + (1 + u)) - 1           # u ~ U[0, 1): E[q * step + min] = x (unbiased)
-                                                          # u = 1/2 with stochastic=False (round half up)
-
-The margin costs 2**-19 of variance and guarantees that no code is clamped, so the rounding stays unbiased.
-``(x - min) * inv + (1 + u)`` lies in ``[1, L + 2)``, where truncation is floor. The step is at least the
-smallest normal float32, so that ``inv`` is finite; a group whose range is smaller than that (values within
-a few subnormal ulps of each other) is rounded, still unbiasedly, on that coarser grid. A group of identical
-values has step 0 and decodes exactly. ``u`` has 23 random bits (Philox in Triton, ``torch.rand`` in torch).
-
-At the edges of the float32 range, ``max - min`` overflows to inf when a group holds values of both signs more
-than FLT_MAX apart (each end then at least ``2**103`` from zero: ``-2e38`` and ``2e38``, say). Such a group gets
-the same grid, computed with no intermediate that overflows::
-
-    step = max * f - min * f                              # each product below FLT_MAX when L >= 3 (f < 1/2)
-    q    = trunc((x * s - min * s) * inv + (1 + u)) - 1   # s = 1/4, inv = 1 / (step * s): a quarter of the
-                                                          # values, and 1 / (step / 4) stays a normal float
-
-Every other group computes ``s = 1`` and ``x * 1`` is exact, so its bytes are those of the first formulas. The
-margin covers the roundings of the new form too: no code passes ``L``. Two bounded exceptions to unbiasedness,
-both at the top of the range: at 1 bit (``f > 1``) such a group's step is clamped to FLT_MAX, the largest the
-metadata holds, and its elements more than FLT_MAX above ``min`` take the top code, ``min + FLT_MAX``: rounded
-down, but within a step. And a level above FLT_MAX (the margin can put the top one there) decodes to FLT_MAX
-(``dequantize.py``), which moves the mean of an element between it and the level below by less than the
-margin, ``L * 2**-20`` of a step. A finite input always decodes to a finite value within one step of it.
-
-Groups that hold NaN or +-Inf (see ``format.py``): finite elements are quantized on a grid of ``L`` levels
-centred on zero, ``step = 2 * max|x| / (L - 1)`` and ``q = trunc(x * inv + c + 1 + u) - 1`` with
-``c = (L - 1) // 2``, unbiased for ``bits >= 2``; at 1 bit they have one level, zero. Their non-finite
-elements get the top code and come back as the group's non-finite value.
-
-Both implementations compute the same float32 operations in the same order (IEEE division, no fused
-multiply-add: the kernel is compiled with ``enable_fp_fusion=False``), so with ``stochastic=False`` they
-produce identical bytes. With ``stochastic=True`` the noise differs and only the statistics agree.
+"""The uniform scheme's Triton quantize: ``_quantize_kernel`` and ``triton_quantize`` (the arithmetic: ``format.py``;
+the twin: ``reference.py``).
 
 The kernel, one program of ``ROWS`` groups, is built to stay under the memory-bound instruction budget of a
 GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
@@ -56,23 +18,16 @@ GPU (``aot.py`` compiles it for sm_80 and sm_90 and counts):
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
-import numpy as np
 import torch
 
 from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
+from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, SAFETY, allocate
 
-__all__ = ["triton_quantize", "torch_quantize", "quantize_groups", "quantize_launch"]
+__all__ = ["program_rows", "quantize_launch", "triton_quantize"]
 
-# float32 constants shared by both implementations.
-SAFETY = 1.0 + 2.0**-20  # step margin, see the module docstring
-FLT_MAX = 3.4028234663852886e38
-MIN_STEP = 2.0**-126  # smallest normal float32: its reciprocal, 2**126, is finite
 # The same, and bit patterns of the infinities as int32, for kernels.
 _SAFETY, _FLT_MAX, _MIN_STEP = constexpr(SAFETY), constexpr(FLT_MAX), constexpr(MIN_STEP)
 _INF = constexpr(float("inf"))
@@ -106,13 +61,6 @@ def program_rows(group_size: int, bits: int, itemsize: int, interpret: bool, mas
     else:
         elements = ELEMENTS_PER_PROGRAM_1BIT_16 if bits == 1 and itemsize == 2 else ELEMENTS_PER_PROGRAM
     return max(1, elements // group_size)
-
-
-@functools.cache
-def step_factor(intervals: int) -> float:
-    """``(1 + 2**-20) / intervals`` rounded to float32 (0 for no interval): ``step = span * factor``, one
-    multiplication a group instead of a division; the margin covers the rounding of the factor."""
-    return float(np.float32(SAFETY / intervals)) if intervals else 0.0
 
 
 def quantize_launch(
@@ -303,20 +251,12 @@ def _quantize_program(
             tl.store(codes_ptr + boffs + i * WIDTH, packed)
 
 
-def _allocate(flat: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = flat.numel()
-    n_groups = -(-n // group_size)
-    codes = torch.empty(n_groups * group_size * bits // 8, dtype=torch.uint8, device=flat.device)
-    meta = torch.empty((n_groups, 2), dtype=torch.float32, device=flat.device)
-    return codes, meta
-
-
 def triton_quantize(
     flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, interpret: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a contiguous 1-D float tensor; returns ``(codes, meta)`` as described in ``format.py``."""
     assert flat.dim() == 1 and flat.is_contiguous()
-    codes, meta = _allocate(flat, bits, group_size)
+    codes, meta = allocate(flat, bits, group_size)
     n = flat.numel()
     if n == 0:
         return codes, meta
@@ -324,64 +264,3 @@ def triton_quantize(
     programs, full, launch = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
     _quantize_kernel[(programs,)](x, codes, meta, n, seed, full, **launch)
     return codes, meta
-
-
-def quantize_groups(
-    flat: torch.Tensor, bits: int, group_size: int, noise: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin's arithmetic, in torch ops that trace (no tensor made from host values): ``(codes, meta)`` of
-    a 1-D float tensor. ``noise(index)`` gives ``1 + u`` at each position of the padded groups (an int64
-    ``index`` of their shape); ``None`` rounds half up. :func:`torch_quantize` draws ``u`` from a
-    ``torch.Generator``, ``traced.py`` from a hash of the index."""
-    n = flat.numel()
-    n_groups = -(-n // group_size)
-    if n_groups == 0:
-        return _allocate(flat, bits, group_size)
-    levels, per_byte = (1 << bits) - 1, 8 // bits
-    padded = n_groups * group_size
-    x = torch.nn.functional.pad(flat.float(), (0, padded - n)).view(n_groups, group_size)
-    index = torch.arange(padded, device=flat.device, dtype=torch.int64).view(n_groups, group_size)
-    valid = index < n
-
-    finite = valid & torch.isfinite(x)
-    inf = float("inf")
-    fmin = torch.where(finite, x, inf).amin(1)
-    fmax = torch.where(finite, x, -inf).amax(1)
-    has_nan, has_pinf, has_ninf = ((valid & m).any(1) for m in (x.isnan(), x == inf, x == -inf))
-    special = has_nan | has_pinf | has_ninf
-    fmin = torch.where(fmin < inf, fmin, 0.0)
-    fmax = torch.where(fmax > -inf, fmax, 0.0)
-
-    span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
-    scale = torch.where(special | (span <= FLT_MAX), 1.0, 0.25)  # 0.25: the span overflowed (module docstring)
-    factor = torch.where(special, step_factor(levels - 1), step_factor(levels)).to(torch.float32)
-    step = torch.where(scale < 1, fmax * factor - fmin * factor, span * factor)
-    step = step.clamp(max=FLT_MAX)
-    step = torch.where(span > 0, step.clamp(min=MIN_STEP), 0.0)
-    if levels == 1:
-        step = torch.where(special, 0.0, step)
-    inv = torch.where(step > 0, 1.0 / torch.where(step > 0, step * scale, 1.0), 0.0)
-    kind = torch.where(has_nan | (has_pinf & has_ninf), float("nan"), torch.where(has_pinf, inf, -inf))
-    origin = torch.where(special, 0.0, fmin) * scale
-    shift = torch.where(special, (levels - 1) // 2, 0).float()
-    lo = torch.where(special, kind, fmin)
-
-    one_plus_u = 1.5 if noise is None else noise(index)
-    s = ((x * scale[:, None] - origin[:, None]) * inv[:, None] + (shift[:, None] + one_plus_u)).abs()
-    s = torch.where(valid, torch.fmin(s, torch.full((), levels + 1.0, device=x.device)), 1.0)
-    q = s.to(torch.int32) - 1
-
-    shifts = torch.arange(per_byte, device=flat.device, dtype=torch.int32)[:, None] * bits
-    packed = (q.view(n_groups, per_byte, group_size // per_byte) << shifts).sum(1)  # planes, see format.py
-    return packed.to(torch.uint8).view(-1), torch.stack([lo, step], dim=1)
-
-
-def torch_quantize(
-    flat: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference and CPU path of :func:`triton_quantize`: same contract, same arithmetic."""
-    noise = None
-    if stochastic:
-        gen = torch.Generator(device=flat.device).manual_seed(seed)
-        noise = lambda index: 1.0 + torch.rand(index.shape, generator=gen, device=flat.device)  # noqa: E731
-    return quantize_groups(flat, bits, group_size, noise)

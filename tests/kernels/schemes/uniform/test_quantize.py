@@ -1,9 +1,10 @@
-"""gactx/kernels/quantize.py: the Triton kernel against its torch twin, unbiasedness, error bounds."""
+"""gactx/kernels/schemes/uniform/quantize.py: the Triton kernel against its torch twin, unbiasedness, error bounds."""
 
 import pytest
 import torch
 
-from gactx.kernels.quantize import torch_quantize, triton_quantize
+from gactx.kernels.schemes.uniform.quantize import triton_quantize
+from gactx.kernels.schemes.uniform.reference import torch_quantize
 from tests.conftest import INTERPRET, TRITON_DEVICE
 from tests.helpers import assert_same_bits, assert_unbiased_at_the_edges, extreme_input, group_steps
 
@@ -82,7 +83,7 @@ def test_gpu_launch_configuration_matches_the_twin_across_programs_and_tail(bits
     if not stochastic:
         assert torch.equal(codes_a, codes_b)
     else:
-        from gactx.kernels.dequantize import torch_dequantize
+        from gactx.kernels.schemes.uniform.reference import torch_dequantize
 
         xhat = torch_dequantize(codes_a, meta_a, bits, 256, n, torch.float32)
         assert ((xhat - x.float()).abs() <= group_steps(meta_a, 256, n) * (1 + 1e-5)).all()
@@ -99,7 +100,7 @@ def test_metadata_is_group_min_and_step():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_stochastic_rounding_is_unbiased(impl, bits):
-    from gactx.kernels.dequantize import torch_dequantize
+    from gactx.kernels.schemes.uniform.reference import torch_dequantize
 
     n, group, seeds = 257, 32, 300 if impl == "torch" else 120
     x = _sample(n, torch.float32, TRITON_DEVICE if impl == "triton" else "cpu", seed=1)
@@ -126,7 +127,7 @@ def test_extreme_groups_give_identical_bytes_and_decode_within_a_step(triton_dev
     the kernel's metadata, and its bytes when deterministic, are the twin's; every element of either decodes
     finite and within one step of its input (within half a step when deterministic, but at 1 bit where the
     step is clamped to FLT_MAX)."""
-    from gactx.kernels.dequantize import torch_dequantize
+    from gactx.kernels.schemes.uniform.reference import torch_dequantize
 
     x = extreme_input(dtype).to(triton_device)
     (codes_a, meta_a), (codes_b, meta_b) = _both(x, bits, 32, stochastic, seed=5)

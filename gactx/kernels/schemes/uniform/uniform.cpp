@@ -1,4 +1,4 @@
-// The uniform scheme (quantize.py, dequantize.py; layout in format.py): a group's range, then its codes at
+// The uniform scheme (arithmetic in format.py; layout in gactx/kernels/format.py): a group's range, then its codes at
 // ``bits`` with stochastic or nearest rounding, one group at a time a thread.
 #include "common.h"
 #include "kernels.h"
@@ -25,7 +25,7 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
       const bool special = r.special();
       const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
       // A finite group whose span overflowed: step = fmax * f - fmin * f, elements encoded at a quarter
-      // of their value (quantize.py).
+      // of their value (format.py).
       const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
       const float f = special ? factor_special : factor;
       float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
@@ -73,7 +73,7 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
     for (int64_t g = g0; g < g1; ++g) {
       const float lo = meta[2 * g];
       const bool special = !std::isfinite(lo);
-      // Halves where q * step can overflow while the value does not (dequantize.py).
+      // Halves where q * step can overflow while the value does not (format.py).
       const bool wide = !special && lo < -1.0f && float(L) * meta[2 * g + 1] > kFltMax;
       const float half = wide ? 0.5f : 1.0f, twice = wide ? 2.0f : 1.0f;
       const float step = meta[2 * g + 1] * half, base = (special ? 0.0f : lo) * half;

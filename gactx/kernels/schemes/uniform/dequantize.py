@@ -1,21 +1,5 @@
-"""Unpack and dequantize 1/2/4/8-bit codes: ``_dequantize_kernel``, ``triton_dequantize``, ``torch_dequantize``.
-
-A code ``q`` of a group with finite ``lo`` decodes to ``q * step + lo``. A group with non-finite ``lo``
-(it held NaN or +-Inf, see ``format.py``) decodes its top code to ``lo`` and the others to
-``(q - (2**bits - 2) // 2) * step``. The result is cast to the output dtype (round to nearest even). Both
-implementations round the product and the sum separately (the kernel is compiled with
-``enable_fp_fusion=False``), so they decode to identical bits.
-
-At the edges of the range:
-
-- Where ``L * step`` overflows float32 and ``lo < -1`` (a group spanning more than FLT_MAX, or within the margin
-  of it), ``q * step`` can overflow while ``q * step + lo`` does not: there the value is computed on halves,
-  ``(q * (step / 2) + lo / 2) * 2`` (every factor and sum exact or rounded as before: the same value wherever
-  the plain form is finite). Where ``lo >= -1`` an overflowing product means a value past FLT_MAX anyway, and
-  halving a subnormal ``lo`` would round it: those groups, and all others, use the plain form.
-- Decoded finite values saturate at the output dtype's largest finite value (FLT_MAX, 65504 for float16,
-  about 3.3895e38 for bfloat16): the step's margin can carry a group that reaches that value past it, and a
-  16-bit cast rounds a value a hair beyond it to inf. A finite input never comes back as inf.
+"""The uniform scheme's Triton dequantize: ``_dequantize_kernel`` and ``triton_dequantize`` (how codes decode, at the
+edges of the range too: ``format.py``; the twin: ``reference.py``).
 """
 
 from __future__ import annotations
@@ -25,9 +9,10 @@ import torch
 from gactx.kernels._grid import plan
 from gactx.kernels._triton import constexpr, jit, tl
 from gactx.kernels.half import bf16_bits
-from gactx.kernels.quantize import FLT_MAX, NUM_WARPS, program_rows
+from gactx.kernels.schemes.uniform.format import FLT_MAX
+from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, program_rows
 
-__all__ = ["triton_dequantize", "torch_dequantize", "dequantize_launch"]
+__all__ = ["dequantize_launch", "triton_dequantize"]
 
 _FLT_MAX = constexpr(FLT_MAX)
 
@@ -126,29 +111,3 @@ def triton_dequantize(
     programs, full, launch = dequantize_launch(n, dtype, bits, group_size, interpret)
     _dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
     return out
-
-
-def torch_dequantize(
-    codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The reference and CPU path of :func:`triton_dequantize`: same contract, same arithmetic."""
-    n_groups = meta.shape[0]
-    if n_groups == 0:
-        return torch.empty(n, dtype=dtype, device=codes.device)
-    levels, per_byte = (1 << bits) - 1, 8 // bits
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32)[:, None] * bits
-    planes = codes.view(n_groups, 1, group_size // per_byte).to(torch.int32) >> shifts  # see format.py
-    q = (planes & levels).view(n_groups, group_size)
-
-    lo, step = meta[:, 0:1], meta[:, 1:2]
-    special = ~torch.isfinite(lo)
-    base = torch.where(special, 0.0, lo)
-    wide = (base < -1) & (levels * step > FLT_MAX)  # see the module docstring
-    half, twice = torch.where(wide, 0.5, 1.0), torch.where(wide, 2.0, 1.0)
-    step, base = step * half, base * half
-    centre = torch.where(special, (levels - 1) // 2, 0)
-    out_max = torch.finfo(dtype).max  # the output's largest finite value: finite values saturate there
-    top = torch.where(special, lo, ((levels * step + base) * twice).clamp(-out_max, out_max))
-    value = (((q - centre).float() * step + base) * twice).clamp(-out_max, out_max)
-    value = torch.where(q == levels, top, value)
-    return value.view(-1)[:n].to(dtype)

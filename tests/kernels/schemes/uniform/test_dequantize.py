@@ -1,13 +1,13 @@
-"""gactx/kernels/dequantize.py: the Triton kernel against its torch twin, round-trip error and SNR."""
+"""gactx/kernels/schemes/uniform/dequantize.py: the Triton kernel against its torch twin, round-trip error and SNR."""
 
 import pytest
 import torch
 
-from gactx.kernels.dequantize import torch_dequantize, triton_dequantize
-from gactx.kernels.quantize import torch_quantize
+from gactx.kernels.schemes.uniform.dequantize import triton_dequantize
+from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 from tests.conftest import TRITON_DEVICE
 from tests.helpers import assert_same_bits, extreme_input, group_steps
-from tests.kernels.test_quantize import BITS, DTYPES, SIZES, _sample, _special
+from tests.kernels.schemes.uniform.test_quantize import BITS, DTYPES, SIZES, _sample, _special
 
 
 def _decode_both(codes, meta, bits, group_size, n, dtype):
