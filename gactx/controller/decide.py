@@ -83,7 +83,9 @@ def decide(t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, conf
         return _BOOL
     if rule is CHECKPOINT_INPUT:
         bits = config.checkpoint_bits
-        return Decision(rule, bits, None, "" if bits is not None else "checkpoint_bits=None")
+        if bits is None:
+            return Decision(rule, None, None, "checkpoint_bits=None")
+        return Decision(rule, bits, None, AS_IS if as_is_width(bits, t.dtype) else "")
     if rule.cls not in ALLOCATED:
         found = _BY_RULE.get(rule)
         if found is None:

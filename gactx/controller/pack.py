@@ -163,7 +163,7 @@ class PackPath:
         if reason == KEEP_PARAMETER:
             return Kept.of(t)
         key = self.tracker.key(t)
-        ptr = ptr or 0
+        slot, ptr = key.slot, ptr or 0
         if cfg.dedupe and stats.holds(ptr):
             stats.deduplicated += 1  # its storage is already kept as is: another view of it costs no copy
             stats.extend(t, ptr)
@@ -172,7 +172,7 @@ class PackPath:
             self._record(t, key, ptr, None, None, None, reason or "L0", None)
             return Kept.of(t)
         if saving_inputs():  # a checkpointed region's input: no op of the model saves it (checkpoint.py)
-            return self._finish(t, key, key.slot, ptr, None, CHECKPOINT_INPUT)
+            return self._finish(t, key, slot, ptr, None, CHECKPOINT_INPUT)
         if self.watching:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
@@ -181,8 +181,7 @@ class PackPath:
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
             return handle
         if t.dtype == torch.bool:
-            return self._finish(t, key, key.slot, ptr, None, BOOL_MASK)
-        slot = key.slot
+            return self._finish(t, key, slot, ptr, None, BOOL_MASK)
         return self._finish(t, key, slot, ptr, *self._recall(t, key, slot))
 
     def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule]:

@@ -255,7 +255,9 @@ def encode(
 ):  # fmt: skip
     """What ``rule`` stores for ``t`` at ``bits`` (the width chosen for quantized and FewBit classes); ``choice``:
     the scheme the allocation chose for a quantized class where not uniform codes (``adaptation/choices.py``),
-    ``site``: the save's op (a sketch needs the input of a linear layer)."""
+    ``site``: the save's op (a sketch needs the input of a linear layer). ``t`` itself where the rule keeps it, or
+    where a FewBit class or a scheme's fallback width saves nothing; a uniformly quantized width that saves nothing
+    was kept by ``decide`` already (its reason, "as is"), and is not asked of this function."""
     kind = rule.kind
     if kind == "mask":
         values = mask_values(rule, t.dtype)
@@ -275,16 +277,22 @@ def encode(
         table = torch.cat([scale.new_zeros(1), scale])
         coded = encode_compare(t, "outside", 0.0, 0.0, table, backend)  # not 0 <= t <= 0: t != 0, NaN included
         return coded if coded is not None else encode_codes(t != 0, 1, table, backend)
-    if kind == "fewbit" and bits is not None and bits <= 8:
-        edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
-        return encode_bins(t, edges, bits, points, backend)
-    if choice is not None and kind == "quantize" and bits is not None:
+    if kind == "keep" or bits is None:
+        return as_is(t)
+    if kind == "fewbit":
+        if bits <= 8:
+            edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
+            return encode_bins(t, edges, bits, points, backend)
+        if as_is_width(bits, t.dtype):
+            return as_is(t)
+    elif choice is not None and kind == "quantize":
         stored = _encode_choice(t, choice, seed, group_size, stochastic, backend, site)
         if stored is not None:
             return stored
         bits = choice.fallback_bits
-    if kind == "keep" or bits is None or as_is_width(bits, t.dtype):
-        return as_is(t)
+        if as_is_width(bits, t.dtype):
+            return as_is(t)
+    # Uniform codes: ``decide`` stored a width at or above the tensor's own as it is already.
     if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
         return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
     return quantize_checked(t, bits, group_size, stochastic, seed, choose_backend(t, backend))

@@ -124,12 +124,12 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     ``x`` may require grad (a saved activation): its values are stored, never its history; a width at or above
     its own (32, or 16 of a 16-bit tensor) keeps ``x`` itself, so callers detach it first there."""
     dtype = x.dtype
-    if dtype != torch.bool and as_is_width(bits, dtype):
-        return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
     if chosen == "cpp" and bits <= 8 and dtype != torch.bool:  # the pack hook's usual call
         flat, dense_shape, perm = contiguous_order(x)
         codes, meta = cpu.quantize(flat, bits, group_size, stochastic, seed)
         return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
+    if dtype != torch.bool and as_is_width(bits, dtype):
+        return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
     if x.requires_grad:  # no autograd history for the views below
         x = x.detach()
     flat, dense_shape, perm = memory_order(x)

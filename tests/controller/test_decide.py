@@ -67,6 +67,8 @@ def test_checkpoint_inputs_take_the_levels_checkpoint_bits():
     assert decide(X, CHECKPOINT_INPUT, _plan(2), SLOT, make_config("L1", checkpoint_bits=4)).bits == 4
     off = decide(X, CHECKPOINT_INPUT, _plan(2), SLOT, make_config("L1", checkpoint_bits=None))
     assert (off.bits, off.reason) == (None, "checkpoint_bits=None")
+    half = decide(X.bfloat16(), CHECKPOINT_INPUT, _plan(2), SLOT, make_config("L1", checkpoint_bits=16))
+    assert (half.bits, half.reason) == (16, "as is")  # a bfloat16 boundary at 16 bits: nothing to save
 
 
 def test_the_probe_quantizes_its_slot_uniformly_whatever_its_class():

@@ -65,10 +65,10 @@ def test_fewbit_codes_decode_to_the_tables_points():
     assert stored.nbytes == 1000 * 2 // 8 + 4 * 4
 
 
-def test_kept_classes_and_full_widths_return_the_tensor_itself():
+def test_kept_classes_return_the_tensor_itself():
+    # A quantized class at a width that saves nothing is kept by decide, with its reason (test_decide.py).
     t = torch.randn(64, 64)
     assert _encode(t, rule_for(Site("sqrt", role="result"))) is t
-    assert _encode(t, rule_for(Site("addmm", role="mat1")), bits=32) is t
 
 
 def _linear_grads(x, level):
