@@ -36,12 +36,21 @@ import torch
 import torch.utils.checkpoint as _ckpt
 from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
-__all__ = ["Frame", "Recomputation", "Recomputed", "install", "saving_inputs", "supported", "uninstall"]
+__all__ = ["Frame", "Recomputation", "Recomputed", "SAVING", "install", "supported", "uninstall"]
 
 _TORCH_FRAME = getattr(_ckpt, "_CheckpointFrame", None)
 _TORCH_RECOMPUTATION = getattr(_ckpt, "_recomputation_hook", None)
 _top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_state = threading.local()  # .inputs: a frame is saving its region's inputs in this thread
+
+
+class _Saving(threading.local):
+    """Per thread: whether the save under way is a checkpointed region's input (read for every save: the class
+    default makes it an attribute read, where a thread that never set it would raise inside ``getattr``)."""
+
+    inputs = False
+
+
+SAVING = _Saving()
 _lock = threading.Lock()
 _installed = 0
 
@@ -49,12 +58,6 @@ _installed = 0
 def supported() -> bool:
     """Whether this torch's non-reentrant checkpoint can be followed (its frame class and the hooks in scope)."""
     return _top is not None and isinstance(_TORCH_FRAME, type) and isinstance(_TORCH_RECOMPUTATION, type)
-
-
-def saving_inputs() -> bool:
-    """Whether the save under way in this thread is a checkpointed region's input (read for every save: this thread's
-    dict of the local, 0.1 us, where ``getattr`` of an attribute never set raises inside, 0.8 us)."""
-    return _state.__dict__.get("inputs", False)
 
 
 class Recomputed(weakref.WeakKeyDictionary):
@@ -83,7 +86,7 @@ if supported():
 
     class Frame(_TORCH_FRAME):
         """torch's checkpoint frame, gactx's where gactx's hooks are in scope as a region begins: its inputs are
-        saved as such (:func:`saving_inputs`), its recomputed tensors held compressed (:class:`Recomputed`)."""
+        saved as such (:data:`SAVING`), its recomputed tensors held compressed (:class:`Recomputed`)."""
 
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -97,11 +100,11 @@ if supported():
             def save_inputs(self, *args) -> None:
                 if not self.gactx:
                     return super().save_inputs(*args)
-                outer, _state.inputs = saving_inputs(), True
+                outer, SAVING.inputs = SAVING.inputs, True
                 try:
                     return super().save_inputs(*args)
                 finally:
-                    _state.inputs = outer
+                    SAVING.inputs = outer
 
     class Recomputation(_TORCH_RECOMPUTATION):
         """torch's saved-tensor hooks of a region's recomputation. torch's pack hook puts each recomputed tensor in

@@ -47,12 +47,14 @@ class Decision:
     """What a save becomes. ``rule``: the op rule that stores it (``None``: kept before any rule applied, by the
     policy: small, an integer dtype, level L0); ``bits``: its width (``None`` where it has none: a rule that keeps
     or stores losslessly at its own width, a tensor the policy keeps); ``choice``: the scheme the allocation chose
-    where not uniform codes; ``reason``: why it is kept as it is, ``""`` where it is stored."""
+    where not uniform codes; ``reason``: why it is kept as it is, ``""`` where it is stored; ``seed``: the noise seed
+    of a quantized save (the plan's, :meth:`Plan.seed`; 0 where nothing is drawn)."""
 
     rule: Rule | None
     bits: int | None = None
     choice: Choice | None = None
     reason: str = ""
+    seed: int = 0
 
     @property
     def cls(self) -> str:
@@ -74,18 +76,22 @@ _BOOL = Decision(BOOL_MASK, 1)
 _BY_RULE: dict[Rule, Decision] = {}  # a class the allocator does not serve: one decision for its rule
 
 
-def decide(t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, config: Config) -> Decision:
-    """The decision for ``t``, saved under ``rule`` in ``slot``: 1 bit for a bool mask, the level's
-    ``checkpoint_bits`` for a checkpointed region's input, the plan's width for an allocated class (at least
-    ``ATTENTION_BITS`` for attention; a uniformly quantized one, whatever its class, where the sensitivity probe
-    perturbs the slot), else the rule's own form."""
+def decide(
+    t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, config: Config, number: int = 0
+) -> Decision:
+    """The decision for ``t``, saved under ``rule`` in ``slot`` (``number``: the save's, as the pack path numbers
+    them, for its noise seed): 1 bit for a bool mask, the level's ``checkpoint_bits`` for a checkpointed region's
+    input, the plan's width for an allocated class (at least ``ATTENTION_BITS`` for attention; a uniformly quantized
+    one, whatever its class, where the sensitivity probe perturbs the slot), else the rule's own form."""
     if rule is BOOL_MASK:
         return _BOOL
     if rule is CHECKPOINT_INPUT:
         bits = config.checkpoint_bits
         if bits is None:
             return Decision(rule, None, None, "checkpoint_bits=None")
-        return Decision(rule, bits, None, AS_IS if as_is_width(bits, t.dtype) else "")
+        if as_is_width(bits, t.dtype):
+            return Decision(rule, bits, None, AS_IS)
+        return Decision(rule, bits, None, "", plan.seed(slot, number))
     if rule.cls not in ALLOCATED:
         found = _BY_RULE.get(rule)
         if found is None:
@@ -100,7 +106,7 @@ def decide(t: torch.Tensor, rule: Rule, plan: Plan, slot: Slot | GraphSlot, conf
         bits = ATTENTION_BITS
     if choice is None and rule.kind == "quantize" and as_is_width(bits, t.dtype):
         return Decision(rule, bits, None, AS_IS)
-    return Decision(rule, bits, choice)
+    return Decision(rule, bits, choice, "", 0 if type(slot) is GraphSlot else plan.seed(slot, number))
 
 
 def may_share(first: Decision, later: Decision, site: Site | None) -> bool:

@@ -7,10 +7,15 @@ For each tensor autograd saves, :meth:`PackPath.pack`:
 2. finds the save's :class:`~gactx.controller.rules.Site` (op, role, scalar arguments): from the op watcher
    in a pass it watches (the handle may wait one op for it), from what was learned for the slot before,
    or from the ``grad_fn`` of a saved result; else the op is unknown;
-3. takes the :class:`~gactx.controller.rules.Rule` of the site and the width of the slot;
+3. decides (``decide.py``: a :class:`~gactx.controller.decide.Decision` of the site's
+   :class:`~gactx.controller.rules.Rule`, and the plan's width, scheme and noise seed for the slot);
 4. encodes (``store.encode``) unless the same tensor was already stored the same way in this pass;
-5. appends one :class:`~gactx.controller.stats.KeyRecord` (key, op, class, bits or reason, bytes) that
-   the memory statistics, the report and the adaptation all read.
+5. records it once (``PassStats.record``: one :class:`~gactx.controller.stats.KeyRecord`, key, op, class, bits or
+   reason, bytes) for the memory statistics, the report and the adaptation.
+
+Followed through for one saved tensor, the path leaves this module for one other at a time: the policy, the keys,
+the pass's statistics (is its storage kept already), the decision, the store, the record, the handle; it never
+calls up into the Controller (``tests/controller/test_pack.py`` follows one).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from gactx.config import Config
-from gactx.controller.checkpoint import saving_inputs
+from gactx.controller.checkpoint import SAVING
 from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
 from gactx.controller.identity import Key, ModuleTracker, Slot, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
@@ -42,7 +47,7 @@ from gactx.controller.rules import (
     rule_for,
     sketchable,
 )
-from gactx.controller.stats import AS_IS, KeyRecord, PassStats, counted_range
+from gactx.controller.stats import AS_IS, PassStats
 from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
@@ -169,9 +174,9 @@ class PackPath:
             stats.extend(t, ptr)
             return Kept.of(t)
         if reason is not None or cfg.bits is None:
-            self._record(t, key, ptr, None, None, None, reason or "L0", None)
+            stats.record(t, key, ptr, None, None, None, reason or "L0")
             return Kept.of(t)
-        if saving_inputs():  # a checkpointed region's input: no op of the model saves it (checkpoint.py)
+        if SAVING.inputs:  # a checkpointed region's input: no op of the model saves it (checkpoint.py)
             return self._finish(t, key, slot, ptr, None, CHECKPOINT_INPUT)
         if self.watching:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
@@ -232,7 +237,7 @@ class PackPath:
             self._calls.setdefault(slot[:2], {})[slot.index] = learned
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-        decision = decide(t, rule, self.plan, slot, cfg)
+        decision = decide(t, rule, self.plan, slot, cfg, self.key_ids.setdefault(key, len(self.key_ids)))
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
         # that several ops save (the input of the Q, K and V projections) is one tensor to the allocator, under
         # the slot of its first save: the later saves share whatever that one stored (its width, its scheme, a
@@ -268,36 +273,22 @@ class PackPath:
             for observe in self.observers:
                 observe(key, t, rule)
         if decision.reason:
-            self._record(t, key, ptr, site, rule, bits, decision.reason, None)
+            self.stats.record(t, key, ptr, site, rule, bits, decision.reason)
             return as_is(t)
-        seed = self.plan.seed(slot, self.key_ids.setdefault(key, len(self.key_ids)))
-        stored = encode(t, rule, bits, seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
+        stored = encode(t, rule, bits, decision.seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):  # a mask the dtype cannot make exactly, a FewBit class at 16 or 32 bits
-            self._record(t, key, ptr, site, rule, bits, "kept" if rule.kind == "mask" else AS_IS, None)
+            self.stats.record(t, key, ptr, site, rule, bits, "kept" if rule.kind == "mask" else AS_IS)
             return stored
-        nbytes, offloaded = stored.nbytes, False
+        encoded, offloaded = stored, False
         if self.offloader is not None and isinstance(stored, QuantizedTensor):
             if self.offloader.accepts(stored.data):
                 stored, offloaded = self.offloader.offload(stored), True
             else:
                 self.offloader.warn(f"a tensor on {t.device.type}")
-        form = "" if choice is None else stored_form(stored, choice)
-        self._record(t, key, ptr, site, rule, bits if bits is not None else stored.bits, "", nbytes, offloaded, form)
+        form = "" if choice is None else stored_form(encoded, choice)
+        bits = bits if bits is not None else encoded.bits
+        self.stats.record(t, key, ptr, site, rule, bits, "", encoded, offloaded, form)
         return stored
-
-    def _record(
-        self, t, key: Key, ptr: int, site, rule: Rule | None, bits: int | None, reason: str, packed: int | None,
-        offloaded=False, form="",
-    ):  # fmt: skip
-        """One record of the save; ``packed``: the bytes of what was stored, ``None`` if kept as it is."""
-        nbytes = t.numel() * t.element_size()
-        span = counted_range(t)
-        kept = packed is None
-        op, cls = ("" if site is None else site.label), ("" if rule is None else rule.cls)
-        record = KeyRecord(
-            key, t.dtype, bits, nbytes, nbytes if kept else packed, span[1] - span[0], op, cls, form, reason
-        )
-        self.stats.add(record, t, ptr, not kept, offloaded, span)
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

@@ -113,13 +113,20 @@ class PassStats:
     offloaded_bytes: int = 0
     graph_runs: dict = field(default_factory=dict)  # compiled forward graph -> its run under way (compiled.py)
 
-    def add(
-        self, record: KeyRecord, t: torch.Tensor, ptr: int, compressed: bool, offloaded: bool = False,
-        span: tuple[int, int] | None = None,
+    def record(
+        self, t: torch.Tensor, key: Key, ptr: int, site, rule, bits: int | None, reason: str, stored=None,
+        offloaded: bool = False, form: str = "",
     ) -> None:  # fmt: skip
-        """A save of ``t`` (its storage at ``ptr``; ``span``: its :func:`counted_range`, where the caller has it).
-        Before and after count each storage once, and of a view of data that lives anyway (a batch sliced from
-        a dataset, ``X[:64]``) the bytes it covers, not ``X``."""
+        """The one record of a save of ``t`` (its storage at ``ptr``): its key, op (``site``), rule, width and reason,
+        and ``stored``, what was stored (``None`` where ``t`` is kept as it is: ``reason`` says why). Before and after
+        count each storage once, and of a view of data that lives anyway (a batch sliced from a dataset,
+        ``X[:64]``) the bytes it covers, not ``X``."""
+        nbytes = t.numel() * t.element_size()
+        span = counted_range(t)
+        compressed = stored is not None
+        op, cls = ("" if site is None else site.label), ("" if rule is None else rule.cls)
+        packed = stored.nbytes if compressed else nbytes
+        record = KeyRecord(key, t.dtype, bits, nbytes, packed, span[1] - span[0], op, cls, form, reason)
         owner = weakref.ref(t if t._base is None else t._base)  # storage_owner(t), inlined: every save runs it
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:

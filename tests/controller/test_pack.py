@@ -1,0 +1,67 @@
+"""gactx/controller/pack.py: the path of one saved tensor is short. Followed through pack in eager mode (the input of
+a linear layer at L1, an unwatched pass, not the pass's first save), it leaves the pack path for one module at a
+time (the policy, the keys, the pass's statistics, the decision, the store) and never calls up into the Controller.
+"""
+
+import sys
+
+import torch
+from torch import nn
+
+import gactx
+from gactx.controller.pack import PackPath
+
+HUB = "controller/pack.py"
+
+
+def _follow_one_save(monkeypatch) -> list[tuple[str, str]]:
+    """``(file, function)`` of each call that pack.py makes into another gactx file while packing the second
+    layer's input, nested calls left out (they belong to the call that made them)."""
+    calls, state = [], {"n": -1, "on": False}
+
+    def tracer(frame, event, arg):
+        if event == "call" and "/gactx/" in frame.f_code.co_filename:
+            here = frame.f_code.co_filename.split("/gactx/")[1]
+            caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+            if here != HUB and caller.endswith(HUB):
+                calls.append((here, frame.f_code.co_name))
+
+    original = PackPath.pack
+
+    def pack(self, t):
+        state["n"] += 1
+        if not (state["on"] and state["n"] == 2):  # saves: input 0, weight (kept), input 1
+            return original(self, t)
+        sys.setprofile(tracer)
+        try:
+            return original(self, t)
+        finally:
+            sys.setprofile(None)
+
+    monkeypatch.setattr(PackPath, "pack", pack)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+    x = torch.randn(64, 64)
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            model(x).sum().backward()
+        state["n"], state["on"] = -1, True
+        model(x).sum().backward()
+    assert controller.records, "the pass was recorded"
+    return calls
+
+
+def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
+    calls = _follow_one_save(monkeypatch)
+    modules = [f for f, _ in calls]
+    rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]  # consecutive calls: one stop
+    assert rooms == [
+        "controller/policy.py",  # parameter, dtype, size
+        "controller/identity.py",  # its key and slot
+        "controller/stats.py",  # is its storage kept as it is already
+        "controller/decide.py",  # width, scheme, seed (from the plan)
+        "controller/store.py",  # encoded (the kernels, nested)
+        "controller/stats.py",  # recorded
+        "controller/store.py",  # the handle
+    ], calls
+    assert "controller/controller.py" not in modules
