@@ -11,16 +11,11 @@ Writes adaptation.json and adaptation.md under ``benchmarks/results/<device>/``.
 
 from __future__ import annotations
 
-import argparse
-from datetime import datetime, timezone
-from pathlib import Path
-
 import torch
 
 from benchmarks.charlm import train_charlm
-from benchmarks.device import device_name, summary
 from benchmarks.digits import train_digits
-from benchmarks.output import results_folder, write_results
+from benchmarks.harness import Bench, results_folder
 from benchmarks.table import markdown_table
 from gactx.config import Config
 
@@ -69,21 +64,13 @@ def render(rows: list[dict], env: dict) -> str:
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=summary(__doc__))
-    parser.add_argument("--quick", action="store_true", help="a few steps each: a smoke test (needs --out)")
-    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    bench = Bench("adaptation", __doc__, quick="a few steps each")
+    args = bench.parse(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    env = {
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
+    env = bench.environment(device)
     rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
     table = render(rows, env)
-    write_results(results_folder(args.out, device), "adaptation", env, rows, table)
+    bench.write(results_folder(args.out, device), env, rows, table)
     print(table)
     return rows
 

@@ -20,7 +20,8 @@ import warnings
 
 import torch
 
-from benchmarks.device import device_name, summary
+from benchmarks.device import device_name
+from benchmarks.harness import summary
 from benchmarks.run import alternated_step_ms, compare, run_one, variant
 
 MODELS = ("sage", "bert-base", "resnet50", "llama-lora")

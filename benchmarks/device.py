@@ -31,8 +31,3 @@ def device_slug(device: str) -> str:
     words = torch.cuda.get_device_name().replace("NVIDIA", "").split()
     model = next((w for w in words if re.fullmatch(r"[A-Za-z]+\d+[A-Za-z]*", w)), None)
     return (model or "-".join(words) or "cuda").lower()
-
-
-def summary(doc: str) -> str:
-    """A module docstring's first paragraph on one line: a command's ``--help`` description, whole."""
-    return " ".join(doc.split("\n\n")[0].split())

@@ -14,19 +14,15 @@ share of that step and of training at the default interval. Writes estimators.js
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
 
 import gactx
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.harness import Bench, results_folder
 from benchmarks.table import markdown_table
 from gactx.config import Config
 
@@ -250,22 +246,13 @@ def _load() -> str:
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=summary(__doc__))
-    parser.add_argument("--quick", action="store_true", help="two tiny models: a smoke test (needs --out)")
+    bench = Bench("estimators", __doc__, quick="two tiny models")
+    parser = bench.parser
     parser.add_argument("--size", default="small", help="workloads' size (small or tiny)")
     parser.add_argument("--repeats", type=int, default=7, help="ordinary and collecting steps timed, each")
-    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    args = bench.parse(argv)
     torch.set_num_threads(2)
-    env = {
-        "device_name": device_name("cpu"),
-        "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "sizes": f"zoo scale 1, workloads {args.size}",
-        "load": _load(),
-    }
+    env = bench.environment("cpu", sizes=f"zoo scale 1, workloads {args.size}", load=_load())
     rows = []
     for name, build in cases(args.quick, args.size):
         print(f"{name} ...", flush=True)
@@ -273,12 +260,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         if row is not None:
             rows.append(row)
     pool = pooled(rows)
-    out = args.out or Path(__file__).parent / "results" / device_slug("cpu")
-    out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": env, "pooled": pool, "rows": rows}
-    (out / "estimators.json").write_text(json.dumps(result, indent=2) + "\n")
     table = render(rows, pool, env)
-    (out / "estimators.md").write_text(table)
+    bench.write(results_folder(args.out, "cpu"), env, rows, table, pooled=pool)
     print(table)
     return rows
 

@@ -32,21 +32,18 @@ Everything runs in float32 on the device (a CPU by default), with random weights
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import warnings
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 import gactx
 from benchmarks import llm, workloads
-from benchmarks.device import device_name, summary
+from benchmarks.harness import Bench, kept_rows, read_results, results_folder
 from benchmarks.measure import count_saved_bytes
 from benchmarks.methods import Method
-from benchmarks.output import kept_rows, read_results, results_folder, write_results
 from benchmarks.table import markdown_table
 
 __all__ = ["run"]
@@ -379,7 +376,8 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.finetune", description=summary(__doc__))
+    bench = Bench("finetune", __doc__, quick="tiny shapes, 4 steps")
+    p = bench.parser
     p.add_argument(
         "--sections",
         nargs="+",
@@ -390,12 +388,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=60, help="training steps a run")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, 4 steps: a smoke test (needs --out)")
-    args = p.parse_args(argv)
+    args = bench.parse(argv)
     if args.quick:
-        if args.out is None:
-            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
         args.steps = 4
         for name in ("checkpoint", "lora", "train", "vocab"):
             SHAPES[name] = SHAPES["quick"]
@@ -404,10 +398,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     import peft
     import transformers
 
-    env = {"device_name": device_name(args.device), "torch": torch.__version__, "threads": args.threads,
-           "transformers": transformers.__version__, "peft": peft.__version__, "steps": args.steps,
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "peak_method": gactx.PeakMemory(args.device).method}  # fmt: skip
+    env = bench.environment(args.device, transformers=transformers.__version__, peft=peft.__version__,
+                            steps=args.steps, peak_method=gactx.PeakMemory(args.device).method)  # fmt: skip
     rows = []
     if "peaks" in args.sections:
         rows += peaks("checkpoint", False, args.device)
@@ -422,7 +414,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     table = render(rows, env)
     if plot(rows, folder / "finetune.png"):
         table += "\n![training curves](finetune.png)\n"
-    write_results(folder, "finetune", env, rows, table)
+    bench.write(folder, env, rows, table)
     print(table)
     return rows
 

@@ -26,22 +26,19 @@ unpack: no policy, no key, no record, no handle. Eager gactx cannot be faster th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 import gactx
-from benchmarks.device import device_name, summary
+from benchmarks.harness import Bench, alternate, results_folder
 from benchmarks.measure import gpu_activities, synchronize
-from benchmarks.output import results_folder, write_results
 from benchmarks.table import markdown_table
 from gactx.kernels import dequantize
 from gactx.kernels.functional import choose_backend, quantize_checked
@@ -202,10 +199,7 @@ def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = T
     cases = {name: Case(name, width, device) for name in names}
     for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
         case.turn(3)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, case in cases.items():
-            times[name] += case.turn(steps)
+    times = alternate({name: (lambda case=case: case.turn(steps)) for name, case in cases.items()}, rounds)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     saves = cases["L1"].saves()  # compressed saves a step, as L1's last pass recorded them
     rows = []
@@ -248,29 +242,24 @@ def _f(value: float | None) -> str:
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host", description=summary(__doc__))
+    bench = Bench("host", __doc__, quick="width 64, 2 rounds of 3 steps")
+    p = bench.parser
     p.add_argument("--widths", type=int, nargs="+", default=[64, 256])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=20, help="steps a method's turn")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--no-compile", action="store_true", help="eager methods only")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    p.add_argument("--quick", action="store_true", help="width 64, 2 rounds of 3 steps (needs --out)")
-    args = p.parse_args(argv)
+    args = bench.parse(argv)
     if args.quick:
-        if args.out is None:
-            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
         args.widths, args.rounds, args.steps = [64], 2, 3
     torch.set_num_threads(args.threads)
     # Compiled cases with hooks are compiled again at every turn (see Case.hooks): room for all of them.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * args.rounds + 32)
-    env = {"device_name": device_name(args.device), "torch": torch.__version__, "threads": args.threads,
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rounds": args.rounds,
-           "steps": args.steps}  # fmt: skip
+    env = bench.environment(args.device, rounds=args.rounds, steps=args.steps)
     rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, not args.no_compile)]
     table = render(rows, env)
-    write_results(results_folder(args.out, args.device), "host", env, rows, table, indent=1)
+    bench.write(results_folder(args.out, args.device), env, rows, table, indent=1)
     print(table)
     return rows
 

@@ -19,18 +19,14 @@ Writes oprules.json and oprules.md.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks import workloads
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.harness import Bench, results_folder
 from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.kernels.fewbit import FUNCTIONS, SAVES_RESULT, fewbit_table
@@ -236,28 +232,18 @@ def render(errors: list[dict], attention: list[dict], cost: list[dict], env: dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=summary(__doc__))
-    p.add_argument("--quick", action="store_true", help="fewer draws and steps: a smoke test (needs --out)")
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/cpu/")
-    args = p.parse_args(argv)
-    if args.quick and args.out is None:
-        p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    bench = Bench("oprules", __doc__, quick="fewer draws and steps")
+    args = bench.parse(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
     draws, steps = (4, 3) if args.quick else (32, 31)
-    env = {
-        "device_name": device_name("cpu"), "torch": torch.__version__, "draws": draws, "steps": steps,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }  # fmt: skip
+    env = bench.environment("cpu", draws=draws, steps=steps)
     errors = gradient_errors(draws)
     attention = attention_widths(draws)
     cost = watcher_cost(steps)
     text = render(errors, attention, cost, env)
     print(text)
-    out = args.out or Path(__file__).parent / "results" / device_slug("cpu")
-    out.mkdir(parents=True, exist_ok=True)
-    rows = {"env": env, "errors": errors, "attention": attention, "cost": cost}
-    (out / "oprules.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "oprules.md").write_text(text)
+    # The rows: each model's gradient errors; the attention widths and the watcher's cost beside them.
+    bench.write(results_folder(args.out, "cpu"), env, errors, text, indent=1, attention=attention, cost=cost)
 
 
 if __name__ == "__main__":

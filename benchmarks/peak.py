@@ -36,12 +36,10 @@ the same level's eager cosine (one step each, same batch, evaluation mode: dropo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from operator import itemgetter
 from pathlib import Path
 
@@ -53,10 +51,9 @@ if __package__ in (None, ""):
 
 import gactx  # noqa: E402
 from benchmarks import workloads  # noqa: E402
-from benchmarks.device import device_name, device_slug  # noqa: E402
+from benchmarks.harness import Bench, kept_rows, read_results, results_folder  # noqa: E402
 from benchmarks.measure import count_saved_bytes  # noqa: E402
 from benchmarks.methods import Method  # noqa: E402
-from benchmarks.output import kept_rows, read_results  # noqa: E402
 from benchmarks.table import markdown_table  # noqa: E402
 
 MIB = 1 << 20
@@ -312,13 +309,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> None:
     rows, compiled = result
-    out = args.out or Path(__file__).resolve().parent / "results" / device_slug(args.device)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        "device": device_name(args.device), "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
-        "repeats": args.repeats, "quick": args.quick, "cuda": args.device == "cuda", "backend": args.backend,
-    }  # fmt: skip
+    out = results_folder(args.out, args.device)
+    bench = Bench("peak", __doc__)
+    env = bench.environment(args.device, size=args.size, repeats=args.repeats, quick=args.quick,
+                            cuda=args.device == "cuda", backend=args.backend)  # fmt: skip
     old = read_results(out, "peak") if args.merge else None
     if old is not None:
         model = itemgetter("model")
@@ -327,19 +321,18 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
             old, "compiled", "kept_compiled", model, set(map(model, compiled))
         )
         rows, compiled = kept + rows, kept_compiled + compiled
-    result = {"environment": env, "rows": rows, "compiled": compiled}
-    (out / "peak.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "peak.md").write_text(render(result))
-    print(f"wrote {out / 'peak.md'}")
+    table = render({"environment": env, "rows": rows, "compiled": compiled})
+    print(f"wrote {bench.write(out, env, rows, table, compiled=compiled)}")
 
 
 def render(result: dict) -> str:
     """``peak.md`` from what ``peak.json`` holds."""
     env, rows, compiled = result["environment"], result["rows"], result["compiled"]
-    cuda = env.get("cuda", not env["device"].startswith("CPU"))
+    name = env.get("device_name") or env["device"]  # results written before the harness named it "device"
+    cuda = env.get("cuda", not name.startswith("CPU"))
     how = "CUDA caching allocator" if cuda else "running sum of the profiler's CPU allocation events"
     lines = [
-        f"# gactx step peak memory: {env['device']}",
+        f"# gactx step peak memory: {name}",
         "",
         f"- torch {env['torch']}; run {env['date']}; models benchmark size {env['size']}; median of {env['repeats']}",
         f"- peak: `gactx.PeakMemory` over forward + backward, above what was allocated at its start ({how}); "
@@ -385,7 +378,8 @@ def render(result: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description="Peak memory of a training step with and without gactx.")
+    bench = Bench("peak", __doc__, quick="small shapes, tiny models, one round")
+    p = bench.parser
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if cuda else "cpu")
     p.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
     p.add_argument("--models", nargs="*", default=["bert-base", "resnet50"], choices=workloads.names())
@@ -399,17 +393,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled table")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU)")
-    p.add_argument(
-        "--quick", action="store_true", help="small shapes, tiny models, one round: a smoke test (needs --out)"
-    )
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
-    args = p.parse_args(argv)
+    args = bench.parse(argv)
     if args.quick:
         args.size, args.repeats = "tiny", 1
-        if args.out is None:
-            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     return args
 
 

@@ -15,15 +15,12 @@ Writes ``roofline.md`` and ``roofline.json`` under ``benchmarks/results/<gpu>/``
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from benchmarks.device import summary
+from benchmarks.harness import Bench
 from gactx import kernels
 from gactx.kernels import aot
 
@@ -151,15 +148,12 @@ def render(device: Device, rows: list[dict], env: dict) -> str:
 
 
 def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=summary(__doc__))
+    bench = Bench("roofline", __doc__, quick="4-bit fp32 (de)quantize only", prog="python -m benchmarks.kernels")
+    parser = bench.parser
     parser.add_argument("--gpu", nargs="+", choices=sorted(DEVICES), default=["h100"], help="default: h100")
     parser.add_argument("--family", nargs="+", choices=aot.FAMILIES, default=list(aot.FAMILIES))
     parser.add_argument("--elements", type=int, default=ELEMENTS, help="tensor size for the times")
-    parser.add_argument("--quick", action="store_true", help="4-bit fp32 (de)quantize only: a smoke test (needs --out)")
-    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<gpu>/")
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    args = bench.parse(argv)
     if kernels.TRITON_INTERPRET:
         parser.error("compiling for a GPU needs the real JIT: unset TRITON_INTERPRET")
     here = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -168,20 +162,16 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
     for name in args.gpu:
         device = DEVICES[name]
         measure = here is not None and torch.cuda.get_device_capability()[0] * 10 == device.arch
-        env = {
-            "triton": kernels.TRITON_VERSION,
-            "compiled_on": "a machine with " + (here or "no GPU"),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "elements": args.elements,
-            "measured": f"on {here}, triton.testing.do_bench, median" if measure
+        # The environment of the machine that compiled (and, where it has that GPU, timed) the kernels.
+        env = bench.environment(
+            "cuda" if measure else "cpu", triton=kernels.TRITON_VERSION, gpu=name,
+            compiled_on="a machine with " + (here or "no GPU"), elements=args.elements,
+            measured=f"on {here}, triton.testing.do_bench, median" if measure
             else f"not here ({here or 'no GPU on this machine'}): no measured time",
-        }  # fmt: skip
+        )  # fmt: skip
         rows = rows_for(device, specs, args.elements, measure)
         table = render(device, rows, env)
-        out = args.out or RESULTS / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "roofline.md").write_text(table)
-        (out / "roofline.json").write_text(json.dumps({"device": name, "environment": env, "rows": rows}, indent=1))
+        bench.write(args.out or RESULTS / name, env, rows, table, indent=1, device=name)
         print(table)
         tables[name] = rows
     return tables

@@ -15,11 +15,8 @@ Writes models.csv, models.json and models.md (and batch_throughput.png with --sw
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
-import json
 import statistics
-from datetime import datetime, timezone
 from operator import itemgetter
 from pathlib import Path
 
@@ -27,10 +24,9 @@ import torch
 
 import gactx
 from benchmarks import workloads
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.harness import Bench, alternate, kept_rows, read_results, results_folder
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import COMPILABLE, METHODS, Method
-from benchmarks.output import kept_rows, read_results
 from gactx import kernels
 
 MIB = 1 << 20
@@ -38,7 +34,8 @@ MIB = 1 << 20
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=summary(__doc__), formatter_class=argparse.RawTextHelpFormatter)
+    bench = Bench("run", __doc__, quick="tiny sizes, 4 steps", formatter_class=argparse.RawTextHelpFormatter)
+    p = bench.parser
     p.add_argument("--models", nargs="+", choices=workloads.names(), default=workloads.names())
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
@@ -51,19 +48,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", action="store_true", help="CUDA: search the largest batch that fits")
     p.add_argument("--memory-cap-gib", type=float, help="CUDA: cap the memory (as on a smaller GPU)")
     p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 4 steps: a smoke test (needs --out)")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",
         help="also run full precision and the gactx levels (fp32) with the model's forward under torch.compile",
     )  # fmt: skip
-    args = p.parse_args(argv)
+    args = bench.parse(argv)
     if args.quick:
         args.size, args.train_steps, args.warmup, args.timed = "tiny", 4, 1, 2
-        if args.out is None:
-            p.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     if (args.max_batch or args.memory_cap_gib) and args.device != "cuda":
@@ -164,19 +157,21 @@ def alternated_step_ms(
             method.suspend()
             optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
             inputs, target = w.make_batch(args.batch or w.default_batch, torch.Generator().manual_seed(0))
-            runs.append((method, functools.partial(train_step, method, optimizer, inputs, target), []))
+            runs.append((method, functools.partial(train_step, method, optimizer, inputs, target), None))
         for method, step, _ in runs:  # after every Method is made: each compiled one resets TorchDynamo
             with method.active():
                 for _ in range(max(1, args.warmup)):
                     step()
-        for _ in range(rounds):
-            for method, step, times in runs:
-                with method.active():
-                    times.append(median_step_seconds(step, steps, 0, args.device == "cuda"))
+
+        def turn(method: Method, step) -> float:
+            with method.active():
+                return median_step_seconds(step, steps, 0, args.device == "cuda")
+
+        times = alternate({m.name: functools.partial(turn, m, step) for m, step, _ in runs}, rounds)
     finally:
         for method, _, _ in runs:
             method.close()
-    return {method.name: statistics.median(times) * 1e3 for method, _, times in runs}
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def _fits(
@@ -318,13 +313,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
         "accounting; peak memory: gactx.PeakMemory over a forward and backward (the running sum of the CPU "
         "allocator's events, above what was allocated at the start); maximum batch and GPU throughput await a GPU"
     )
-    env = {
-        "device_name": device_name(args.device), "torch": torch.__version__,
-        "triton": kernels.TRITON_VERSION or "not installed",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size, "memory": memory,
-        "timed": args.timed, "warmup": args.warmup, "train_steps": args.train_steps,
-        "memory_cap_gib": args.memory_cap_gib,
-    }  # fmt: skip
+    bench = Bench("models", __doc__)
+    env = bench.environment(args.device, triton=kernels.TRITON_VERSION or "not installed", size=args.size,
+                            memory=memory, timed=args.timed, warmup=args.warmup, train_steps=args.train_steps,
+                            memory_cap_gib=args.memory_cap_gib)  # fmt: skip
     cases = [(m, meth, p, False) for m in args.models for p in args.precisions for meth in args.methods]
     if args.compile:
         cases += [(m, meth, "fp32", True) for m in args.models for meth in args.methods if meth in COMPILABLE]
@@ -344,18 +336,11 @@ def run(argv: list[str] | None = None) -> list[dict]:
             label = method + ("+bf16" if precision == "bf16" else "") + ("+compile" if compiled else "")
             rows.append({"model": model, "method": label, "note": "OOM"})
     compare(rows)
-    out = args.out or Path(__file__).parent / "results" / device_slug(args.device)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_folder(args.out, args.device)
     if args.merge:
         rows = _merged(out, rows, env)
-    (out / "models.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
-    fields = [c[0] for c in COLUMNS if any(c[0] in r for r in rows)]
-    with open(out / "models.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
     table = render(rows, env)
-    (out / "models.md").write_text(table)
+    bench.write(out, env, rows, table)
     if args.sweep:
         plot(rows, out / "batch_throughput.png", env)
     print(table)

@@ -27,17 +27,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from benchmarks import workloads
-from benchmarks.device import device_name, device_slug, summary
+from benchmarks.harness import Bench, now, read_results, results_folder
 from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.config import ESTIMATORS
@@ -275,9 +272,8 @@ def _provenance(args: argparse.Namespace, old: dict, now: str, partial: bool) ->
 
 
 def run(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=summary(__doc__))
-    parser.add_argument("--quick", action="store_true", help="two models, few draws: a smoke test (needs --out)")
-    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+    bench = Bench("schemes", __doc__, quick="two models, few draws")
+    parser = bench.parser
     parser.add_argument("--draws", type=int, default=4, help="gradient draws a seed")
     parser.add_argument("--seeds", type=int, default=3, help="estimator seeds a row (each its own allocation)")
     parser.add_argument("--steps", type=int, default=40, help="training steps a model")
@@ -295,9 +291,7 @@ def run(argv: list[str] | None = None) -> dict:
         "--configs", nargs="+", choices=tuple(CONFIGS), metavar="LABEL",
         help=f"the choices whose error rows to measure, of {', '.join(map(repr, CONFIGS))}; the others keep theirs",
     )  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
+    args = bench.parse(argv)
     torch.set_num_threads(args.threads)
     size = "tiny" if args.quick else "small"
     models = ["zoo:mlp", "gcn"] if args.quick else [f"zoo:{n}" for n in ZOO] + list(WORKLOADS)
@@ -307,32 +301,28 @@ def run(argv: list[str] | None = None) -> dict:
         configs = [c for c in (BASE, "all schemes") if args.configs is None or c in args.configs]
     draws = 2 if args.quick else args.draws
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = args.out or Path(__file__).parent / "results" / device_slug(device)
-    previous = json.loads((out / "schemes.json").read_text()) if (out / "schemes.json").exists() else {}
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    old_env = previous.get("env", {})
+    out = results_folder(args.out, device)
+    previous = read_results(out, "schemes") or {}
+    old_env = previous.get("environment", previous.get("env", {}))  # "env": written before the harness
     partial = args.models is not None or args.configs is not None
-    env = {
-        "device_name": device_name(device),
-        "torch": torch.__version__,
-        "date": now,
-        "seeds": (1 if args.quick else args.seeds) if "errors" in args.parts else old_env.get("seeds", args.seeds),
-        "draws": draws if "errors" in args.parts else old_env.get("draws", draws),
-        "train_seeds": (1 if args.quick else args.train_seeds)
+    date = now()
+    env = bench.environment(
+        device,
+        seeds=(1 if args.quick else args.seeds) if "errors" in args.parts else old_env.get("seeds", args.seeds),
+        draws=draws if "errors" in args.parts else old_env.get("draws", draws),
+        train_seeds=(1 if args.quick else args.train_seeds)
         if "training" in args.parts
         else old_env.get("train_seeds", 1),
-        **_provenance(args, old_env, now, partial),
-    }
+        **_provenance(args, old_env, date, partial),
+    )
     # A run of some models or some choices measures their rows again, in their places; the others stay.
-    errors = previous.get("gradient_error", []) if "errors" not in args.parts or partial else []
+    kept_errors = previous.get("rows", previous.get("gradient_error", []))
+    errors = kept_errors if "errors" not in args.parts or partial else []
     training = [] if "training" in args.parts else previous.get("training", [])
 
     def save() -> dict:  # after every row: a run cut short leaves what it measured
-        out.mkdir(parents=True, exist_ok=True)
-        result = {"env": env, "gradient_error": errors, "training": training}
-        (out / "schemes.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "schemes.md").write_text(render(errors, training, env))
-        return result
+        bench.write(out, env, errors, render(errors, training, env), indent=1, training=training)
+        return {"environment": env, "rows": errors, "training": training}
 
     for name in models if "errors" in args.parts else []:
         for label in configs:

@@ -23,10 +23,8 @@ Writes kernels.csv, kernels.json and kernels.md (and kernels.png when matplotlib
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import itertools
-import json
 import os
 import re
 import resource
@@ -34,7 +32,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -44,8 +41,17 @@ if __package__ in (None, ""):  # run as a script: import the gactx of this check
 
 import gactx  # noqa: E402
 from benchmarks.device import device_name, device_slug  # noqa: E402
+from benchmarks.harness import Bench, results_folder  # noqa: E402
 from gactx import kernels  # noqa: E402
 from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, cpu  # noqa: E402
+
+
+def bench() -> Bench:
+    """This benchmark's command and results (``benchmarks/harness.py``)."""
+    what = "Quantize/dequantize throughput (GB/s) against torch.clone on the same input."
+    quick = "0.0625, 0.25 MiB, bits 2 4, fp32, 1 repeat"
+    return Bench("kernels", None, quick=quick, prog="python -m benchmarks.kernels --throughput", description=what)
+
 
 MIB = 1 << 20
 GB = 1e9
@@ -70,20 +76,13 @@ CPU_MAX_RUNS = 1000
 BUSY_SHARE = 0.10
 DO_BENCH_FLUSH_BYTES = 256 * MIB
 MEMORY_HEADROOM = 0.8  # use at most 80% of the memory free now: the allocator and the OS need slack
-FIELDS = (
-    "device", "device_name", "backend", "dtype", "bits", "group_size", "size_mib", "numel", "input_bytes",
-    "quantized_bytes", "quantize_ms", "dequantize_ms", "clone_ms", "quantize_gbps", "dequantize_gbps",
-    "clone_gbps", "quantize_vs_clone", "dequantize_vs_clone", "page_faults",
-)  # fmt: skip
 
 Timer = Callable[[Callable[[], object]], float]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.kernels --throughput",
-        description="Quantize/dequantize throughput (GB/s) against torch.clone on the same input.",
-    )
+    command = bench()
+    parser = command.parser
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device, help="default: %(default)s")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: triton on cuda, cpp on cpu")
@@ -94,11 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=256, help="default: %(default)s")
     parser.add_argument("--repeats", type=int, help="cpu: timed runs per op, the median is kept (default 3)")
     parser.add_argument("--rep-ms", type=int, help="cuda: do_bench's time budget per op in ms (default 100)")
-    parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke test: 0.0625, 0.25 MiB, bits 2 4, fp32, 1 repeat (needs --out)"
-    )
-    args = parser.parse_args(argv)
+    args = command.parse(argv)
     check_device(parser, args)
     fill_defaults(args)
     return args
@@ -110,8 +105,6 @@ def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.error("--device cuda, but torch sees no CUDA device; CPU numbers are never labelled as GPU ones")
     if args.device == "cuda" and not kernels.HAS_TRITON:
         parser.error("timing on cuda uses triton.testing.do_bench; install triton")
-    if args.quick and args.out is None:
-        parser.error("--quick writes a smoke test's figures: give --out, the committed results stay as they are")
     if args.device == "cpu" and args.backend == "triton" and not kernels.TRITON_INTERPRET:
         parser.error("--backend triton on cpu needs TRITON_INTERPRET=1 (the interpreter: correct, not fast)")
 
@@ -124,8 +117,7 @@ def fill_defaults(args: argparse.Namespace) -> None:
     if args.sizes_mib is None:
         args.sizes_mib = list(GPU_SIZES_MIB if args.device == "cuda" else CPU_SIZES_MIB)
     args.backend = resolve_backend(args.device, args.backend)
-    if args.out is None:
-        args.out = Path(__file__).resolve().parent / "results" / device_slug(args.device)
+    args.out = results_folder(args.out, args.device)
 
 
 def resolve_backend(device: str, backend: str) -> str:
@@ -149,20 +141,11 @@ def environment(args: argparse.Namespace) -> dict:
         timer = f"triton.testing.do_bench, median over {args.rep_ms} ms of runs, L2 flushed between runs"
     else:
         timer = f"time.perf_counter, 1 warm-up, median of >= {args.repeats} run(s) and >= {CPU_MIN_TIMED_S:g} s"
-    return {
-        "device": device_slug(args.device),
-        "device_name": device_name(args.device),
-        "backend": backend_label(args),
-        "torch": torch.__version__,
-        "triton": kernels.TRITON_VERSION or "not installed",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "group_size": args.group_size,
-        "rounding": f"stochastic, fixed seed {SEED}",
-        "timer": timer,
-        "sizes_mib": args.sizes_mib,
-        "cpus": os.cpu_count(),
-        "skipped": [],
-    }
+    return bench().environment(
+        args.device, backend=backend_label(args), triton=kernels.TRITON_VERSION or "not installed",
+        group_size=args.group_size, rounding=f"stochastic, fixed seed {SEED}", timer=timer, sizes_mib=args.sizes_mib,
+        cpus=os.cpu_count(), skipped=[],
+    )  # fmt: skip
 
 
 def cpu_time_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -391,13 +374,7 @@ def plot(rows: list[dict], env: dict, path: Path) -> bool:
 
 
 def write_outputs(rows: list[dict], env: dict, table: str, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "kernels.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "kernels.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
-    (out / "kernels.md").write_text(table)
+    bench().write(out, env, rows, table)
     if rows and not plot(rows, env, out / "kernels.png"):
         print("matplotlib is not installed: no kernels.png")
 

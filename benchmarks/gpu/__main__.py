@@ -10,14 +10,13 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from benchmarks.device import device_name, device_slug
 from benchmarks.gpu import report, training
 from benchmarks.gpu.harness import ArmRun, Deadline, child_command, emit, run_arm
+from benchmarks.harness import Bench
 
 # Sized from the first H100 run: kernels took 29 s; the host arm's compiled cases compile again at every turn.
 ARM_LIMITS_S = {"kernels": 40, "host": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()}
@@ -28,6 +27,7 @@ BUDGET_S = 520  # the whole command: under 9 minutes of a loan of 15 that includ
 TINY_LIMITS = 5
 MIN_ARM_S = 20  # an arm given less than this is not started (its imports and model alone take about that)
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+BENCH = Bench("gpu", None, quick=None)  # its environment record and results (benchmarks/harness.py)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,12 +68,10 @@ def environment(tiny: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     memory = torch.cuda.mem_get_info()[1] if cuda else 0
-    return {
-        "id": "env", "kind": "env", "device": device_slug(device), "device_name": device_name(device),
+    return {"id": "env", "kind": "env"} | BENCH.environment(device) | {
         "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
-        "memory_gib": memory / (1 << 30), "torch": torch.__version__, "triton": version("triton"),
+        "memory_gib": memory / (1 << 30), "triton": version("triton"),
         "transformers": version("transformers"), "peft": version("peft"), "tiny": tiny,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "peak": "torch.cuda.max_memory_allocated over one training step (forward, backward, optimizer step), "
         "all the process holds included, gradients set to none before it" if cuda else
         "gactx.PeakMemory (the profiler's CPU allocations) over one step, above its start",
@@ -161,10 +159,7 @@ class Results:
         out.mkdir(parents=True, exist_ok=True)
         arms = [vars(a) for a in self.arms]
         rows = list(self.rows.values())
-        (out / "gpu.json").write_text(
-            json.dumps({"environment": self.env, "arms": arms, "rows": rows}, indent=1) + "\n"
-        )
-        (out / "gpu.md").write_text(report.render(rows, self.env, arms))
+        BENCH.write(out, self.env, rows, report.render(rows, self.env, arms), indent=1, arms=arms)
         if plot and rows:
             report.plot(rows, self.env, out / "gpu.png")
 

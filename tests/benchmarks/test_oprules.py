@@ -9,8 +9,9 @@ from benchmarks.table import markdown_table
 def test_quick_oprules_benchmark(tmp_path):
     main(["--quick", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "oprules.json").read_text())
-    assert {r["function"] for r in rows["errors"]} == {"gelu", "silu", "tanh"}
-    assert all(r["fewbit_error"] < r["quantized_error"] for r in rows["errors"])
+    assert {r["function"] for r in rows["rows"]} == {"gelu", "silu", "tanh"}  # the gradient errors
+    assert all(r["fewbit_error"] < r["quantized_error"] for r in rows["rows"])
+    assert (tmp_path / "oprules.csv").read_text().startswith("function,")
     wider = {(r["logit_scale"], r["bits"]): r["error_one_draw"] for r in rows["attention"]}
     assert all(wider[(s, 2)] > wider[(s, 4)] > wider[(s, 8)] for s in (1.0, 4.0))
     assert [r["model"] for r in rows["cost"]] == ["bert-base", "resnet50", "gat"]

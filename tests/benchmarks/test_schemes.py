@@ -7,7 +7,7 @@ from benchmarks.schemes import run
 
 def test_quick_schemes_benchmark(tmp_path):
     result = run(["--quick", "--out", str(tmp_path)])
-    rows = result["gradient_error"]
+    rows = result["rows"]
     assert [(r["model"], r["config"]) for r in rows] == [
         (m, c) for m in ("zoo:mlp", "gcn") for c in ("uniform only", "all schemes")
     ]
@@ -26,10 +26,10 @@ def test_quick_schemes_benchmark(tmp_path):
 
 def test_a_partial_run_measures_its_rows_again_in_their_places(tmp_path):
     first = run(["--quick", "--out", str(tmp_path), "--parts", "errors"])
-    for r in first["gradient_error"]:
+    for r in first["rows"]:
         r["relative_error"] = -1.0  # marks a row not measured again
     (tmp_path / "schemes.json").write_text(json.dumps(first))
     again = run(["--quick", "--out", str(tmp_path), "--parts", "errors", "--models", "gcn", "--configs", "all schemes"])
-    rows = again["gradient_error"]
-    assert [(r["model"], r["config"]) for r in rows] == [(r["model"], r["config"]) for r in first["gradient_error"]]
+    rows = again["rows"]
+    assert [(r["model"], r["config"]) for r in rows] == [(r["model"], r["config"]) for r in first["rows"]]
     assert [r["relative_error"] > 0 for r in rows] == [False, False, False, True]
