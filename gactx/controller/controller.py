@@ -29,7 +29,7 @@ from gactx.controller.plan import Plan
 from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
-from gactx.controller.store import Kept, Packed
+from gactx.controller.store import Packed, unpack
 
 __all__ = ["Controller", "Packed"]
 
@@ -136,7 +136,7 @@ class Controller:
         """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
         that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
         hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
-        return HookGraph(self._path.pack, self._compiled.pack), HookGraph(self._unpack, self._compiled.unpack)
+        return HookGraph(self._path.pack, self._compiled.pack), HookGraph(unpack, self._compiled.unpack)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""
@@ -406,7 +406,3 @@ class Controller:
 
     def _pass_end(self) -> None:
         self._path.end_forward()
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.unpack() if isinstance(packed, (Packed, Kept)) else packed

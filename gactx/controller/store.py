@@ -24,7 +24,7 @@ from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES, as_is_width
 from gactx.kernels.functional import choose_backend, quantize_checked
 from gactx.kernels.schemes import Choice, scheme
 
-__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form"]
+__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form", "unpack"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -313,3 +313,9 @@ def stored_form(stored, choice: Choice) -> str:
     if isinstance(stored, QuantizedTensor) and stored.scheme == "uniform":
         return ""
     return scheme(choice.scheme).form(choice)
+
+
+def unpack(handle):
+    """The unpack hook's eager work: the tensor a pack handle (:class:`Packed`, :class:`Kept`) gives back; anything
+    else (a tensor the pack hook returned itself) as it is."""
+    return handle.unpack() if isinstance(handle, (Packed, Kept)) else handle
