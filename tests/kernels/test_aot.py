@@ -19,6 +19,7 @@ from gactx.kernels import aot
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.schemes.uniform.dequantize import dequantize_launch
 from gactx.kernels.schemes.uniform.quantize import quantize_launch
+from gactx.kernels.specs import OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the kernels are built to: SASS instructions an element on sm_90 (H100, H200), unmasked programs.
@@ -103,7 +104,7 @@ def test_the_checks_catch_each_fault(tmp_path):
 
 
 def _constexprs(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k not in aot.OPTIONS}
+    return {k: v for k, v in meta.items() if k not in OPTIONS}
 
 
 def test_specs_hold_every_configuration_the_launchers_choose():
