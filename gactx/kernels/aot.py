@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from gactx.kernels import _triton, schemes
 from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmask_launch
-from gactx.kernels.format import CODE_BITS
+from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
 from gactx.kernels.specs import SIZE_SEED, KernelSpec, both, spec
 
@@ -136,13 +136,22 @@ def families() -> tuple[str, ...]:
 FAMILIES = families()  # the built-in schemes' and the shared kernels'
 
 
-def specs(families: Iterable[str] = FAMILIES, bits: Iterable[int] | None = None) -> list[KernelSpec]:
-    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows the schemes' kernels)."""
+def specs(
+    families: Iterable[str] = FAMILIES, bits: Iterable[int] | None = None, groups: Iterable[int] | None = None
+) -> list[KernelSpec]:
+    """Every meta-parameter set the launchers of ``families`` can choose (``bits`` narrows the schemes' kernels to
+    some widths, ``groups`` to some group sizes)."""
     builders = _builders()
     unknown = [f for f in families if f not in builders]
     if unknown:
         raise ValueError(f"families={unknown!r}: the kernel families are {list(builders)}")
-    return [s for family in families for s in builders[family](bits)]
+    wanted = None if groups is None else set(groups)
+    return [
+        s
+        for family in families
+        for s in builders[family](bits)
+        if wanted is None or s.config.get("group", next(iter(wanted))) in wanted
+    ]
 
 
 def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
@@ -324,13 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, nargs="+", choices=ARCHS, default=list(ARCHS))
     parser.add_argument("--family", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--bits", type=int, nargs="+", choices=CODE_BITS, help="(de)quantize widths; default all")
+    parser.add_argument("--groups", type=int, nargs="+", choices=GROUP_SIZES, help="group sizes; default all")
     parser.add_argument(
         "--variants", choices=("with", "without", "only"), default="with",
         help="the int64-size, unaligned-pointer variants (one a kernel): with the rest, without, or only them",
     )  # fmt: skip
     parser.add_argument("--json", help="write one record a compiled kernel to this file")
     args = parser.parse_args(argv)
-    todo = [] if args.variants == "only" else specs(args.family, args.bits)
+    todo = [] if args.variants == "only" else specs(args.family, args.bits, args.groups)
     todo += [] if args.variants == "without" else variant_specs(args.family)
     results = [compile_spec(spec, arch) for arch in args.arch for spec in todo]
     if args.json:
