@@ -279,20 +279,18 @@ def encode(
         return coded if coded is not None else encode_codes(t != 0, 1, table, backend)
     if kind == "keep" or bits is None:
         return as_is(t)
-    if kind == "fewbit":
-        if bits <= 8:
-            edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
-            return encode_bins(t, edges, bits, points, backend)
-        if as_is_width(bits, t.dtype):
-            return as_is(t)
-    elif choice is not None and kind == "quantize":
+    if kind == "fewbit" and bits <= 8:
+        edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
+        return encode_bins(t, edges, bits, points, backend)
+    if kind == "quantize" and choice is not None:
         stored = _encode_choice(t, choice, seed, group_size, stochastic, backend, site)
         if stored is not None:
             return stored
         bits = choice.fallback_bits
-        if as_is_width(bits, t.dtype):
-            return as_is(t)
-    # Uniform codes: ``decide`` stored a width at or above the tensor's own as it is already.
+    # A width that saves nothing: ``decide`` kept a uniformly quantized save at one already; a FewBit class at 16 or
+    # 32 bits and a scheme's fallback width are this function's to keep.
+    if (kind == "fewbit" or choice is not None) and as_is_width(bits, t.dtype):
+        return as_is(t)
     if bits not in ALLOWED_BITS or t.dtype not in FLOAT_DTYPES:  # the checks quantize_checked skips
         return quantize(t, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
     return quantize_checked(t, bits, group_size, stochastic, seed, choose_backend(t, backend))

@@ -20,6 +20,7 @@ from gactx.kernels.schemes.normal.format import (
     SHAPES,
     allocate,
 )
+from gactx.kernels.schemes.uniform.dequantize import decode
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP
 from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, _load_fp32, _nan_if_not_finite, program_rows
 
@@ -385,10 +386,6 @@ def triton_normal_dequantize(
     interpret: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Decode ``n`` elements from ``(codes, meta)`` into a new contiguous 1-D tensor of ``dtype``."""
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    if n == 0:
-        return out
-    target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    programs, full, launch = normal_dequantize_launch(n, dtype, bits, group_size, interpret)
-    _normal_dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
-    return out
+    return decode(
+        _normal_dequantize_kernel, normal_dequantize_launch, codes, meta, bits, group_size, n, dtype, interpret
+    )

@@ -12,7 +12,7 @@ from gactx.kernels.half import bf16_bits
 from gactx.kernels.schemes.uniform.format import FLT_MAX
 from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, program_rows
 
-__all__ = ["dequantize_launch", "triton_dequantize"]
+__all__ = ["decode", "dequantize_launch", "triton_dequantize"]
 
 _FLT_MAX = constexpr(FLT_MAX)
 
@@ -104,10 +104,16 @@ def triton_dequantize(
     interpret: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Decode ``n`` elements from ``(codes, meta)`` into a new contiguous 1-D tensor of ``dtype``."""
+    return decode(_dequantize_kernel, dequantize_launch, codes, meta, bits, group_size, n, dtype, interpret)
+
+
+def decode(kernel, launcher, codes, meta, bits: int, group_size: int, n: int, dtype: torch.dtype, interpret: bool):
+    """``kernel`` (a scheme's dequantize, launched as ``launcher`` says) decoding ``n`` elements from ``(codes, meta)``
+    into a new contiguous 1-D tensor of ``dtype``: the output, bfloat16 as its int16 bits, and one launch."""
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
     target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    programs, full, launch = dequantize_launch(n, dtype, bits, group_size, interpret)
-    _dequantize_kernel[(programs,)](codes, meta, target, n, full, **launch)
+    programs, full, launch = launcher(n, dtype, bits, group_size, interpret)
+    kernel[(programs,)](codes, meta, target, n, full, **launch)
     return out
