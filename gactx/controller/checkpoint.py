@@ -124,8 +124,10 @@ if supported():
 
             def pack_hook(x):
                 store.last = None
-                held = torch_pack(x)  # stored compressed by Recomputed (raises to stop early once all are)
-                stored, store.last = store.last, None  # held by the dictionary and the graph, not by this hook
+                try:
+                    held = torch_pack(x)  # stored compressed by Recomputed (raises to stop early once all are)
+                finally:  # held by the dictionary and the graph, not by the store: the last one too, where it raised
+                    stored, store.last = store.last, None
                 return held if stored is None else stored
 
             def unpack_hook(held):

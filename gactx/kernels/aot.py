@@ -21,7 +21,9 @@ on a GPU:
   (``REST`` false, ``_grid.py``: whole programs only, what every program but the last runs); the variant with
   one holds the masked program too, behind a branch on the program's index. Out-of-line subroutines
   (``$__internal_*``: IEEE division's slow path, taken for denormal or huge operands, once a group at most)
-  are left out; branches inside the kernel are counted whole.
+  are left out; branches inside the kernel are counted whole. Held to :data:`BUDGETS` on sm_90 (:func:`budget`);
+  ``nvdisasm`` takes about 0.35 s a call, so by default only kernels with a budget are counted (``sass="all"``:
+  every variant without a rest).
 
 An H100 SXM issues 132 SMs x 4 warp instructions a cycle. A kernel moving ``B`` bytes an element at
 3.35 TB/s is memory-bound while it needs fewer than about ``8.9 x B`` instructions an element at 1.755 GHz
@@ -34,6 +36,7 @@ and int32 sizes, and :func:`variant_specs` one set a kernel with int64 sizes and
 
     python -m gactx.kernels.aot                            # every kernel, sm_80 and sm_90, a table
     python -m gactx.kernels.aot --arch 90 --family quantize --bits 4 --json out.json
+    python -m gactx.kernels.aot --arch 80 --groups 256 --sass all   # instructions an element of every kernel
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ from gactx.kernels.specs import SIZE_SEED, KernelSpec, both, spec
 __all__ = [
     "ARCHS",
     "FAMILIES",
+    "BUDGETS",
     "Compiled",
     "KernelSpec",
+    "budget",
     "compile_spec",
     "families",
     "specs",
@@ -68,6 +73,11 @@ __all__ = [
 ]
 
 ARCHS = (80, 90)  # A100 and H100/H200: the GPUs gactx's users train on
+# What the kernels are built to: SASS instructions an element on sm_90 (H100, H200), unmasked programs, for the
+# stochastic 2- and 4-bit quantize and every dequantize of a family. The normal scheme (normal.py): two integer
+# reductions, knots and a segment an element cost more: measured stochastic quantize 80-88 (issue-bound, about
+# twice the ~40 that 4.5 bytes an element allow), and held there.
+BUDGETS = {"quantize": 45, "dequantize": 25, "normal_quantize": 90, "normal_dequantize": 32}
 
 
 def _round_bf16_specs(bits=None) -> list[KernelSpec]:
@@ -180,6 +190,17 @@ def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
     return out
 
 
+def budget(spec: KernelSpec, arch: int) -> int | None:
+    """The SASS instructions an element ``spec`` may take on ``sm_<arch>`` (:data:`BUDGETS`), or None where none is
+    held: another architecture, a variant with a rest, a quantize that is not stochastic at 2 or 4 bits."""
+    limit = BUDGETS.get(spec.family)
+    if limit is None or arch != 90 or spec.config.get("rest", True):
+        return None
+    if "dequantize" not in spec.family and not (spec.config.get("stochastic") and spec.config.get("bits") in (2, 4)):
+        return None
+    return limit
+
+
 @dataclass
 class Compiled:
     """What the compiled code of one spec shows, for one architecture."""
@@ -207,6 +228,9 @@ class Compiled:
         found = []
         if self.spill_bytes:
             found.append(f"spills {self.spill_bytes} bytes of registers a thread to local memory")
+        limit = budget(self.spec, self.arch)
+        if limit is not None and self.per_element > limit:
+            found.append(f"{self.per_element:.1f} SASS instructions an element, over its budget of {limit}")
         if self.spec.exact and self.fma:
             found.append(f"{self.fma} fused multiply-adds: results differ from the torch twin in the last bit")
         if self.spec.aligned:
@@ -228,6 +252,7 @@ class Compiled:
             "spill_bytes": self.spill_bytes,
             "sass": self.sass,
             "per_element": round(self.per_element, 2),
+            "budget": budget(self.spec, self.arch),
             "bytes_per_element": round(self.spec.bytes_per_element, 4),
             "fma": self.fma,
             "widest_load": max(self.load_bits, default=0),
@@ -274,8 +299,12 @@ def _compile(source, arch: int, options: dict):
     return kernel, log.getvalue()
 
 
-def compile_spec(spec: KernelSpec, arch: int) -> Compiled:
-    """Compile ``spec`` for ``sm_<arch>`` and read its resources, PTX and SASS; errors are recorded, not raised."""
+def compile_spec(spec: KernelSpec, arch: int, sass: str = "budgeted") -> Compiled:
+    """Compile ``spec`` for ``sm_<arch>`` and read its resources, PTX and SASS; errors are recorded, not raised.
+    ``sass``: count the SASS instructions of a kernel with a budget (``"budgeted"``), of every variant without a
+    rest (``"all"``), or of none (``"none"``)."""
+    if sass not in ("budgeted", "all", "none"):
+        raise ValueError(f"sass={sass!r}: 'budgeted', 'all' or 'none'")
     if _triton.INTERPRET or not _triton.HAS_TRITON:
         raise RuntimeError("compiling for a GPU needs triton and the real JIT: run without TRITON_INTERPRET=1")
     from triton.compiler import ASTSource
@@ -302,7 +331,8 @@ def compile_spec(spec: KernelSpec, arch: int) -> Compiled:
     # saves registers there, on that path only.
     result.registers = max(int(n) for n in re.findall(r"Used (\d+) registers", ptxas_log))
     result.spill_bytes = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    if not spec.config["rest"]:  # nvdisasm takes ~0.35 s a call; the variant with a rest is counted without it
+    count = budget(spec, arch) is not None if sass == "budgeted" else sass == "all" and not spec.config["rest"]
+    if count:  # nvdisasm takes ~0.35 s a call; the variant with a rest is counted without it
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(kernel.asm["cubin"])
             f.flush()
@@ -338,11 +368,15 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", choices=("with", "without", "only"), default="with",
         help="the int64-size, unaligned-pointer variants (one a kernel): with the rest, without, or only them",
     )  # fmt: skip
+    parser.add_argument(
+        "--sass", choices=("budgeted", "all", "none"), default="budgeted",
+        help="count SASS instructions (nvdisasm, ~0.35 s a kernel) of kernels with a budget, of all, or of none",
+    )  # fmt: skip
     parser.add_argument("--json", help="write one record a compiled kernel to this file")
     args = parser.parse_args(argv)
     todo = [] if args.variants == "only" else specs(args.family, args.bits, args.groups)
     todo += [] if args.variants == "without" else variant_specs(args.family)
-    results = [compile_spec(spec, arch) for arch in args.arch for spec in todo]
+    results = [compile_spec(spec, arch, args.sass) for arch in args.arch for spec in todo]
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.row() for r in results], f, indent=1)

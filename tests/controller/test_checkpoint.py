@@ -2,6 +2,8 @@
 recomputation saves held compressed until backward reads it, torch's own behaviour wherever gactx's hooks are not in
 scope."""
 
+import gc
+
 import pytest
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -121,6 +123,32 @@ def test_checkpointing_with_gactx_lowers_the_allocators_peak():
         compressed = peak()
     # Measured 0.93: a block's backward holds its decoded operands and their gradients, at full width either way.
     assert compressed < 0.95 * alone
+
+
+def test_a_region_holds_its_last_recomputed_save_only_until_backward_reads_it():
+    """The recomputation stops early at the region's last save (torch raises from its pack hook): that save's codes
+    are then the dictionary's alone, freed once backward has read them, not held for the rest of the region's
+    backward. Checked between the last Linear's backward and the GELU's, while the region's frame is alive."""
+    model, x = _model(), _input()
+    held = []
+
+    def look(grad: torch.Tensor) -> None:
+        stores = [o for o in gc.get_objects() if isinstance(o, gactx_checkpoint.Recomputed)]
+        held.append((len(stores), sum(s.last is not None for s in stores)))
+
+    def watch(module, args, output) -> None:
+        if output.requires_grad:
+            output.register_hook(look)
+
+    handles = [block[2].register_forward_hook(watch) for block in model.blocks]
+    try:
+        with gactx.Controller(model, level="L1"):
+            _gradient(model, x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(held) >= BLOCKS and all(stores >= 1 for stores, _ in held)
+    assert all(last == 0 for _, last in held), held
 
 
 def test_selective_checkpointing_policies_work_under_gactx():
