@@ -4,7 +4,9 @@ The model is 8 x (``Linear(w, w)`` + GELU) on a batch of ``w`` rows, whose step 
 that gactx compresses (the linear layers' inputs as codes, the GELUs' as FewBit codes). Plain PyTorch and
 each method are timed in turns, round after round, in one process (one torch thread by default), and their
 median steps compared. Methods: gactx L0 (hooks installed, nothing compressed), L1 and L1.1, eagerly, and
-plain, L0 and L1 under ``torch.compile`` (of the whole model; against compiled plain).
+plain, L0 and L1 under ``torch.compile`` (of the whole model; against compiled plain), and plain and L1 compiled with
+Inductor's C++ wrapper (``options={"cpp_wrapper": True}``: the graph's own code calls the kernels from C++, not from
+Python; against plain compiled so; full runs only, its compile takes about 30 s a graph).
 
 At ``w = 64`` kernel time vanishes and the difference to plain is host time: it is split, a save, into
 
@@ -46,7 +48,8 @@ from gactx.kernels.functional import choose_backend, quantize_checked
 __all__ = ["METHODS", "measure", "run"]
 
 BLOCKS = 8  # Linear + GELU blocks: 16 compressed saves a step
-METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile")  # each against plain (eager or compiled)
+METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile", "L1+compile-cpp")  # each against its plain
+CPP_WRAPPER = "-cpp"  # a method's suffix: compiled with Inductor's C++ wrapper
 GACTX = str(Path(gactx.__file__).resolve().parent)
 
 
@@ -65,7 +68,8 @@ class Case:
         level, _, compiled = name.partition("+")
         self.controller = None if level in ("plain", "floor") else gactx.Controller(self.model, level=level)
         self.compiled = bool(compiled)
-        self.forward = torch.compile(self.model) if compiled else self.model
+        options = {"cpp_wrapper": True} if compiled.endswith(CPP_WRAPPER) else None
+        self.forward = torch.compile(self.model, options=options) if compiled else self.model
         self.device = device
 
     def step(self) -> None:
@@ -74,9 +78,9 @@ class Case:
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
-        """The case's gactx hooks installed for the block (none for plain). A compiled case then runs a step first:
-        installing gactx registers its module hooks anew, and TorchDynamo, which guards on a module's hooks,
-        compiles the model again (once an installation)."""
+        """The case's gactx hooks installed for the block (none for plain). A compiled case then runs a step first,
+        untimed: the first pass after an installation begins gactx's pass bookkeeping (graphs are not compiled again:
+        a controller installed again has the module hooks it had)."""
         if self.name == "floor":
             with floor_hooks(self.model):
                 yield
@@ -190,12 +194,15 @@ def hook_us(case: Case, steps: int) -> tuple[float, float]:
     return tuple(1e6 * s / max(1, n) for s, n in (spent["pack"], spent["unpack"]))
 
 
-def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = True) -> list[dict]:
-    """Rows of one width: plain, then each method, with their medians, ratios and per-save figures."""
-    torch._dynamo.reset()  # each width's graphs on their own: compiled cases compile again at each turn (Case.hooks)
-    names = ["plain", *(m for m in METHODS if compiled or "+compile" not in m)]
+def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False) -> list[dict]:
+    """Rows of one width: plain, then each method, with their medians, ratios and per-save figures (``cpp``: the
+    methods compiled with Inductor's C++ wrapper too)."""
+    torch._dynamo.reset()  # each width's graphs on their own
+    names = ["plain", *(m for m in METHODS if (compiled or "+compile" not in m) and (cpp or CPP_WRAPPER not in m))]
     if compiled:
         names.insert(names.index("L0+compile"), "plain+compile")
+    if compiled and cpp:
+        names.insert(names.index("L1+compile-cpp"), "plain+compile-cpp")
     cases = {name: Case(name, width, device) for name in names}
     for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
         case.turn(3)
@@ -204,7 +211,7 @@ def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = T
     saves = cases["L1"].saves()  # compressed saves a step, as L1's last pass recorded them
     rows = []
     for name, case in cases.items():
-        base = "plain+compile" if name.endswith("+compile") else "plain"
+        base = "plain" + name[name.index("+") :] if "+compile" in name else "plain"
         row = {"width": width, "method": name, "step_ms": median[name], "vs_plain": median[name] / median[base],
                "saves": saves, "per_save_us": 1e3 * (median[name] - median[base]) / saves,
                "python_calls_per_save": python_calls(case) / saves}  # fmt: skip
@@ -249,15 +256,16 @@ def run(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=20, help="steps a method's turn")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--no-compile", action="store_true", help="eager methods only")
+    p.add_argument("--no-cpp-wrapper", action="store_true", help="leave out the methods compiled with Inductor's C++ "
+                   "wrapper (their compile takes about 30 s a graph; --quick leaves them out)")  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     args = bench.parse(argv)
     if args.quick:
         args.widths, args.rounds, args.steps = [64], 2, 3
     torch.set_num_threads(args.threads)
-    # Compiled cases with hooks are compiled again at every turn (see Case.hooks): room for all of them.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * args.rounds + 32)
     env = bench.environment(args.device, rounds=args.rounds, steps=args.steps)
-    rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, not args.no_compile)]
+    compiled, cpp = not args.no_compile, not (args.no_cpp_wrapper or args.quick)
+    rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, compiled, cpp)]
     table = render(rows, env)
     bench.write(results_folder(args.out, args.device), env, rows, table, indent=1)
     print(table)

@@ -67,14 +67,18 @@ class Recomputed(weakref.WeakKeyDictionary):
     def __init__(self, pack, unpack) -> None:
         super().__init__()
         self._pack, self._unpack = pack, unpack
-        self.last = None  # what the latest tensor was stored as (Recomputation's pack hook hands it on)
+        # While Recomputation's pack hook runs (``handing``), what the tensor was stored as: the hook hands it on to
+        # the recomputation's graph and clears it. Nothing else keeps it: the dictionary holds it until read.
+        self.handing, self.last = False, None
 
     def __setitem__(self, key, value) -> None:
         if isinstance(value, torch.Tensor):
             # Outside the recomputation's dispatch modes: a selective checkpointing policy replays the region's ops
             # in order, and the compression's own ops are none of them.
             with _no_dispatch_modes():
-                value = self.last = self._pack(value)
+                value = self._pack(value)
+            if self.handing:
+                self.last = value
         super().__setitem__(key, value)
 
     def __getitem__(self, key):
@@ -123,11 +127,11 @@ if supported():
             store, torch_pack = frame.recomputed[gid], self.pack_hook
 
             def pack_hook(x):
-                store.last = None
+                store.handing, store.last = True, None
                 try:
                     held = torch_pack(x)  # stored compressed by Recomputed (raises to stop early once all are)
                 finally:  # held by the dictionary and the graph, not by the store: the last one too, where it raised
-                    stored, store.last = store.last, None
+                    stored, store.handing, store.last = store.last, False, None
                 return held if stored is None else stored
 
             def unpack_hook(held):

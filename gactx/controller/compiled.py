@@ -253,11 +253,11 @@ class CompiledPath:
             return (CPP_KEPT, ops.keep_saved(t, token), t)
         save.extra = 0
         if t.dtype == torch.bool:
-            return (CPP_BOOL, ops.pack_bool_saved(t, token), t.numel(), shape)
+            return (CPP_BOOL, ops.pack_bool_saved(t, token), shape)
         salt = _salt(cfg.seed, token)
         stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
                                     *cpu.step_factors(save.bits))  # fmt: skip
-        return (CPP, stored, save.bits, cfg.group_size, t.numel(), shape, FLOAT_DTYPES.index(t.dtype))
+        return (CPP, stored, save.bits, cfg.group_size, shape, FLOAT_DTYPES.index(t.dtype))
 
     def unpack(self, packed):
         ctx = _hook_context()
@@ -270,12 +270,11 @@ class CompiledPath:
         tag = packed[0]
         if tag in (KEPT, CPP_KEPT):
             return packed[2]
-        if tag == CPP_BOOL:
-            _, data, n, shape = packed
-            return torch.ops.gactx_cpu.unpack_bool_saved(data, n).view(shape)
+        if tag == CPP_BOOL:  # decoded in the saved shape: no view after
+            return torch.ops.gactx_cpu.unpack_bool_saved(packed[1], packed[2])
         if tag == CPP:
-            _, stored, bits, group_size, n, shape, dtype = packed
-            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, n, FLOAT_DTYPES[dtype]).view(shape)
+            _, stored, bits, group_size, shape, dtype = packed
+            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, FLOAT_DTYPES[dtype])
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:

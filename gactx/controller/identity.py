@@ -77,6 +77,9 @@ class ModuleTracker:
         self.on_new_pass = on_new_pass
         self.on_pass_end = on_pass_end
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # What attach() registered on each module, kept for the next attach: (module, pre-hook handle, pre-hook,
+        # post-hook handle, post-hook).
+        self._registered: dict[str, tuple] = {}
         self._stack: list[list] = []  # [name, call number, saves so far, module]
         self.calls: dict[str, int] = {}  # module -> its calls in the pass under way
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
@@ -91,11 +94,25 @@ class ModuleTracker:
 
     def attach(self) -> None:
         """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
-        calls from other threads, an evaluation say, run as plain PyTorch and are not followed)."""
+        calls from other threads, an evaluation say, run as plain PyTorch and are not followed).
+
+        Attached again, a module gets the hooks it had, under the same ids: torch.compile guards on a module's hooks
+        (their ids and identity), and new ones at every installation recompiled the model each time, until
+        TorchDynamo's recompile limit (8) left it uncompiled."""
         self._thread = threading.get_ident()
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(partial(self._enter, name)))
-            self._handles.append(module.register_forward_hook(partial(self._exit, name), always_call=True))
+            known = self._registered.get(name)
+            if known is not None and known[0] is module:
+                _, pre, enter, post, exit_ = known
+                module._forward_pre_hooks[pre.id] = enter  # what register_forward_pre_hook sets, under its id
+                module._forward_hooks[post.id] = exit_  # ... and register_forward_hook(always_call=True)
+                module._forward_hooks_always_called[post.id] = True
+            else:
+                enter, exit_ = partial(self._enter, name), partial(self._exit, name)
+                pre = module.register_forward_pre_hook(enter)
+                post = module.register_forward_hook(exit_, always_call=True)
+                self._registered[name] = (module, pre, enter, post, exit_)
+            self._handles += [pre, post]
 
     def detach(self) -> None:
         for handle in self._handles:

@@ -92,9 +92,9 @@ def _register_fakes() -> None:
 
     fakes = {
         "quantize_saved": quantize_saved,
-        "dequantize_saved": lambda stored, bits, group, n, dtype: stored.new_empty(n, dtype=dtype),
+        "dequantize_saved": lambda stored, bits, group, shape, dtype: stored.new_empty(shape, dtype=dtype),
         "pack_bool_saved": lambda t, token: stored(t, expected_nbytes(t.numel(), torch.bool, 1)),
-        "unpack_bool_saved": lambda packed, n: packed.new_empty(n, dtype=torch.bool),
+        "unpack_bool_saved": lambda packed, shape: packed.new_empty(shape, dtype=torch.bool),
         "keep_saved": lambda t, token: stored(t, 1),
     }
     for name, fake in fakes.items():

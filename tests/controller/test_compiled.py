@@ -223,6 +223,25 @@ def test_new_allocation_recompiles_once():
     assert widths <= {1, 2, 4, 8} and widths != {2}, widths
 
 
+def test_installing_again_reuses_the_compiled_graphs():
+    """torch.compile guards on a module's hooks: installed again, a controller's module hooks are the ones it had,
+    under the same ids, so a model evaluated plainly between installations (``uninstall_hook``, a ``with`` block a
+    step) keeps one graph with gactx's hooks and one without, and never reaches TorchDynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model, x = mlp(), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend="aot_eager")
+    controller = gactx.Controller(model, level="L1")
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        with controller:
+            grads(compiled, model, x)
+            assert sum(r.compressed for r in controller.records) == 6  # each Linear's and GELU's input
+        grads(compiled, model, x)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not any(model._forward_pre_hooks or model._forward_hooks for model in model.modules())
+
+
 def test_inductor_compiles_and_fuses_the_format():
     """What users run: Inductor generates the quantize and dequantize code; gradients match eager's."""
     model, x = mlp(1), torch.randn(64, WIDTH)

@@ -74,7 +74,7 @@ int64_t code_bytes(int64_t n, int64_t bits, int64_t group) { return (n + group -
 // Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group.
 at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool stochastic, int64_t salt,
                           int64_t token, double factor, double factor_special) {
-  const at::Tensor x = t.reshape(-1).contiguous();
+  const at::Tensor x = t.is_contiguous() ? t : t.contiguous();  // the kernel reads the elements in order, any shape
   const int64_t n = x.numel(), groups = (n + group - 1) / group, codes = code_bytes(n, bits, group);
   at::Tensor out = logged_buffer(t, token, codes + groups * 8);
   uint8_t* data = out.data_ptr<uint8_t>();
@@ -83,23 +83,26 @@ at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool
   return out;
 }
 
-at::Tensor dequantize_saved(const at::Tensor& stored, int64_t bits, int64_t group, int64_t n, at::ScalarType dtype) {
+// Decoded in the saved tensor's shape: a graph's code then needs no view of the result (a call of its own).
+// (SymInt[]: what a graph with dynamic shapes passes; Inductor's C++ wrapper boxes it as a list of SymInts.)
+at::Tensor dequantize_saved(const at::Tensor& stored, int64_t bits, int64_t group, c10::SymIntArrayRef shape,
+                            at::ScalarType dtype) {
   TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
-  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(dtype));
+  at::Tensor out = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype));
   const uint8_t* data = stored.data_ptr<uint8_t>();
-  dequantize_into(data, reinterpret_cast<const float*>(data + code_bytes(n, bits, group)), out, bits, group);
+  dequantize_into(data, reinterpret_cast<const float*>(data + code_bytes(out.numel(), bits, group)), out, bits, group);
   return out;
 }
 
 at::Tensor pack_bool_saved(const at::Tensor& t, int64_t token) {
-  const at::Tensor mask = t.reshape(-1).contiguous();
+  const at::Tensor mask = t.is_contiguous() ? t : t.contiguous();
   at::Tensor packed = logged_buffer(t, token, (mask.numel() + 7) / 8);
   pack_bool(mask, packed);
   return packed;
 }
 
-at::Tensor unpack_bool_saved(const at::Tensor& packed, int64_t n) {
-  at::Tensor mask = at::empty({n}, at::TensorOptions().dtype(at::kBool));
+at::Tensor unpack_bool_saved(const at::Tensor& packed, c10::SymIntArrayRef shape) {
+  at::Tensor mask = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(at::kBool));
   unpack_bool(packed, mask);
   return mask;
 }
@@ -120,9 +123,9 @@ TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
   m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token, float factor, "
         "float factor_special) -> Tensor", flexible);
-  m.def("dequantize_saved(Tensor stored, int bits, int group, int n, ScalarType dtype) -> Tensor");
+  m.def("dequantize_saved(Tensor stored, int bits, int group, SymInt[] shape, ScalarType dtype) -> Tensor");
   m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
-  m.def("unpack_bool_saved(Tensor packed, int n) -> Tensor");
+  m.def("unpack_bool_saved(Tensor packed, SymInt[] shape) -> Tensor");
   m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
 }
 
