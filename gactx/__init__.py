@@ -5,7 +5,18 @@
 """
 
 from gactx.config import Config, get_optimization_level, set_optimization_level
-from gactx.controller import Adaptation, Choice, Controller, Decision, Key, KeyRecord, MemoryStats, Plan, Slot
+from gactx.controller import (
+    Adaptation,
+    Choice,
+    Controller,
+    Decision,
+    Key,
+    KeyRecord,
+    MemoryStats,
+    Plan,
+    Slot,
+    SlowAdaptationWarning,
+)
 from gactx.kernels import ALLOWED_BITS, GROUP_SIZES, QuantizedTensor, dequantize, expected_nbytes, quantize
 from gactx.memory import PeakMemory, peak_memory
 
@@ -26,6 +37,7 @@ __all__ = [
     "PeakMemory",
     "QuantizedTensor",
     "Slot",
+    "SlowAdaptationWarning",
     "__version__",
     "dequantize",
     "expected_nbytes",

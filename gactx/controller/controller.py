@@ -18,7 +18,7 @@ from torch import nn
 
 from gactx.config import Config, make_config
 from gactx.controller import checkpoint
-from gactx.controller.adaptation import Adaptation, allocate_estimate
+from gactx.controller.adaptation import Adaptation, allocate_estimate, cost
 from gactx.controller.adaptation.choices import Choice
 from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_estimator
 from gactx.controller.compiled import CompiledPath, HookGraph
@@ -78,6 +78,7 @@ class Controller:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.sensitivity: dict[Slot, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
+        self._clock = cost.StepClock()  # training steps' wall time: what an adaptation's share is read against
         self._offloader = Offloader(self.config.prefetch) if self.config.offload else None
         self._path = PackPath(
             self.config,
@@ -121,6 +122,7 @@ class Controller:
         if self.installed:
             raise RuntimeError("this Controller's hooks are already installed; call uninstall_hook() first")
         self._thread = threading.get_ident()
+        self._clock.start()
         self._tracker.attach()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
         self._hooks.__enter__()
@@ -175,6 +177,7 @@ class Controller:
         if backprop is not None and not callable(backprop):
             raise TypeError(f"backprop must be callable or None, got {type(backprop).__name__}")
         self.step += 1
+        self._clock.tick()
         self._compiled.drain()  # what compiled graphs logged this step: read once a step, it does not pile up
         cfg = self.config
         if not cfg.adaptive or not (self._due(self.step) or self.estimator.pending):
@@ -203,14 +206,18 @@ class Controller:
         progress, estimates = ProgressLog(self.step, rounds), []
         for progress.round in range(1, rounds + 1):
             estimates.append(self._adapt_once(backprop, progress))
+        seconds, step_seconds = sum(e.seconds for e in estimates), self._clock.seconds
         self.last_adaptation = a = dataclasses.replace(
-            estimates[-1], passes=sum(e.passes for e in estimates), seconds=sum(e.seconds for e in estimates)
-        )
+            estimates[-1], passes=sum(e.passes for e in estimates), seconds=seconds, step_seconds=step_seconds,
+            share=cost.share(seconds, step_seconds, cfg.adapt_interval),
+        )  # fmt: skip
+        self._clock.resume()
         logger.info(
-            "gactx adaptation at step %d: %d passes of the closure in %.2f s; %s allocated of a %s budget%s",
-            a.step, a.passes, a.seconds, format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
+            "%s; %s allocated of a %s budget%s", cost.describe(a, cfg.adapt_interval, self._clock.first_only),
+            format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
             "" if a.feasible else " (not met: the narrowest widths)",
         )  # fmt: skip
+        cost.warn_if_slow(a, cfg.adapt_interval, self._clock.first_only)
         return a
 
     def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog) -> Adaptation:
@@ -384,8 +391,9 @@ class Controller:
             )
         a = self.last_adaptation
         if a is not None:
+            share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at adapt_interval)"
             lines.append(
-                f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s; "
+                f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s{share}; "
                 f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors"
                 + ("" if a.feasible else " (budget not met: narrowest widths)")
             )

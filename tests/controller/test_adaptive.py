@@ -251,7 +251,8 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog, monkeypatch):
     monkeypatch.setattr(estimators_module, "PROGRESS_SECONDS", float("inf"))
     lines, controller = _adaptation_log(caplog)
     a = controller.last_adaptation
-    assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure in" in lines[0] and "budget" in lines[0]
+    assert len(lines) == 1 and f"step 1: {a.passes} passes of the closure, " in lines[0] and "budget" in lines[0]
+    assert "% of training at one adaptation every" in lines[0]  # its share, read against the first step
 
 
 def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):

@@ -1,7 +1,7 @@
 """Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, and ActNN's,
 ``free_sensitivity.py``, behind one protocol), the storage choices a tensor may be offered and their measured errors
 (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
-one adaptation's plan from an estimate (``budget.py``).
+one adaptation's plan from an estimate (``budget.py``), and what an adaptation costs against training (``cost.py``).
 
 The controller imports ``estimators`` itself: it reads the pack path's plan, which reads this package's widths.
 """
@@ -15,7 +15,9 @@ from gactx.controller.adaptation.budget import (
     plan,
     reduce_across_ranks,
 )
+from gactx.controller.adaptation.cost import SlowAdaptationWarning
 
 __all__ = [
-    "NOISE_CEILING", "Adaptation", "allocate_estimate", "default_width", "noise_floor", "plan", "reduce_across_ranks"
+    "NOISE_CEILING", "Adaptation", "SlowAdaptationWarning", "allocate_estimate", "default_width", "noise_floor", "plan",
+    "reduce_across_ranks",
 ]  # fmt: skip

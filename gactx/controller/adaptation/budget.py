@@ -47,6 +47,8 @@ class Adaptation:
     allocated_bytes: int
     predicted_variance: float  # sum C_l S(b_l) of the allocation
     feasible: bool
+    step_seconds: float | None = None  # a training step's wall time when it ran (``cost.StepClock``)
+    share: float | None = None  # the share of training it takes at one adaptation every ``adapt_interval`` steps
 
 
 def default_width(average_bits: float) -> int:

@@ -1,0 +1,90 @@
+"""What an adaptation costs against training: the training step's wall time, the share of training an adaptation takes
+at the adaptation interval, and a warning where it takes long enough for a user to wonder why a step stalled.
+
+A training step is the time between two calls of ``Controller.iterate()`` (forward, backward, the optimizer, the data),
+adaptations left out. Its figure is the median of the last :data:`WINDOW` steps: the first step of a run (a compile,
+the op watcher's pass) is no typical one. Before the second ``iterate()`` the only step there is the first, from
+installation to that call: the first adaptation's share is read against it and says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+import warnings
+
+__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "share", "warn_if_slow"]
+
+SLOW_SECONDS = 5.0  # an adaptation that takes longer warns (a Python warning: seen without configuring logging)
+WINDOW = 100  # steps whose median is the step time
+
+
+class SlowAdaptationWarning(UserWarning):
+    """An adaptation took longer than :data:`SLOW_SECONDS`. Silence it with
+    ``warnings.filterwarnings("ignore", category=gactx.SlowAdaptationWarning)``."""
+
+
+class StepClock:
+    """The wall time of training steps: from one ``tick()`` (``iterate()``) to the next, adaptations left out."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.first_only = True  # no step measured between two ticks yet: the step time is the first step's
+
+    def start(self) -> None:
+        """Training begins (the controller is installed): the first step is timed from here."""
+        if self._last is None:
+            self._last = time.perf_counter()
+
+    def tick(self) -> None:
+        """A step ended (``iterate()``)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self.first_only = not self._steps
+            self._steps.append(now - self._last)
+        self._last = now
+
+    def resume(self) -> None:
+        """An adaptation ended: the next step is timed from now, not from before it."""
+        self._last = time.perf_counter()
+
+    @property
+    def seconds(self) -> float | None:
+        """The median step of the last :data:`WINDOW` (``None`` before the first step ended)."""
+        return statistics.median(self._steps) if self._steps else None
+
+
+def share(seconds: float, step_seconds: float | None, interval: int) -> float | None:
+    """The share of training an adaptation of ``seconds`` takes when one runs every ``interval`` steps of
+    ``step_seconds``: ``seconds / (seconds + interval * step_seconds)``."""
+    if step_seconds is None or seconds <= 0:
+        return None if step_seconds is None else 0.0
+    return seconds / (seconds + interval * step_seconds)
+
+
+def describe(adaptation, interval: int, first_only: bool) -> str:
+    """One line: what the adaptation cost and its share of training."""
+    a = adaptation
+    text = f"gactx adaptation at step {a.step}: {a.passes} passes of the closure, {a.seconds:.1f} s"
+    if a.share is not None:
+        base = "the first step" if first_only else "the median step"
+        text += (
+            f", {100 * a.share:.1f}% of training at one adaptation every {interval} steps of {a.step_seconds:.3g} s "
+            f"({base})"
+        )
+    return text
+
+
+def warn_if_slow(adaptation, interval: int, first_only: bool) -> None:
+    """A :class:`SlowAdaptationWarning` where ``adaptation`` took longer than :data:`SLOW_SECONDS`."""
+    if adaptation.seconds < SLOW_SECONDS:
+        return
+    warnings.warn(
+        describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (1 + 2 passes "
+        "each for GACT's estimator); a smaller batch in the closure, a longer adapt_interval or estimator='actnn' "
+        "costs less (docs/adaptive.md)",
+        SlowAdaptationWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,85 @@
+"""gactx/controller/adaptation/cost.py: a training step's wall time, an adaptation's share of training, and the warning
+a slow adaptation gives where a user sees it."""
+
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gactx
+from gactx.controller.adaptation import cost
+
+
+def test_the_step_clock_takes_the_median_step_and_leaves_adaptations_out(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: now[0])
+    clock = cost.StepClock()
+    assert clock.seconds is None
+    clock.start()
+    now[0] += 5.0  # the first step: from installation to the first iterate()
+    clock.tick()
+    assert clock.seconds == 5.0 and clock.first_only
+    for step in (0.2, 0.3, 0.25):
+        now[0] += step
+        clock.tick()
+    assert not clock.first_only and clock.seconds == pytest.approx(0.275)  # median of 5, 0.2, 0.3, 0.25
+    now[0] += 60.0  # an adaptation
+    clock.resume()
+    now[0] += 0.25
+    clock.tick()
+    assert clock.seconds == pytest.approx(0.25)
+
+
+def test_share_of_training():
+    assert cost.share(6.0, 0.063, 1000) == pytest.approx(6.0 / 69.0)
+    assert cost.share(0.0, 0.1, 1000) == 0.0 and cost.share(1.0, None, 1000) is None
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def test_a_slow_adaptation_warns_with_its_cost_and_share(monkeypatch):
+    monkeypatch.setattr(cost, "SLOW_SECONDS", 0.0)  # every adaptation is slow here
+    model, x = _model(), torch.randn(16, 32)
+
+    def backprop():
+        model(x).square().mean().backward()
+
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=4).install_hook()
+    try:
+        with pytest.warns(gactx.SlowAdaptationWarning, match=r"adaptation at step 1: \d+ passes"):
+            backprop()
+            controller.iterate(backprop)  # step 1: the first adaptation, read against the first step
+        first = controller.last_adaptation
+        assert first.step_seconds is not None and 0 < first.share < 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                backprop()
+                time.sleep(0.01)  # a step of at least 10 ms
+                controller.iterate(backprop)  # step 4 adapts
+        slow = [w for w in caught if issubclass(w.category, gactx.SlowAdaptationWarning)]
+        assert len(slow) == 1 and "% of training at one adaptation every 4 steps" in str(slow[0].message)
+        a = controller.last_adaptation
+        assert a.step == 4 and a.step_seconds >= 0.01
+        assert a.share == pytest.approx(a.seconds / (a.seconds + 4 * a.step_seconds))
+        assert "% of training at adapt_interval" in controller.report()
+    finally:
+        controller.uninstall_hook()
+
+
+def test_a_quick_adaptation_does_not_warn():
+    model, x = _model(), torch.randn(16, 32)
+
+    def backprop():
+        model(x).square().mean().backward()
+
+    with gactx.Controller(model, level="L2.2") as controller, warnings.catch_warnings():
+        warnings.simplefilter("error", gactx.SlowAdaptationWarning)
+        backprop()
+        controller.iterate(backprop)
+    assert controller.last_adaptation.seconds < cost.SLOW_SECONDS
