@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import nn
 
 from gactx.config import Config
+from gactx.controller.adaptation import cost
 from gactx.controller.adaptation.budget import default_width
 from gactx.controller.adaptation.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
@@ -41,25 +42,32 @@ __all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_
 
 Progress = Callable[[int, int], None]
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
+VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
 
 
 class ProgressLog:
     """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
-    2 passes per compressed tensor of a deep net) says where it is."""
+    2 passes per compressed tensor of a deep net) says where it is. Past ``cost.SLOW_SECONDS`` a line every
+    ``VISIBLE_SECONDS`` is logged at WARNING, which Python prints to stderr where no logging is set up: a training
+    run that stalls for minutes says that it is adapting, and how far it is."""
 
     def __init__(self, step: int, rounds: int = 1) -> None:
         self.step, self.every, self.rounds, self.round = step, PROGRESS_SECONDS, rounds, 1
         self.start = self.last = time.perf_counter()
+        self.shown: float | None = None  # when a line was last logged at WARNING
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
         if now - self.last >= self.every:
             self.last = now
+            level = logging.INFO
+            if now - self.start >= cost.SLOW_SECONDS and (self.shown is None or now - self.shown >= VISIBLE_SECONDS):
+                level, self.shown = logging.WARNING, now
             estimate = f", estimate {self.round} of {self.rounds}" if self.rounds > 1 else ""
-            logger.info(
-                "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate, done,
-                total, now - self.start,
+            logger.log(
+                level, "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate,
+                done, total, now - self.start,
             )  # fmt: skip
 
 

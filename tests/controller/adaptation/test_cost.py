@@ -83,3 +83,31 @@ def test_a_quick_adaptation_does_not_warn():
         backprop()
         controller.iterate(backprop)
     assert controller.last_adaptation.seconds < cost.SLOW_SECONDS
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_long_adaptation_shows_its_progress_at_warning(caplog, monkeypatch, slow):
+    """Progress lines go to INFO; past SLOW_SECONDS (0 here when ``slow``) one every VISIBLE_SECONDS (0 here) goes to
+    WARNING, which Python prints to stderr where no logging is set up (gactx adds no handler of its own)."""
+    import logging
+
+    from gactx.controller.adaptation import estimators
+
+    monkeypatch.setattr(estimators, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(estimators, "VISIBLE_SECONDS", 0.0)
+    monkeypatch.setattr(cost, "SLOW_SECONDS", 0.0 if slow else float("inf"))
+    model, x = _model(), torch.randn(16, 32)
+
+    def backprop():
+        model(x).square().mean().backward()
+
+    caplog.set_level(logging.INFO, logger="gactx")
+    with gactx.Controller(model, level="L2.2") as controller, warnings.catch_warnings():
+        warnings.simplefilter("ignore", gactx.SlowAdaptationWarning)
+        backprop()
+        controller.iterate(backprop)
+    progress = [r for r in caplog.records if "passes of the closure," in r.getMessage() and " of " in r.getMessage()]
+    progress = [r for r in progress if "% of training" not in r.getMessage()]  # the closing line is INFO
+    assert len(progress) >= 2  # a line a tensor measured, here
+    assert {r.levelno for r in progress} == {logging.WARNING if slow else logging.INFO}
+    assert not logging.getLogger("gactx").handlers and not logging.getLogger("gactx.controller").handlers
