@@ -16,12 +16,21 @@ the number users compare::
   least 0). A free of memory allocated before the region counts only where the allocator knows its size,
   that is where it was allocated while a profiler ran (an earlier meter): begin the region after what the
   step frees first (``optimizer.zero_grad()``), so that both devices measure the same thing. The profiler
-  costs time, not memory: time a step without the meter.
+  costs time, not memory: time a step without the meter. The profiler's library (Kineto) writes lines of its own
+  to the process's stderr as it starts and stops (``USDT: ... profiler_start``, ``STAGE: ...``): those are taken
+  out, and anything else written there meanwhile is passed on.
 
 Nothing here reads a tensor: no host synchronization beyond the one ``torch.cuda.synchronize`` on exit.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
 
 import torch
 
@@ -54,7 +63,8 @@ class PeakMemory:
             from torch.profiler import ProfilerActivity, profile
 
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+            with _without_kineto_lines():
+                self._profiler.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -63,8 +73,39 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
             return
         profiler, self._profiler = self._profiler, None
-        profiler.__exit__(*exc)
+        with _without_kineto_lines():
+            profiler.__exit__(*exc)
         self.peak = _running_peak(profiler.profiler.kineto_results.events())
+
+
+# What Kineto writes to stderr as a profiler starts and stops, one after another, not always with a newline between.
+_KINETO_LINE = re.compile(
+    r"(?:STAGE|USDT):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] "
+    r"(?:profiler_start|profiler_stop|Completed Stage: [A-Za-z ]+?)(?=STAGE:|USDT:|\n|$)\n?"
+)
+
+
+@contextlib.contextmanager
+def _without_kineto_lines() -> Iterator[None]:
+    """The process's stderr (file descriptor 2: Kineto writes from C++) into a temporary file for the block; then
+    what was written there, less Kineto's lines, to ``sys.stderr``."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no file descriptor 2 (an embedded interpreter): leave it
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            rest = _KINETO_LINE.sub("", caught.read().decode(errors="replace"))
+            if rest:
+                sys.stderr.write(rest)
 
 
 def _running_peak(events) -> int:

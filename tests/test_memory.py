@@ -1,5 +1,7 @@
 """gactx/memory.py: the peak of a region as the allocator sees it."""
 
+import os
+
 import pytest
 import torch
 
@@ -56,3 +58,24 @@ def test_cuda_peak_is_the_allocators():
     with gactx.PeakMemory("cuda") as meter:
         _region(x)
     assert 8 * MIB <= meter.peak < 9 * MIB
+
+
+def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
+    """Kineto prints lines of its own to the process's stderr as the profiler starts and stops; the meter takes those
+    out (a child process: they are written from C++, to file descriptor 2)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, gactx\n"
+        "x = torch.randn(256, 256, requires_grad=True)\n"
+        "for _ in range(2):\n"
+        "    with gactx.PeakMemory('cpu') as meter:\n"
+        "        (x * 2).sum().backward()\n"
+        "        print('written by the region', file=sys.stderr)\n"
+        "    assert meter.peak > 0\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "written by the region\n" * 2
