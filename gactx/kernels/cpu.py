@@ -27,6 +27,7 @@ import functools
 import hashlib
 import logging
 import platform
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -125,12 +126,23 @@ def _build():
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
         warnings.warn(
-            f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]}); "
+            f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {_cause(e)}); "
             "falling back to the torch kernels (same results, slower, with temporaries the size of the tensor)",
             RuntimeWarning,
             stacklevel=3,
         )
         return None
+
+
+def _cause(e: Exception) -> str:
+    """What a failed build says went wrong: the compiler's error lines where there are some (a build log begins
+    with its command lines, hundreds of characters of flags), else the end of the message."""
+    text = str(e).strip()
+    errors = [
+        line.strip() for line in text.splitlines()
+        if re.search(r"\berror\b", line, re.IGNORECASE) and not line.startswith("Error building extension")
+    ]  # fmt: skip
+    return ("; ".join(dict.fromkeys(errors)) or text[-300:])[:600]
 
 
 def available() -> bool:

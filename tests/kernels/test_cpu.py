@@ -119,6 +119,26 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch):
         assert cpu._build() is None
 
 
+def test_a_failed_builds_warning_gives_the_compilers_error_not_the_command_line(monkeypatch):
+    from torch.utils import cpp_extension
+
+    flags = " ".join(f"-isystem /opt/include/{i}" for i in range(40))
+    log = (
+        f"Error building extension 'gactx_cpu_0': [1/7] c++ -MMD -MF graph_ops.o.d {flags} -c graph_ops.cpp\n"
+        "FAILED: graph_ops.o\n"
+        "graph_ops.cpp:91:52: error: too few arguments to function 'f'\n"
+        "ninja: build stopped: subcommand failed."
+    )
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(log)
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.warns(RuntimeWarning, match="graph_ops.cpp:91:52: error: too few arguments") as caught:
+        assert cpu._build() is None
+    assert "-isystem" not in str(caught[0].message)
+
+
 def test_cpp_refuses_other_devices():
     from gactx.kernels.functional import choose_backend
 
