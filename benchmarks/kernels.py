@@ -26,6 +26,8 @@ def run(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--throughput" in argv:
         return throughput.run([a for a in argv if a != "--throughput"])
+    if "-h" in argv or "--help" in argv:  # the two forms first: the roofline's help below knows only its own options
+        print(__doc__.split("\n\n", 2)[1] + "\n\nThe roofline's options (--throughput --help: the sweep's):\n")
     return roofline.run(argv)
 
 

@@ -175,3 +175,7 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
         print(table)
         tables[name] = rows
     return tables
+
+
+if __name__ == "__main__":
+    run()
