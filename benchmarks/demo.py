@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         size=args.size, device=device, batch=None, train_steps=args.steps, warmup=2, timed=5,
         max_batch=False, sweep=False,
     )  # fmt: skip
-    print(f"gactx demo on {device_name(device)}, torch {torch.__version__}, {torch.get_num_threads()} torch threads")
+    threads = "" if device == "cpu" else f", {torch.get_num_threads()} torch threads"  # a CPU's name says them
+    print(f"gactx demo on {device_name(device)}, torch {torch.__version__}{threads}")
     print(f"{args.steps} training steps a model and method, size {args.size}; " + _expected(cuda, args.size))
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
     print(f"activations: bytes held between forward and backward, from the {memory}")
