@@ -39,7 +39,9 @@ def source(node):
     return node
 
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+# The compiled frame's local that holds the root module: ``L['self']``, or ``L['args'][0]`` where the compiled frame
+# is a wrapper of the model's forward that takes the module among its positional arguments (transformers' decorators).
+_ROOT = re.compile(r"^L\['args'\]\[\d+\]\.?|^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[(\d+)\]|\.?_modules\['([^']*)'\]|\['([^']*)'\]")
 
 

@@ -266,7 +266,7 @@ def test_hooks_are_graph_modules_that_bypass_the_compile_caches():
 @pytest.mark.parametrize(
     "path, name",
     [("L['self'].blocks[0].attn", "blocks.0.attn"), ("L['fn'].0.1", "0.1"), ("L['self']", ""),
-     ("L['self']._modules['layer'].fc", "layer.fc")],
+     ("L['self']._modules['layer'].fc", "layer.fc"), ("L['args'][0].model.layers.0", "model.layers.0")],
 )  # fmt: skip
 def test_module_names(path, name):
     assert module_name(path) == name
