@@ -155,11 +155,20 @@ def _exact_use(node, bw_graph) -> Rule | None:
             continue
         for user in p.users:
             rule = _EXACT_USERS.get(op_name(user))
-            if rule is not None:
+            if rule is not None and not _linear_power(user, p):
                 return rule
             if op_name(user) == "div" and len(user.args) > 1 and user.args[1] is p:
                 return LOG
     return None
+
+
+def _linear_power(user, value) -> bool:
+    """Whether ``user`` is ``value ** 0`` or ``value ** 1``: what the backward of ``x ** 1`` and ``x ** 2`` reads of
+    ``x`` (an RMSNorm's ``x.pow(2)``), linear in it, as the eager rule of ``pow`` has it (``rules._pow``)."""
+    if op_name(user) != "pow" or len(user.args) < 2 or user.args[0] is not value:
+        return False
+    exponent = user.args[1]
+    return isinstance(exponent, int | float) and not isinstance(exponent, bool) and exponent in (0, 1)
 
 
 def _feeds_exp(node, bw_graph) -> bool:

@@ -307,6 +307,30 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
         assert user - bw.index(d) <= 3, "decoded right before its first use"
 
 
+class RMSNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_an_rmsnorm_input_is_compressed_as_eager_compresses_it():
+    """The backward of ``x.pow(2)`` reads ``x`` linearly (``pow(x, 1)`` in the graph): the input is quantized as in
+    eager mode, not kept as a log-domain value; the ``rsqrt`` result stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), RMSNorm(), nn.Linear(WIDTH, 8))
+    x = torch.randn(64, WIDTH)
+    plain = grads(model, model, x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1") as controller:
+        got = grads(compiled, model, x)
+        made = {r.op: r for r in controller.records if r.key.module == "0"}
+    assert made["addmm"].compressed and made["addmm"].cls == "linear", made
+    assert F.cosine_similarity(got, plain, dim=0) > 0.99
+
+
 def test_values_that_backward_feeds_to_exp_are_attention():
     """Inductor's partitioner recomputes a softmax in backward from its saved scores: noise in the scores is
     multiplied by the exp, so they get attention's width (at least 4 bits), as a softmax result does."""
