@@ -271,7 +271,8 @@ class CompiledPath:
         if tag in (KEPT, CPP_KEPT):
             return packed[2]
         if tag == CPP_BOOL:  # decoded in the saved shape: no view after
-            return torch.ops.gactx_cpu.unpack_bool_saved(packed[1], packed[2])
+            _, data, shape = packed
+            return torch.ops.gactx_cpu.unpack_bool_saved(data, shape)
         if tag == CPP:
             _, stored, bits, group_size, shape, dtype = packed
             return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, FLOAT_DTYPES[dtype])

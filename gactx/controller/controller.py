@@ -9,7 +9,6 @@ freed by hand. Neither hook synchronizes the GPU: every decision uses shapes, dt
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable
 
@@ -39,9 +38,6 @@ def _top_hooks() -> tuple | None:
     say (then removal order is not checked)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return None if top is None else top(False) or (None, None)
-
-
-logger = logging.getLogger(__name__)
 
 
 class Controller:
@@ -212,12 +208,7 @@ class Controller:
             share=cost.share(seconds, step_seconds, cfg.adapt_interval),
         )  # fmt: skip
         self._clock.resume()
-        logger.info(
-            "%s; %s allocated of a %s budget%s", cost.describe(a, cfg.adapt_interval, self._clock.first_only),
-            format_bytes(a.allocated_bytes), format_bytes(max(0, a.budget_bytes)),
-            "" if a.feasible else " (not met: the narrowest widths)",
-        )  # fmt: skip
-        cost.warn_if_slow(a, cfg.adapt_interval, self._clock.first_only)
+        cost.announce(a, cfg.adapt_interval, self._clock.first_only)  # logged; a warning where it took long
         return a
 
     def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog) -> Adaptation:

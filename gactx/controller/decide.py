@@ -32,6 +32,7 @@ from gactx.controller.rules import (
     Rule,
     Site,
     graph_result_rule,
+    linear_power,
     sketchable,
 )
 from gactx.controller.stats import AS_IS
@@ -165,10 +166,7 @@ def _exact_use(node, bw_graph) -> Rule | None:
 def _linear_power(user, value) -> bool:
     """Whether ``user`` is ``value ** 0`` or ``value ** 1``: what the backward of ``x ** 1`` and ``x ** 2`` reads of
     ``x`` (an RMSNorm's ``x.pow(2)``), linear in it, as the eager rule of ``pow`` has it (``rules._pow``)."""
-    if op_name(user) != "pow" or len(user.args) < 2 or user.args[0] is not value:
-        return False
-    exponent = user.args[1]
-    return isinstance(exponent, int | float) and not isinstance(exponent, bool) and exponent in (0, 1)
+    return op_name(user) == "pow" and len(user.args) > 1 and user.args[0] is value and linear_power(user.args[1], 1)
 
 
 def _feeds_exp(node, bw_graph) -> bool:

@@ -100,9 +100,11 @@ class ModuleTracker:
         (their ids and identity), and new ones at every installation recompiled the model each time, until
         TorchDynamo's recompile limit (8) left it uncompiled."""
         self._thread = threading.get_ident()
+        registered, self._registered = self._registered, {}  # the model's modules now: none that left it is held
         for name, module in self.model.named_modules():
-            known = self._registered.get(name)
+            known = registered.get(name)
             if known is not None and known[0] is module:
+                self._registered[name] = known
                 _, pre, enter, post, exit_ = known
                 module._forward_pre_hooks[pre.id] = enter  # what register_forward_pre_hook sets, under its id
                 module._forward_hooks[post.id] = exit_  # ... and register_forward_hook(always_call=True)

@@ -75,6 +75,7 @@ __all__ = [
     "Site",
     "rule_for",
     "graph_result_rule",
+    "linear_power",
     "output_rule",
     "matrix_partner",
     "sketchable",
@@ -200,10 +201,12 @@ def _shrink(site: Site) -> Rule:
 
 
 def _pow(site: Site) -> Rule:
-    exponent = site.param("exponent")
-    if isinstance(exponent, int | float) and not isinstance(exponent, bool) and exponent in (0, 1, 2):
-        return LINEAR  # backward 0, 1 or 2 * x: linear in x
-    return LOG
+    return LINEAR if linear_power(site.param("exponent"), 2) else LOG  # backward 0, 1 or 2 * x: linear in x
+
+
+def linear_power(exponent, highest: int) -> bool:
+    """Whether ``exponent`` is a plain number (not a bool or a tensor) among 0 .. ``highest`` (2 at most)."""
+    return isinstance(exponent, int | float) and not isinstance(exponent, bool) and exponent in (0, 1, 2)[: highest + 1]
 
 
 def _reduce(site: Site) -> Rule:

@@ -10,14 +10,18 @@ installation to that call: the first adaptation's share is read against it and s
 from __future__ import annotations
 
 import collections
+import logging
 import statistics
 import time
 import warnings
 
-__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "share", "warn_if_slow"]
+from gactx.controller.stats import format_bytes
+
+__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "announce", "share"]
 
 SLOW_SECONDS = 5.0  # an adaptation that takes longer warns (a Python warning: seen without configuring logging)
 WINDOW = 100  # steps whose median is the step time
+logger = logging.getLogger(__name__)
 
 
 class SlowAdaptationWarning(UserWarning):
@@ -31,7 +35,6 @@ class StepClock:
     def __init__(self) -> None:
         self._last: float | None = None
         self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self.first_only = True  # no step measured between two ticks yet: the step time is the first step's
 
     def start(self) -> None:
         """Training begins (the controller is installed): the first step is timed from here."""
@@ -42,13 +45,17 @@ class StepClock:
         """A step ended (``iterate()``)."""
         now = time.perf_counter()
         if self._last is not None:
-            self.first_only = not self._steps
             self._steps.append(now - self._last)
         self._last = now
 
     def resume(self) -> None:
         """An adaptation ended: the next step is timed from now, not from before it."""
         self._last = time.perf_counter()
+
+    @property
+    def first_only(self) -> bool:
+        """Whether the step time is the first step's alone (from installation to the first ``iterate()``)."""
+        return len(self._steps) <= 1
 
     @property
     def seconds(self) -> float | None:
@@ -59,9 +66,9 @@ class StepClock:
 def share(seconds: float, step_seconds: float | None, interval: int) -> float | None:
     """The share of training an adaptation of ``seconds`` takes when one runs every ``interval`` steps of
     ``step_seconds``: ``seconds / (seconds + interval * step_seconds)``."""
-    if step_seconds is None or seconds <= 0:
-        return None if step_seconds is None else 0.0
-    return seconds / (seconds + interval * step_seconds)
+    if step_seconds is None:
+        return None
+    return seconds / (seconds + interval * step_seconds) if seconds > 0 else 0.0
 
 
 def describe(adaptation, interval: int, first_only: bool) -> str:
@@ -77,9 +84,15 @@ def describe(adaptation, interval: int, first_only: bool) -> str:
     return text
 
 
-def warn_if_slow(adaptation, interval: int, first_only: bool) -> None:
-    """A :class:`SlowAdaptationWarning` where ``adaptation`` took longer than :data:`SLOW_SECONDS`."""
-    if adaptation.seconds < SLOW_SECONDS:
+def announce(adaptation, interval: int, first_only: bool) -> None:
+    """Log what ``adaptation`` cost and allocated (INFO), and where it took longer than :data:`SLOW_SECONDS`, say so
+    with a :class:`SlowAdaptationWarning`."""
+    a = adaptation
+    logger.info(
+        "%s; %s allocated of a %s budget%s", describe(a, interval, first_only), format_bytes(a.allocated_bytes),
+        format_bytes(max(0, a.budget_bytes)), "" if a.feasible else " (not met: the narrowest widths)",
+    )  # fmt: skip
+    if a.seconds < SLOW_SECONDS:
         return
     warnings.warn(
         describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (1 + 2 passes "
