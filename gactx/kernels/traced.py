@@ -6,7 +6,7 @@ AOTAutograd into the forward and backward graphs) needs the format written in op
 Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no data-dependent shapes.
 
 - :func:`uniform_bits` is the C++ kernels' noise (``cpu.py``): murmur3's finalizer of (seed, element index),
-  twice, 23 bits a draw. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads
+  twice, from an offset (:data:`HASH_OFFSET`), 23 bits a draw. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads
   it at run time draws new noise every step without recompiling.
 - :func:`fresh_seed` is a seed that a compiled graph reads at run time: a custom op (``gactx::fresh_seed``)
   that advances a counter on the tensor's device and returns it, with no host synchronization. A seed made
@@ -40,6 +40,7 @@ from gactx.kernels.functional import dequantize as _dequantize
 from gactx.kernels.functional import quantize as _quantize
 
 __all__ = [
+    "HASH_OFFSET",
     "SAVED_TAGS",
     "advance",
     "fmix32",
@@ -56,6 +57,11 @@ __all__ = [
 ]
 
 _MASK = 0xFFFFFFFF
+HASH_OFFSET = 0x5BD1E995
+"""XORed into the hash's first input (``kHashOffset`` in ``csrc/common.h``): murmur3's finalizer maps 0 to 0, and
+without it element 0 (or row 0) of seed 0 would draw zero noise on every call. The hash of a seed is a bijection of
+the 32-bit index, so each seed still has one index in 2**32 whose hash is 0 (and 512 whose 23 bits are): at a
+pseudo-random place, not at the origin."""
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -161,7 +167,7 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
 def uniform_bits(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
     """23 uniform bits (int64) an element of ``index`` (int64 positions), as the C++ kernels draw them."""
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK  # an int or an int64 tensor
-    h = fmix32(mul32(index & _MASK, 0x9E3779B9) ^ k0)
+    h = fmix32(mul32(index & _MASK, 0x9E3779B9) ^ k0 ^ HASH_OFFSET)
     h = fmix32(h ^ k1 ^ mul32(index >> 32, 0x85EBCA77))
     return h >> 9
 

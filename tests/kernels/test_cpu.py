@@ -54,6 +54,20 @@ def test_stochastic_rounding_is_unbiased_and_seeded(bits):
     assert not torch.equal(gactx.quantize(x, bits, seed=7).data, gactx.quantize(x, bits, seed=8).data)
 
 
+def test_no_seed_rounds_a_fixed_element_down_every_time():
+    # murmur3's finalizer maps 0 to 0: without an offset, element 0 of seed 0 drew u = 0 on every call, and a one at
+    # the top of its group decoded as 0 at 1 bit (GACT's test_quantize_1bit: a one-hot 1000 x 1000, seed 0).
+    one_hot = torch.zeros(1000, 1000)
+    one_hot[torch.arange(1000), torch.arange(1000) * 7 % 1000] = 1.0
+    one_hot[0, 0] = 1.0
+    decoded = gactx.dequantize(gactx.quantize(one_hot, 1, seed=0, backend="cpp"))  # a one is its group's top level
+    assert torch.equal(decoded > 0.5, one_hot > 0.5)
+    first = torch.zeros(256)
+    first[0] = 1.0
+    for seed in range(64):
+        assert gactx.dequantize(gactx.quantize(first, 1, seed=seed, backend="cpp"))[0] > 0.5, seed
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_extreme_groups_are_the_twins_and_decode_within_a_step(dtype, bits):

@@ -289,3 +289,36 @@ def test_identical_bytes_through_the_public_api(backend):
     q = gactx.quantize(x, 4, stochastic=False, backend=backend)
     assert torch.equal(q.data, ref.data)
     assert_same_bits(q.meta, ref.meta)
+
+
+SUBNORMAL_GROUPS = [
+    ("float32 1e-40", torch.float32, 1e-40),
+    ("float32 a few ulps", torch.float32, 3e-45),
+    ("bfloat16 1e-39", torch.bfloat16, 1e-39),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("bits", [2, 8])
+@pytest.mark.parametrize("name, dtype, scale", SUBNORMAL_GROUPS, ids=[g[0] for g in SUBNORMAL_GROUPS])
+def test_subnormal_groups_round_unbiasedly_on_the_smallest_normal_step(backend, bits, name, dtype, scale):
+    # A group's step is at least 2**-126 (its reciprocal must be finite): a group of subnormal values is rounded on
+    # that grid, finer than any normal value's, not on range / L. Every decode is within that step, and the mean
+    # of many is the input (to the noise's 23 bits: 2**-24 of a step, under half the smallest subnormal).
+    if backend == "cpp" and not cpu.available():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(512, generator=g) * scale).to(dtype)
+    x[:3] = torch.tensor([0.0, 1e-45, -1e-45]).to(dtype)
+    draws = 1500
+    decoded = torch.stack(
+        [gactx.dequantize(gactx.quantize(x, bits, seed=s, backend=backend)).double() for s in range(draws)]
+    )
+    q = gactx.quantize(x, bits, seed=0, backend=backend)
+    step = q.meta[:, 1].double().repeat_interleave(256)[: x.numel()]
+    assert (step == 2.0**-126).all()
+    exact = x.double()
+    assert ((decoded - exact).abs() <= step).all(), "within a step"
+    p = ((exact - q.meta[:, 0].double().repeat_interleave(256)[: x.numel()]) / step).remainder(1.0)
+    standard_error = step * (p * (1 - p)).sqrt() / draws**0.5
+    assert ((decoded.mean(0) - exact).abs() <= 5 * standard_error + 2.0**-24 * step).all(), "unbiased"

@@ -19,6 +19,14 @@ def test_uniform_bits_are_uniform():
     assert ((counts - 4096).abs() < 5 * 4096**0.5).all()
 
 
+def test_the_hash_has_no_zero_at_the_origin():
+    # fmix32(0) is 0: the offset keeps (seed 0, element 0), and the first elements of small seeds, off u = 0.
+    index = torch.arange(1 << 12)
+    for seed in (0, 1, 2, 1 << 32, (1 << 32) + 1):
+        assert int((traced.uniform_bits(index, seed) == 0).sum()) == 0, seed
+    assert int(traced.fmix32(torch.tensor(0))) == 0, "the finalizer's fixed point the offset steps around"
+
+
 def test_tick_tells_its_listener_each_run_of_a_compiled_graph():
     torch._dynamo.reset()
     heard = []

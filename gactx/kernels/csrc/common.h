@@ -40,10 +40,14 @@ inline uint32_t fmix(uint32_t h) {  // murmur3's finalizer
   return h;
 }
 
+// The offset the hash's input is taken from: fmix(0) is 0, and without it element 0 of seed 0 would draw u = 0
+// on every call (it always rounds down).
+constexpr uint32_t kHashOffset = 0x5BD1E995u;
+
 // 1 + u, u uniform on [0, 1) with 23 bits, from (seed, element index i): ``high`` is
 // k1 ^ uint32(i >> 32) * 0x85EBCA77, the same for every element of a group (a group never crosses 2**32).
 inline float one_plus_u(uint32_t k0, uint32_t high, uint32_t low) {
-  const uint32_t h = fmix(fmix(low * 0x9E3779B9u ^ k0) ^ high);
+  const uint32_t h = fmix(fmix(low * 0x9E3779B9u ^ k0 ^ kHashOffset) ^ high);
   return float_of(0x3F800000u | (h >> 9));
 }
 

@@ -53,7 +53,7 @@ from gactx.kernels.format import (
 )
 from gactx.kernels.functional import SEED_LIMIT, dequantize, quantize
 from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
-from gactx.kernels.traced import fmix32, mul32
+from gactx.kernels.traced import HASH_OFFSET, fmix32, mul32
 
 __all__ = [
     "SKETCH_FRACTIONS", "SketchScheme", "SketchedTensor", "kept_rows", "row_length", "sketch_nbytes", "sketch_rows",
@@ -173,7 +173,7 @@ def kept_rows(
     ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none)."""
     row = torch.arange(n_rows, dtype=torch.int64, device=device)
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK
-    h = fmix32(mul32(row & _MASK, 0x9E3779B9) ^ k0)
+    h = fmix32(mul32(row & _MASK, 0x9E3779B9) ^ k0 ^ HASH_OFFSET)
     hi = fmix32(h ^ k1 ^ mul32(row >> 32, 0x85EBCA77))
     lo = fmix32(hi ^ 0x2545F491)
     index_bits = max(1, (n_rows - 1).bit_length())

@@ -68,6 +68,11 @@ def test_every_row_is_kept_k_times_in_n(n, fraction):
     assert z.max() < Z
 
 
+def test_row_zero_is_not_always_kept_under_seed_zero():
+    # Without the hash's offset, row 0's key under seed 0 had 32 zero high bits: the smallest of any row, always kept.
+    assert [int(kept_rows(1 << 12, 1, seed, "cpu")) for seed in range(4)].count(0) == 0
+
+
 def test_the_sampling_variance_is_the_mean_over_all_choices():
     """The formula against its definition: every k-subset of N rows, equally likely."""
     x = _rows_of(5, 3, seed=1)
