@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "ALLOWED_BITS",
@@ -169,6 +170,17 @@ def unpack_planes(codes: torch.Tensor, bits: int, group_size: int) -> torch.Tens
     return (planes & ((1 << bits) - 1)).view(n_groups, group_size)
 
 
+def _why_not(subclass: torch.Tensor) -> str:
+    """Why a tensor subclass is refused: a wrapper's data lives in the tensors it wraps; any other subclass would
+    come back as a plain tensor, its class and attributes lost."""
+    if is_traceable_wrapper_subclass(subclass):
+        return "its data lives in the tensors it wraps, which a QuantizedTensor would not hold (quantize those)"
+    return (
+        "a QuantizedTensor decodes to a plain torch.Tensor, and its class and attributes would be lost "
+        "(quantize x.as_subclass(torch.Tensor) to drop them knowingly)"
+    )
+
+
 def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
     """Raise ``TypeError``/``ValueError`` naming the bad argument and what is allowed."""
     if not isinstance(x, torch.Tensor):
@@ -181,10 +193,7 @@ def check_args(x: torch.Tensor, bits: int, group_size: int) -> None:
         got = "a nested tensor" if x.is_nested else f"layout {x.layout}"
         raise ValueError(f"quantize takes dense (strided) tensors, got {got}")
     if type(x) not in (torch.Tensor, torch.nn.Parameter):
-        raise ValueError(
-            f"quantize takes plain tensors, not the subclass {type(x).__name__}: its data lives in other "
-            "tensors, which a QuantizedTensor would not hold (quantize those)"
-        )
+        raise ValueError(f"quantize takes plain tensors, not the subclass {type(x).__name__}: {_why_not(x)}")
     if x.device.type == "meta":
         raise ValueError("quantize needs a tensor's values: a meta tensor has none")
     if x.dtype not in (*FLOAT_DTYPES, torch.bool):

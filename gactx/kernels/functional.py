@@ -74,7 +74,8 @@ def quantize(
 
     Args:
         x: a float32, float16, bfloat16 or bool tensor of any shape, strides and device (dense: not sparse,
-            nested, meta, or a subclass that keeps its data in other tensors). Its values are stored, not
+            nested, meta, or a tensor subclass: a wrapper's data lives in other tensors, and any other subclass
+            would come back as a plain tensor; ``nn.Parameter`` is taken). Its values are stored, not
             its autograd history: ``dequantize`` returns a tensor that does not require grad.
         bits: 1, 2, 4 or 8 for packed codes with a per-group ``(lo, step)``; 16 stores float32 as
             bfloat16 (fp16/bf16 as they are); 32 keeps ``x`` itself. Bool tensors are always packed

@@ -134,8 +134,14 @@ def test_nested_meta_and_subclass_tensors_are_refused_and_history_is_dropped():
         gactx.quantize(torch.nested.nested_tensor([torch.randn(3), torch.randn(5)]), 4)
     with pytest.raises(ValueError, match="meta tensor has none"):
         gactx.quantize(torch.empty(8, device="meta"), 4)
-    with pytest.raises(ValueError, match="subclass TwoTensor"):
+    with pytest.raises(ValueError, match="subclass TwoTensor: its data lives in the tensors it wraps"):
         gactx.quantize(TwoTensor(torch.randn(4), torch.randn(4)), 4)
+
+    class Tagged(torch.Tensor):
+        pass
+
+    with pytest.raises(ValueError, match=r"subclass Tagged: a QuantizedTensor decodes to a plain torch.Tensor"):
+        gactx.quantize(torch.randn(4).as_subclass(Tagged), 4)
     x = torch.randn(4096, requires_grad=True)
     y = gactx.dequantize(gactx.quantize(x * 2, 4))
     assert not y.requires_grad and y.grad_fn is None
