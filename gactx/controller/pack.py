@@ -37,6 +37,7 @@ from gactx.controller.policy import KEEP_PARAMETER, keep_reason, model_storages,
 from gactx.controller.rules import (
     ALLOCATED,
     CHECKPOINT_INPUT,
+    CONSTANT,
     PROVENANCE,
     UNKNOWN,
     Rule,
@@ -204,7 +205,11 @@ class PackPath:
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)
-        return found if found is not None else (None, UNKNOWN)
+        if found is not None:
+            return found
+        if not self.tracker.inside and t.grad_fn is None and not t.requires_grad:
+            return None, CONSTANT  # outside the forward, unwatched: it may be a float dropout mask
+        return None, UNKNOWN
 
     def sketchable(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was

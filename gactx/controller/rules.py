@@ -38,7 +38,10 @@ linear          everything else                                               qu
 ==============  ============================================================  ===========================
 
 A tensor whose op is not known (saved outside the model's forward, inside a compiled region, by a custom
-``autograd.Function``) is ``linear`` unless it is an output whose ``grad_fn`` names its op (free to read).
+``autograd.Function``) is ``linear`` unless it is an output whose ``grad_fn`` names its op (free to read). Outside
+the model's forward, where no op is watched, a tensor with no autograd history (no ``grad_fn``, not requiring grad)
+is ``no history (op unknown)`` and kept as is: it may be a float dropout mask made by functional code
+(``F.dropout`` on a CPU multiplies by a float mask of 0 and 1/(1-p)), which only its provenance tells.
 
 Inputs of linear layers may also be stored as a sketch of their rows (``gactx.kernels.schemes.sketch``: FewBit's
 randomized linear): :func:`sketchable` says which saves. For ``y = x W^T`` backward reads ``x`` only in
@@ -83,6 +86,7 @@ __all__ = [
     "LINEAR",
     "CHECKPOINT_INPUT",
     "UNKNOWN",
+    "CONSTANT",
 ]
 
 # Softmax outputs and attention probabilities, by measurement (benchmarks/oprules.py): quantized at 2 bits, one
@@ -151,6 +155,9 @@ class Rule:
 
 LINEAR = Rule("linear", "quantize")
 UNKNOWN = Rule("linear (op unknown)", "quantize")
+# Outside the model's forward no op is watched: a tensor with no history saved there may be a float dropout mask
+# (values 0 and 1/(1-p), which must come back exactly), and telling one would need its values read on the host.
+CONSTANT = Rule("no history (op unknown)", "keep")
 ATTENTION = Rule("attention", "quantize")
 EQUALITY = Rule("equality", "keep")
 LOG = Rule("log domain", "keep")

@@ -6,8 +6,8 @@ AOTAutograd into the forward and backward graphs) needs the format written in op
 Inductor fuses: no ``torch.Generator`` (it does not trace), no host reads, no data-dependent shapes.
 
 - :func:`uniform_bits` is the C++ kernels' noise (``cpu.py``): murmur3's finalizer of (seed, element index),
-  twice, from an offset (:data:`HASH_OFFSET`), 23 bits a draw. The seed may be a tensor (an int64 scalar on the tensor's device): a graph that reads
-  it at run time draws new noise every step without recompiling.
+  twice, from an offset (:data:`HASH_OFFSET`), 23 bits a draw. The seed may be a tensor (an int64 scalar on the
+  tensor's device): a graph that reads it at run time draws new noise every step without recompiling.
 - :func:`fresh_seed` is a seed that a compiled graph reads at run time: a custom op (``gactx::fresh_seed``)
   that advances a counter on the tensor's device and returns it, with no host synchronization. A seed made
   while tracing (``torch.tensor(5)``) would be a constant of the graph, and the noise would repeat every step.

@@ -179,7 +179,7 @@ def test_later_saves_of_a_tensor_share_its_first_saves_width():
 
 
 def test_in_place_change_between_saves_is_not_deduplicated():
-    x = torch.randn(64, 64)
+    x = torch.randn(64, 64, requires_grad=True)  # h has a history: outside the model, a tensor without one is kept
     w = nn.Linear(64, 64)
 
     def run():

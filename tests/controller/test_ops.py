@@ -220,3 +220,32 @@ def test_float_dropout_mask_is_stored_in_one_bit():
     _, controller = _grad("dropout", lambda m: gactx.Controller(m, level="L1.1", min_numel=0))
     (mask,) = [r for r in controller.records if r.cls == "dropout"]
     assert mask.bits == 1 and mask.packed_bytes == math.ceil(32 * 64 / 8) + 2 * 4
+
+
+def test_float_dropout_masks_saved_outside_the_model_come_back_exactly():
+    """ActNN's functional dropout: F.dropout chained in a plain training step, after the model's forward. On a CPU
+    each multiplies by a float mask of 0 and 1/(1-p) that no module's forward made: kept, not quantized."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def step():
+        torch.manual_seed(1)
+        y = model(x)
+        for _ in range(10):
+            y = F.dropout(y, p=0.2)
+        y.pow(2).sum().backward()
+        grad, x.grad = x.grad, None
+        model.zero_grad()
+        return grad
+
+    plain = [step() for _ in range(2)]
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    controller.install_hook()
+    try:
+        for expected in plain:
+            assert torch.equal(step(), expected)
+    finally:
+        controller.uninstall_hook()
+    outside = [r for r in controller.records if r.cls == "no history (op unknown)"]
+    assert len(outside) == 10 and all(r.reason == "kept" for r in outside)
