@@ -227,6 +227,13 @@ class PackPath:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
         t = handle.stored
         ptr = storage_ptr(t) or 0
+        if self.config.dedupe and self.stats.holds(ptr):
+            # Kept as is by a save resolved just before (a log_softmax result that nll_loss saves as its input):
+            # what an unwatched pass finds at the save itself, where that one is already recorded.
+            self.stats.deduplicated += 1
+            self.stats.extend(t, ptr)
+            handle.stored = as_is(t)
+            return
         if t.dtype == torch.bool:
             self._finish(t, handle.key, handle.key.slot, ptr, None, BOOL_MASK, handle=handle)
         else:

@@ -349,3 +349,43 @@ def test_a_save_whose_index_shifts_after_the_watched_pass_keeps_its_rule():
             assert not alpha, [(r.key, r.bits) for r in alpha]
             assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert not controller.diagnostics()["watch_next"]
+
+
+def _gpt2(attention):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, attn_implementation=attention)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: _gpt2("sdpa"), lambda: _gpt2("eager"), _llama], ids=["gpt2-sdpa", "gpt2-eager", "llama"]
+)
+def test_the_watched_first_step_stores_what_later_steps_store(make):
+    """The loss's log_softmax result is kept as is, and nll_loss saves the same tensor as its input: in a watched
+    pass both saves wait for the next op, and the second must find the first kept, as it does unwatched."""
+    model, run = make()
+    stats = []
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            torch.manual_seed(1)
+            run().backward()
+            stats.append(controller.memory_stats())
+    assert stats[0] == stats[1] == stats[2]
+    assert stats[0].deduplicated >= 1
