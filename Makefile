@@ -27,17 +27,19 @@ test: setup
 demo: setup-demo
 	$(PYTHON) -m benchmarks.demo
 
-# The committed CPU results (fp32: every model and method, with sweeps; bf16: three models, four methods).
-# On a GPU, `python -m benchmarks.run --max-batch --sweep` runs the full-size models in both precisions.
+# The committed CPU results (fp32: every model and method, with sweeps; bf16: three models, four methods), rewritten.
+# On a GPU, `python -m benchmarks.run --max-batch --sweep --update-results`: the full-size models, both precisions.
 bench: setup
-	$(PYTHON) -m benchmarks.run --size small --precisions fp32 --train-steps 20 --warmup 3 --timed 5 --sweep
+	$(PYTHON) -m benchmarks.run --size small --precisions fp32 --train-steps 20 --warmup 3 --timed 5 --sweep \
+		--update-results
 	$(PYTHON) -m benchmarks.run --size small --precisions bf16 --models sage bert-base resnet50 \
 		--methods fp L1.2 L2.2 checkpoint --train-steps 20 --warmup 3 --timed 5 --out benchmarks/results/cpu/bf16
 
-# The compiled kernels' roofline for three GPUs (no GPU needed), then throughput on this machine's device.
+# The compiled kernels' roofline for three GPUs (no GPU needed), then throughput on this machine's device: the
+# committed results, rewritten.
 bench-kernels: setup
-	$(PYTHON) -m benchmarks.kernels --gpu h100 h200 a100
-	$(PYTHON) -m benchmarks.kernels --throughput
+	$(PYTHON) -m benchmarks.kernels --gpu h100 h200 a100 --update-results
+	$(PYTHON) -m benchmarks.kernels --throughput --update-results
 
 lint:
 	$(PYTHON) -m pip install --quiet "ruff>=0.6"

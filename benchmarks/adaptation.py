@@ -1,12 +1,14 @@
 """What adaptive bits cost: the estimator's passes and seconds against training time at the interval.
 
     python -m benchmarks.adaptation                  # digits CNN and the character-level transformer
-    python -m benchmarks.adaptation --quick --out /tmp/quick   # a few steps each, to check that it runs
+    python -m benchmarks.adaptation --update-results # the same, into the committed results
+    python -m benchmarks.adaptation --quick          # a few steps each, to check that it runs
 
 Each model trains at level L2.2 with a sub-batch closure for the estimator (16 images; 8 sequences of 64
 characters); one adaptation runs after the first step. The step time excludes that adaptation, and the
 share of training time is ``adaptation / (interval * step + adaptation)`` at the default interval (1000).
-Writes adaptation.json and adaptation.md under ``benchmarks/results/<device>/``.
+Writes adaptation.json and adaptation.md under ``benchmarks/runs/<device>/`` (git-ignored), or with
+``--update-results`` under ``benchmarks/results/<device>/`` (the committed results).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from benchmarks.charlm import train_charlm
 from benchmarks.digits import train_digits
-from benchmarks.harness import Bench, results_folder
+from benchmarks.harness import Bench, where
 from benchmarks.table import markdown_table
 from gactx.config import Config
 
@@ -70,8 +72,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     env = bench.environment(device)
     rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
     table = render(rows, env)
-    bench.write(results_folder(args.out, device), env, rows, table)
+    folder = bench.folder(args, device)
+    bench.write(folder, env, rows, table)
     print(table)
+    print(where(folder))
     return rows
 
 

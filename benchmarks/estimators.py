@@ -1,7 +1,8 @@
 """Two sensitivity estimators on the same batch: GACT's (1 + 2L extra passes) and ActNN's free estimate.
 
     python -m benchmarks.estimators                  # the zoo models and the workloads at size "small"
-    python -m benchmarks.estimators --quick --out /tmp/quick   # tiny sizes, two models: checks that it runs
+    python -m benchmarks.estimators --update-results # the same, into the committed results
+    python -m benchmarks.estimators --quick          # tiny sizes, two models: checks that it runs
 
 For each model with at least 4 allocated tensors, at level L2.2: GACT's estimate (``adapt(closure)``) and the
 free one (``estimator="actnn"``, collected in one ordinary step of the same closure), their Spearman rank
@@ -9,7 +10,7 @@ correlation over the tensors both measured, and GACT's against itself with other
 own noise lets any estimator agree with it). Costs: GACT's seconds, and the free estimate's extra seconds in
 its collecting step against an ordinary step (alternated in one process, the median of ``--repeats``), as a
 share of that step and of training at the default interval. Writes estimators.json and estimators.md under
-``benchmarks/results/<device>/``.
+``benchmarks/runs/cpu/`` (git-ignored), or with ``--update-results`` under ``benchmarks/results/cpu/``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 import gactx
-from benchmarks.harness import Bench, results_folder
+from benchmarks.harness import Bench, where
 from benchmarks.table import markdown_table
 from gactx.config import Config
 
@@ -261,8 +262,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
     pool = pooled(rows)
     table = render(rows, pool, env)
-    bench.write(results_folder(args.out, "cpu"), env, rows, table, pooled=pool)
+    folder = bench.folder(args, "cpu")
+    bench.write(folder, env, rows, table, pooled=pool)
     print(table)
+    print(where(folder))
     return rows
 
 

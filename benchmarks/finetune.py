@@ -25,9 +25,11 @@ Everything runs in float32 on the device (a CPU by default), with random weights
    model's logits (random weights: a nearly uniform distribution) and for logits that have learned the language
    (each token's four successors share the mass: as peaked as a trained model's).
 
-    python -m benchmarks.finetune                 # writes benchmarks/results/<device>/finetune.{json,md,png}
+    python -m benchmarks.finetune                 # writes benchmarks/runs/<device>/finetune.{json,md,csv,png}
+    python -m benchmarks.finetune --update-results    # writes the committed benchmarks/results/<device>/finetune.*
     python -m benchmarks.finetune --quick --out /tmp/finetune
-    python -m benchmarks.finetune --sections training   # reruns one section; the others keep their rows
+    python -m benchmarks.finetune --sections training --update-results   # reruns one section; the others keep
+                                                      # their rows from the committed results
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 import gactx
 from benchmarks import llm, workloads
-from benchmarks.harness import Bench, kept_rows, read_results, results_folder
+from benchmarks.harness import Bench, kept_rows, read_results, where
 from benchmarks.measure import count_saved_bytes
 from benchmarks.methods import Method
 from benchmarks.table import markdown_table
@@ -383,7 +385,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         nargs="+",
         default=list(SECTIONS),
         choices=SECTIONS,
-        help="sections to run; the others keep their rows from the results file already there",
+        help="sections to run; the others keep their rows from the results file already in the folder written",
     )
     p.add_argument("--steps", type=int, default=60, help="training steps a run")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -409,13 +411,15 @@ def run(argv: list[str] | None = None) -> list[dict]:
         rows += training(args.steps, args.device, args.quick)
     if "cross-entropy" in args.sections:
         rows += cross_entropy(args.device, args.quick)
-    folder = results_folder(args.out, args.device)
+    folder = bench.folder(args, args.device)
     rows = _kept_rows(folder, set(args.sections), env) + rows
     table = render(rows, env)
+    folder.mkdir(parents=True, exist_ok=True)  # the plot comes first: the table links it
     if plot(rows, folder / "finetune.png"):
         table += "\n![training curves](finetune.png)\n"
     bench.write(folder, env, rows, table)
     print(table)
+    print(where(folder))
     return rows
 
 

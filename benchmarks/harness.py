@@ -1,17 +1,25 @@
 """The benchmarks' one harness: every benchmark is a command with the same options and guard, one environment record,
 results written the same way, and one timer that alternates the runs it compares.
 
-    bench = Bench("host", __doc__)                      # python -m benchmarks.host, with --out and --quick
+    bench = Bench("host", __doc__)                      # python -m benchmarks.host and its output options
     bench.parser.add_argument("--rounds", ...)          # the benchmark's own options
-    args = bench.parse(argv)                            # --quick without --out is refused (the guard)
+    args = bench.parse(argv)                            # the guard: --quick never writes the committed results
     env = bench.environment(device, rounds=args.rounds) # device name, torch, threads, date, and its own fields
     times = alternate({"plain": plain.turn, "L1": l1.turn}, rounds=7)
-    bench.write(results_folder(args.out, device), env, rows, table)  # host.json, host.md, host.csv
+    folder = bench.folder(args, device)                 # benchmarks/runs/<device>/, or where the options say
+    bench.write(folder, env, rows, table)               # host.json, host.md, host.csv
+    print(where(folder))                                # the run's last line: where its results are
 
-Results go to ``benchmarks/results/<device>/`` unless ``--out`` names a folder: ``<name>.json`` (the environment and
-the rows, and any other parts a benchmark keeps), ``<name>.md`` (its table) and ``<name>.csv`` (the rows, one line
-each). ``--quick`` runs a smoke test's sizes, and only into a folder given with ``--out``, so that the committed
-results are never overwritten by a smoke test's figures.
+Where results go, one rule for every benchmark:
+
+- by default ``benchmarks/runs/<device>/`` (git-ignored), a smoke test's (``--quick``) in its ``quick/``;
+- ``--update-results``: the committed results, ``benchmarks/results/<device>/``, for a run meant to refresh them;
+- ``--out DIR``: DIR (with ``--update-results``: refused, the two name different folders).
+
+``--quick`` runs a smoke test's sizes and is refused with ``--update-results`` (and with an ``--out`` inside
+``benchmarks/results/``): a smoke test's figures never reach the committed results. A benchmark that merges with
+earlier results reads them from the folder it writes. Files: ``<name>.json`` (the environment and the rows, and any
+other parts a benchmark keeps), ``<name>.md`` (its table) and ``<name>.csv`` (the rows, one line each).
 """
 
 from __future__ import annotations
@@ -27,10 +35,22 @@ import torch
 
 from benchmarks.device import device_name, device_slug
 
-__all__ = ["Bench", "alternate", "kept_rows", "now", "read_results", "results_folder", "summary", "write_csv"]
+__all__ = [
+    "Bench", "add_output_options", "alternate", "check_output", "kept_rows", "now", "read_results", "results_folder",
+    "summary", "where", "write_csv",
+]  # fmt: skip
 
-RESULTS = Path(__file__).resolve().parent / "results"
-QUICK_GUARD = "--quick writes a smoke test's figures: give --out, the committed results stay as they are"
+RESULTS = Path(__file__).resolve().parent / "results"  # committed: written only with --update-results
+RUNS = Path(__file__).resolve().parent / "runs"  # git-ignored: every other run's results
+SMOKE_GUARD = (
+    "{flag} writes a smoke test's figures: to --out DIR, or else benchmarks/runs/<device>/quick/; never to the "
+    "committed results (--update-results, or an --out inside benchmarks/results/)"
+)
+QUICK_GUARD = SMOKE_GUARD.format(flag="--quick")
+OUT_GUARD = (
+    "--out DIR and --update-results name different folders: give one (--out writes DIR, --update-results the "
+    "committed benchmarks/results/<device>/)"
+)
 
 
 def summary(doc: str) -> str:
@@ -44,25 +64,29 @@ def now() -> str:
 
 
 class Bench:
-    """One benchmark's command: ``python -m benchmarks.<name>``, its parser with ``--out`` and ``--quick`` (``quick``:
-    what a smoke test runs; ``None``: no quick mode), its environment record and its results."""
+    """One benchmark's command: ``python -m benchmarks.<name>``, its parser with ``--out``, ``--update-results`` and
+    ``--quick`` (``quick``: what a smoke test runs; ``None``: no quick mode), its environment record and its results."""
 
     def __init__(self, name: str, doc: str | None, quick: str | None = "tiny sizes", **parser_options) -> None:
         self.name = name
         parser_options.setdefault("prog", f"python -m benchmarks.{name}")
         parser_options.setdefault("description", summary(doc or ""))
         self.parser = argparse.ArgumentParser(**parser_options)
-        self.parser.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/")
+        add_output_options(self.parser)
         self.quick = quick is not None
         if self.quick:
-            self.parser.add_argument("--quick", action="store_true", help=f"{quick}: a smoke test (needs --out)")
+            what = f"{quick}: a smoke test (to --out, or benchmarks/runs/<device>/quick/)"
+            self.parser.add_argument("--quick", action="store_true", help=what)
 
     def parse(self, argv: list[str] | None = None) -> argparse.Namespace:
-        """The command line, with the guard: a smoke test writes only where ``--out`` says."""
+        """The command line, with the guard: a smoke test never writes the committed results."""
         args = self.parser.parse_args(argv)
-        if self.quick and args.quick and args.out is None:
-            self.parser.error(QUICK_GUARD)
+        check_output(self.parser, args, "--quick" if self.quick and args.quick else None)
         return args
+
+    def folder(self, args: argparse.Namespace, device: str) -> Path:
+        """Where this run writes (:func:`results_folder`) for the command line ``args``."""
+        return results_folder(args.out, device, update=args.update_results, smoke=self.quick and args.quick)
 
     def environment(self, device: str, **fields) -> dict:
         """What every result records: the device (its name and folder), torch's version and threads, the date, and
@@ -104,11 +128,56 @@ def alternate(turns: dict[str, Callable[[], float | list[float]]], rounds: int) 
     return times
 
 
-def results_folder(out: Path | None, device: str) -> Path:
-    """``out``, or the committed results' folder of ``device`` ("cpu", "h100", ...); made if missing."""
-    folder = out or RESULTS / device_slug(device)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR`` and ``--update-results``: where a run writes (:func:`results_folder`)."""
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="results folder; default benchmarks/runs/<device>/ (git-ignored)"
+    )
+    parser.add_argument(
+        "--update-results", action="store_true",
+        help="write the committed results, benchmarks/results/<device>/ (a run meant to refresh them)",
+    )  # fmt: skip
+
+
+def check_output(parser: argparse.ArgumentParser, args: argparse.Namespace, smoke: str | None = None) -> None:
+    """Refuse ``--out`` with ``--update-results``, and a smoke test (``smoke``: its flag, "--quick", given) that would
+    write the committed results."""
+    if args.out is not None and args.update_results:
+        parser.error(OUT_GUARD)
+    if smoke and (args.update_results or (args.out is not None and _inside(args.out, RESULTS))):
+        parser.error(SMOKE_GUARD.format(flag=smoke))
+
+
+def results_folder(out: Path | None, device: str, update: bool = False, smoke: bool = False) -> Path:
+    """Where a run writes: ``out``; else with ``update`` the committed ``benchmarks/results/<device>/``; else the
+    git-ignored ``benchmarks/runs/<device>/`` (a smoke test's: its ``quick/``). ``device``: "cpu", "cuda" (its GPU's
+    model) or a folder's name ("h100"). Not made here: :meth:`Bench.write` makes it."""
+    if out is not None:
+        return out
+    slug = device_slug(device) if device in ("cpu", "cuda") else device
+    if update:
+        return RESULTS / slug
+    return RUNS / slug / "quick" if smoke else RUNS / slug
+
+
+def where(folder: Path) -> str:
+    """The line a run ends with: the folder its results are in, and whether they are the committed ones."""
+    shown = _shown(folder)
+    if _inside(folder, RESULTS):
+        return f"results written to {shown}: the committed results (git diff shows what changed)"
+    if _inside(folder, RUNS):
+        return f"results written to {shown} (git-ignored; --update-results writes the committed benchmarks/results/)"
+    return f"results written to {shown}"
+
+
+def _inside(folder: Path, root: Path) -> bool:
+    return folder.resolve().is_relative_to(root.resolve())
+
+
+def _shown(folder: Path) -> str:
+    """``folder`` relative to the working directory where it is below it, else absolute."""
+    path = folder.resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def read_results(folder: Path, name: str) -> dict | None:

@@ -22,7 +22,8 @@ post-hook on each module that pushes and pops a frame (what names a save), and a
 sends every other tensor through the same kernel call gactx's pack path ends in (2-bit codes), with its decode on
 unpack: no policy, no key, no record, no handle. Eager gactx cannot be faster than it.
 
-    python -m benchmarks.host                  # writes benchmarks/results/<device>/host.{json,md}
+    python -m benchmarks.host                  # writes benchmarks/runs/<device>/host.{json,md,csv} (git-ignored)
+    python -m benchmarks.host --update-results # writes the committed benchmarks/results/<device>/host.*
     python -m benchmarks.host --quick --out /tmp/host
 """
 
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 import gactx
-from benchmarks.harness import Bench, alternate, results_folder
+from benchmarks.harness import Bench, alternate, where
 from benchmarks.measure import gpu_activities, synchronize
 from benchmarks.table import markdown_table
 from gactx.kernels import dequantize
@@ -267,8 +268,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     compiled, cpp = not args.no_compile, not (args.no_cpp_wrapper or args.quick)
     rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, compiled, cpp)]
     table = render(rows, env)
-    bench.write(results_folder(args.out, args.device), env, rows, table, indent=1)
+    folder = bench.folder(args, args.device)
+    bench.write(folder, env, rows, table, indent=1)
     print(table)
+    print(where(folder))
     return rows
 
 

@@ -1,7 +1,10 @@
 """The kernels benchmark.
 
-    python -m benchmarks.kernels [--gpu h100 h200 a100] [--quick --out DIR]   # compiled kernels, a named GPU
-    python -m benchmarks.kernels --throughput [--quick --out DIR] [...]       # GB/s against torch.clone, here
+    python -m benchmarks.kernels [--gpu h100 h200 a100] [--quick] [--out DIR]   # compiled kernels, a named GPU
+    python -m benchmarks.kernels --throughput [--quick] [--out DIR] [...]       # GB/s against torch.clone, here
+
+Both write to ``benchmarks/runs/<device>/`` (git-ignored) unless ``--out DIR`` names a folder; ``--update-results``
+writes the committed ``benchmarks/results/<device>/`` (``make bench-kernels``).
 
 The first (``roofline.py``) needs no GPU: registers, instructions and bytes an element, and roofline times,
 read from the kernels compiled for the GPU's architecture; measured times beside them where a GPU is here.

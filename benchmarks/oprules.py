@@ -1,7 +1,8 @@
 """What the op rules buy and cost: FewBit codes against quantized inputs, and the op watcher's time.
 
-    python -m benchmarks.oprules             # both parts, results under benchmarks/results/<device>/
-    python -m benchmarks.oprules --quick --out /tmp/quick   # fewer draws and steps, to check that it runs
+    python -m benchmarks.oprules             # both parts, results under benchmarks/runs/cpu/ (git-ignored)
+    python -m benchmarks.oprules --update-results   # the same, into the committed benchmarks/results/cpu/
+    python -m benchmarks.oprules --quick     # fewer draws and steps, to check that it runs
 
 1. Gradient error of smooth activations (GELU, SiLU, tanh) at 2, 3 and 4 bits: the input of the op is
    stored either as FewBit codes (deterministic, the derivative's optimal levels) or quantized per group of
@@ -14,7 +15,7 @@
    models watched every time (``op_rules="always"``) against applying what the first pass learned
    (``"learn"``), alternated in one process, medians.
 
-Writes oprules.json and oprules.md.
+Writes oprules.json, oprules.md and oprules.csv.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks import workloads
-from benchmarks.harness import Bench, results_folder
+from benchmarks.harness import Bench, where
 from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.kernels.fewbit import FUNCTIONS, SAVES_RESULT, fewbit_table
@@ -243,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     text = render(errors, attention, cost, env)
     print(text)
     # The rows: each model's gradient errors; the attention widths and the watcher's cost beside them.
-    bench.write(results_folder(args.out, "cpu"), env, errors, text, indent=1, attention=attention, cost=cost)
+    folder = bench.folder(args, "cpu")
+    bench.write(folder, env, errors, text, indent=1, attention=attention, cost=cost)
+    print(where(folder))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ compiled afresh (``torch._dynamo.reset()``); the table gives the first step's ti
 the median step time after it, the peak, and the cosine of the gradient with eager full precision's next to
 the same level's eager cosine (one step each, same batch, evaluation mode: dropout off).
 
-    python -m benchmarks.peak                      # writes benchmarks/results/<device>/peak.{md,json}
+    python -m benchmarks.peak                      # writes benchmarks/runs/<device>/peak.{md,json,csv} (git-ignored)
+    python -m benchmarks.peak --update-results     # writes the committed benchmarks/results/<device>/peak.*
     python -m benchmarks.peak --compiled-models    # the eager table only
     python -m benchmarks.peak --quick --out /tmp/peak
-    python -m benchmarks.peak --models llama-lora --compiled-models --merge   # other models' rows kept
+    python -m benchmarks.peak --models llama-lora --compiled-models --merge --update-results   # other models' rows
+                                                   # kept from the committed results
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if __package__ in (None, ""):
 
 import gactx  # noqa: E402
 from benchmarks import workloads  # noqa: E402
-from benchmarks.harness import Bench, kept_rows, read_results, results_folder  # noqa: E402
+from benchmarks.harness import Bench, kept_rows, read_results, where  # noqa: E402
 from benchmarks.measure import count_saved_bytes  # noqa: E402
 from benchmarks.methods import Method  # noqa: E402
 from benchmarks.table import markdown_table  # noqa: E402
@@ -309,7 +311,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> None:
     rows, compiled = result
-    out = results_folder(args.out, args.device)
+    out = args.folder
     bench = Bench("peak", __doc__)
     env = bench.environment(args.device, size=args.size, repeats=args.repeats, quick=args.quick,
                             cuda=args.device == "cuda", backend=args.backend)  # fmt: skip
@@ -322,7 +324,8 @@ def write(result: tuple[list[dict], list[dict]], args: argparse.Namespace) -> No
         )
         rows, compiled = kept + rows, kept_compiled + compiled
     table = render({"environment": env, "rows": rows, "compiled": compiled})
-    print(f"wrote {bench.write(out, env, rows, table, compiled=compiled)}")
+    bench.write(out, env, rows, table, compiled=compiled)
+    print(where(out))
 
 
 def render(result: dict) -> str:
@@ -394,10 +397,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled table")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU)")
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
+                   help="keep the rows of the models not run from the results in the folder written")  # fmt: skip
     args = bench.parse(argv)
     if args.quick:
         args.size, args.repeats = "tiny", 1
+    args.folder = bench.folder(args, args.device)
     return args
 
 

@@ -9,22 +9,22 @@ times them (median); without one that column says so: no GPU figure is ever made
 
     python -m benchmarks.kernels                      # H100 (sm_90)
     python -m benchmarks.kernels --gpu h200 a100      # several devices, one table each
+    python -m benchmarks.kernels --gpu h100 h200 a100 --update-results   # the committed tables
 
-Writes ``roofline.md`` and ``roofline.json`` under ``benchmarks/results/<gpu>/``.
+Writes ``roofline.md``, ``roofline.json`` and ``roofline.csv`` under ``benchmarks/runs/<gpu>/`` (git-ignored), or
+with ``--update-results`` under ``benchmarks/results/<gpu>/`` (the committed results).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Bench
+from benchmarks.harness import Bench, where
 from gactx import kernels
 from gactx.kernels import aot
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ELEMENTS = 1 << 26  # 64 Mi elements: a 256 MiB float32 activation, far past any cache
 
 
@@ -171,8 +171,10 @@ def run(argv: list[str] | None = None) -> dict[str, list[dict]]:
         )  # fmt: skip
         rows = rows_for(device, specs, args.elements, measure)
         table = render(device, rows, env)
-        bench.write(args.out or RESULTS / name, env, rows, table, indent=1, device=name)
+        folder = bench.folder(args, name)
+        bench.write(folder, env, rows, table, indent=1, device=name)
         print(table)
+        print(where(folder))
         tables[name] = rows
     return tables
 

@@ -5,11 +5,13 @@ transformers and CNNs trained at full precision, with gactx, with activation che
     python -m benchmarks.run --help
     python -m benchmarks.run                                   # every model; full size on a GPU, small on a CPU
     python -m benchmarks.run --models bert-large --max-batch --memory-cap-gib 16
-    python -m benchmarks.run --quick --out /tmp/quick          # tiny sizes, a few steps: checks that it runs
-    python -m benchmarks.run --models llama-lora --merge       # one model's rows replaced, the others kept
+    python -m benchmarks.run --quick                           # tiny sizes, a few steps: checks that it runs
+    python -m benchmarks.run --models llama-lora --merge --update-results   # one model's committed rows replaced,
+                                                               # the others kept
 
 Writes models.csv, models.json and models.md (and batch_throughput.png with --sweep) under
-``benchmarks/results/<device>/``, naming the device, torch and triton versions and the date.
+``benchmarks/runs/<device>/`` (git-ignored), or with ``--update-results`` under ``benchmarks/results/<device>/``
+(the committed results), naming the device, torch and triton versions and the date.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 import gactx
 from benchmarks import workloads
-from benchmarks.harness import Bench, alternate, kept_rows, read_results, results_folder
+from benchmarks.harness import Bench, alternate, kept_rows, read_results, where
 from benchmarks.measure import count_saved_bytes, cuda_step_memory, max_batch, median_step_seconds
 from benchmarks.methods import COMPILABLE, METHODS, Method
 from gactx import kernels
@@ -49,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-cap-gib", type=float, help="CUDA: cap the memory (as on a smaller GPU)")
     p.add_argument("--sweep", action="store_true", help="throughput at doubling batch sizes until OOM, plotted")
     p.add_argument("--merge", action="store_true",
-                   help="keep the rows of the models not run from the results already in the folder")  # fmt: skip
+                   help="keep the rows of the models not run from the results in the folder written")  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",
         help="also run full precision and the gactx levels (fp32) with the model's forward under torch.compile",
@@ -61,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device here")
     if (args.max_batch or args.memory_cap_gib) and args.device != "cuda":
         p.error("--max-batch and --memory-cap-gib measure the CUDA allocator: they need --device cuda")
+    args.folder = bench.folder(args, args.device)
     return args
 
 
@@ -336,7 +339,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             label = method + ("+bf16" if precision == "bf16" else "") + ("+compile" if compiled else "")
             rows.append({"model": model, "method": label, "note": "OOM"})
     compare(rows)
-    out = results_folder(args.out, args.device)
+    out = args.folder
     if args.merge:
         rows = _merged(out, rows, env)
     table = render(rows, env)
@@ -344,6 +347,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     if args.sweep:
         plot(rows, out / "batch_throughput.png", env)
     print(table)
+    print(where(out))
     return rows
 
 

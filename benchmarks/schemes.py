@@ -1,7 +1,8 @@
 """Where the ancestors' other methods win: gradient error at equal bytes, and training, for each storage choice.
 
     python -m benchmarks.schemes                  # the zoo and the models benchmark's small models
-    python -m benchmarks.schemes --quick --out /tmp/quick   # two tiny models, few draws: checks that it runs
+    python -m benchmarks.schemes --update-results # the same, into the committed results
+    python -m benchmarks.schemes --quick          # two tiny models, few draws: checks that it runs
 
 1. Gradient error at equal bytes. Each model runs at level L2.2 (an average of 2 bits a compressed element: the
    same budget for every row) with the allocator offered: uniform codes only (the default before the other
@@ -19,7 +20,8 @@
    ``--train-seeds`` controller seeds (the rounding noise and the estimator's probes), and once in full precision
    for reference; final training loss and held-out accuracy, the mean and range over the runs.
 
-Writes schemes.json and schemes.md under ``benchmarks/results/<device>/``.
+Writes schemes.json and schemes.md under ``benchmarks/runs/<device>/`` (git-ignored), or with ``--update-results``
+under ``benchmarks/results/<device>/`` (the committed results); a part or row not run is kept from the folder written.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks import workloads
-from benchmarks.harness import Bench, now, read_results, results_folder
+from benchmarks.harness import Bench, now, read_results, where
 from benchmarks.table import markdown_table
 from gactx import Controller
 from gactx.config import ESTIMATORS
@@ -301,7 +303,7 @@ def run(argv: list[str] | None = None) -> dict:
         configs = [c for c in (BASE, "all schemes") if args.configs is None or c in args.configs]
     draws = 2 if args.quick else args.draws
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = results_folder(args.out, device)
+    out = bench.folder(args, device)
     previous = read_results(out, "schemes") or {}
     old_env = previous.get("environment", previous.get("env", {}))  # "env": written before the harness
     partial = args.models is not None or args.configs is not None
@@ -338,7 +340,7 @@ def run(argv: list[str] | None = None) -> dict:
             print(f"train {name:18s} {label:22s} loss {r['final_loss']:.4f} accuracy {r['accuracy']:.3f}", flush=True)
             save()
     result = save()
-    print(f"wrote {out / 'schemes.md'}")
+    print(where(out))
     return result
 
 

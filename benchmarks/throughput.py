@@ -13,11 +13,13 @@ the CPU gactx runs its C++ kernels (``gactx/kernels/cpu.py``); ``--backend torch
 a reference built from full-size temporaries. CPU figures say nothing about the GPU kernels.
 
     python -m benchmarks.kernels --throughput             # cuda when available, else cpu
+    python -m benchmarks.kernels --throughput --update-results   # the same, into the committed results
     python -m benchmarks.kernels --throughput --quick --out /tmp/bench_quick
     python benchmarks/throughput.py --bits 2 4 --dtypes bf16 --sizes-mib 64 256
 
 Writes kernels.csv, kernels.json and kernels.md (and kernels.png when matplotlib is installed) under
-``--out``, by default ``benchmarks/results/<device>/`` (``h100``, ``cpu``, ...), and prints the table.
+``--out``, by default ``benchmarks/runs/<device>/`` (``h100``, ``cpu``, ...; git-ignored), with
+``--update-results`` the committed ``benchmarks/results/<device>/``, and prints the table.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: import the gactx of this check
 
 import gactx  # noqa: E402
 from benchmarks.device import device_name, device_slug  # noqa: E402
-from benchmarks.harness import Bench, results_folder  # noqa: E402
+from benchmarks.harness import Bench, where  # noqa: E402
 from gactx import kernels  # noqa: E402
 from gactx.kernels import BACKENDS, CODE_BITS, GROUP_SIZES, cpu  # noqa: E402
 
@@ -96,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = command.parse(argv)
     check_device(parser, args)
     fill_defaults(args)
+    args.out = command.folder(args, args.device)
     return args
 
 
@@ -117,7 +120,6 @@ def fill_defaults(args: argparse.Namespace) -> None:
     if args.sizes_mib is None:
         args.sizes_mib = list(GPU_SIZES_MIB if args.device == "cuda" else CPU_SIZES_MIB)
     args.backend = resolve_backend(args.device, args.backend)
-    args.out = results_folder(args.out, args.device)
 
 
 def resolve_backend(device: str, backend: str) -> str:
@@ -390,6 +392,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     table = render_markdown(rows, env)
     write_outputs(rows, env, table, args.out)
     print(table)
+    print(where(args.out))
     return rows
 
 

@@ -1,6 +1,7 @@
 """The GPU evaluation: one command that measures gactx where users train, sized to a short loan of one GPU.
 
     python -m benchmarks.gpu                  # on a GPU: under 9 minutes on one H100
+    python -m benchmarks.gpu --update-results # the same, into the committed benchmarks/results/<gpu>/
     python -m benchmarks.gpu --tiny           # the same code at tiny sizes, on any machine, in a minute
     python -m benchmarks.gpu --arms kernels llama-lora --limit llama-lora=200
 
@@ -24,8 +25,9 @@ adaptation is the longest warm-up) timed in turns with plain again, and the maxi
 For each training method: the step's peak (``max_memory_allocated``), throughput (median of 10 steps after 3
 warm-up steps, alternated between methods) and the maximum batch (:mod:`benchmarks.gpu.training`), each
 beside its ratio to plain in the same run. Results are written as each row arrives to
-``benchmarks/results/<device>/gpu.{json,md,png}`` (``--tiny``: a temporary folder unless ``--out``), with the
-goals they are read against (reported, not asserted). Nothing is downloaded: models are built from configs
+``benchmarks/runs/<device>/gpu.{json,md,csv,png}`` (git-ignored; ``--tiny``: its ``quick/``), with ``--update-results``
+to the committed ``benchmarks/results/<device>/``, or to ``--out DIR``, with the goals they are read against
+(reported, not asserted). Nothing is downloaded: models are built from configs
 with random weights, inputs are generated.
 """
 

@@ -7,7 +7,6 @@ import json
 import shlex
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from benchmarks.gpu import report, training
 from benchmarks.gpu.harness import ArmRun, Deadline, child_command, emit, run_arm
-from benchmarks.harness import Bench
+from benchmarks.harness import Bench, add_output_options, check_output, results_folder, where
 
 # Sized from the first H100 run: kernels took 29 s; the host arm's compiled cases compile again at every turn.
 ARM_LIMITS_S = {"kernels": 40, "host": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()}
@@ -26,7 +25,6 @@ BUDGET_S = 520  # the whole command: under 9 minutes of a loan of 15 that includ
 # and more beside other work; its limits are the GPU's times this.
 TINY_LIMITS = 5
 MIN_ARM_S = 20  # an arm given less than this is not started (its imports and model alone take about that)
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 BENCH = Bench("gpu", None, quick=None)  # its environment record and results (benchmarks/harness.py)
 
 
@@ -37,11 +35,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="arms to run, in this order (default: all)")  # fmt: skip
     p.add_argument("--limit", nargs="+", default=[], metavar="ARM=SECONDS", help="an arm's own time limit")
     p.add_argument("--budget-s", type=float, help=f"the whole command's time (default {BUDGET_S}; --tiny: 5x)")
-    p.add_argument("--out", type=Path, help="results folder; default benchmarks/results/<device>/ (--tiny: a temp one)")
+    add_output_options(p)  # --out, --update-results: the benchmarks' one rule (benchmarks/harness.py)
     p.add_argument("--child", choices=list(ARM_LIMITS_S), help=argparse.SUPPRESS)
     p.add_argument("--limit-s", type=float, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, help="torch threads of each arm's process (default: this one's)")
     args = p.parse_args(argv)
+    check_output(p, args, "--tiny" if args.tiny else None)
     scale = TINY_LIMITS if args.tiny else 1
     args.limits = {arm: scale * seconds for arm, seconds in ARM_LIMITS_S.items()}
     args.budget_s = args.budget_s or scale * BUDGET_S
@@ -131,6 +130,7 @@ class Results:
     def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
         self.out: Path | None = args.out
         self.tiny = args.tiny
+        self.update = args.update_results
         self.command = shlex.join(["python", "-m", "benchmarks.gpu", *argv])
         self.env: dict = {}
         self.rows: dict[str, dict] = {}
@@ -148,8 +148,8 @@ class Results:
         self.write()
 
     def folder(self) -> Path | None:
-        if self.out is None and self.env:
-            self.out = Path(tempfile.gettempdir()) / "gactx-gpu-tiny" if self.tiny else RESULTS / self.env["device"]
+        if self.out is None and self.env:  # the device is the arms' (their environment row): the parent never asks
+            self.out = results_folder(None, self.env["device"], update=self.update, smoke=self.tiny)
         return self.out
 
     def write(self, plot: bool = False) -> None:
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     out = results.folder()
     if out is not None:
         print((out / "gpu.md").read_text())
-        print(f"written to {out}")
+        print(where(out))
     return 0 if all(a.status == "done" and not a.errors for a in results.arms) else 1
 
 

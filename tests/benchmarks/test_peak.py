@@ -39,6 +39,7 @@ def test_quick_peak_benchmark(tmp_path):
     assert llm["L1.2"] < llm["fp"]
 
 
-def test_quick_needs_an_out_folder():
+def test_a_quick_run_never_updates_the_committed_results(capsys):
     with pytest.raises(SystemExit):
-        main(["--quick"])
+        main(["--quick", "--update-results"])
+    assert "never to the committed results" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import workloads
+from benchmarks import harness, workloads
 from benchmarks.device import device_name
 from benchmarks.methods import METHODS
 from benchmarks.run import run
@@ -69,3 +69,26 @@ def test_step_times_in_turns_leave_no_hooks_installed():
     times = alternated_step_ms("resnet50", ["fp", "L1", "checkpoint"], "fp32", args, rounds=2, steps=1)
     assert list(times) == ["fp", "L1", "checkpoint"] and all(t > 0 for t in times.values())
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_merge_keeps_the_rows_of_the_folder_it_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")  # the committed results, here a copy's
+    monkeypatch.setattr(harness, "RUNS", tmp_path / "runs")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    committed, ignored = harness.results_folder(None, device, update=True), harness.results_folder(None, device)
+    assert committed.parent == tmp_path / "results" and ignored.parent == tmp_path / "runs"
+
+    def saved(folder):
+        return json.loads((folder / "models.json").read_text())["rows"]
+
+    # --quick's sizes, without --quick: a smoke test never writes the committed results
+    tiny = ["--size", "tiny", "--train-steps", "4", "--warmup", "1", "--timed", "2", "--methods", "fp",
+            "--precisions", "fp32", "--device", device]  # fmt: skip
+    first = run([*tiny, "--models", "gcn", "--update-results"])
+    assert saved(committed) == first
+    # without --update-results: the ignored folder, with no earlier rows to keep; the committed ones untouched
+    alone = run([*tiny, "--models", "sage", "--merge"])
+    assert [r["model"] for r in alone] == ["sage"] and saved(ignored) == alone and saved(committed) == first
+    # with it: the committed rows of the models not run are kept
+    merged = run([*tiny, "--models", "sage", "--merge", "--update-results"])
+    assert [r["model"] for r in merged] == ["gcn", "sage"] and merged[0] == first[0] and saved(committed) == merged
