@@ -1,5 +1,7 @@
 // Masks 8 to a byte: a bool tensor packed, an op's own comparison packed with no bool tensor between, and back
 // (bitmask.py).
+#include <array>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -72,10 +74,26 @@ void pack_compare_impl(const T* x, int64_t n, uint8_t* packed, int kind, float l
   }
 }
 
-void unpack_bool_impl(const uint8_t* packed, int64_t n, uint8_t* mask) {
-  at::parallel_for(0, n, kGrainBytes, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) mask[i] = (packed[i >> 3] >> (i & 7)) & 1;
+// Each packed byte's 8 bools as one 8-byte word (element k in byte k: little-endian, as pack8 reads them).
+const std::array<uint64_t, 256>& spread_table() {
+  static const std::array<uint64_t, 256> table = [] {
+    std::array<uint64_t, 256> t{};
+    for (int byte = 0; byte < 256; ++byte)
+      for (int k = 0; k < 8; ++k) t[byte] |= uint64_t((byte >> k) & 1) << (8 * k);
+    return t;
+  }();
+  return table;
+}
+
+void unpack_bool_impl(const uint8_t* __restrict packed, int64_t n, uint8_t* __restrict mask) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a word's byte k is element k");
+  const uint64_t* spread = spread_table().data();
+  const int64_t whole = n / 8;  // packed bytes all of whose bits are elements
+  // By value: a uint8_t store may alias anything, so pointers captured by reference would be read again each byte
+  at::parallel_for(0, whole, kGrainBytes / 8, [=](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) std::memcpy(mask + 8 * b, spread + packed[b], 8);
   });
+  for (int64_t i = whole * 8; i < n; ++i) mask[i] = (packed[i >> 3] >> (i & 7)) & 1;
 }
 
 }  // namespace

@@ -56,7 +56,8 @@ struct BinCell {
 template <typename T>
 void bins_by_cell(const T* x, int64_t n, const BinCell* cells, int64_t count, float first, float inv, float top,
                   uint8_t* packed) {
-  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [&](int64_t i0, int64_t i1) {
+  // By value: a uint8_t store may alias anything, so values captured by reference would be read again each element
+  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [=](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float v = to_float(x[i]);
       // std::max(0, NaN) is 0 (it returns its first argument unless that is less); NaN's code is set below
@@ -70,7 +71,7 @@ void bins_by_cell(const T* x, int64_t n, const BinCell* cells, int64_t count, fl
 template <typename T, int STEPS>
 void bins_searched(const T* x, int64_t n, const float* e, const int32_t* lut, int64_t count, float first, float inv,
                    float top, uint8_t* packed) {
-  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, n, grain(int64_t(sizeof(T))), [=](int64_t i0, int64_t i1) {  // by value, as above
     for (int64_t i = i0; i < i1; ++i) {
       const float v = to_float(x[i]);
       int32_t code = lut[int32_t(std::min(top, std::max(0.0f, (v - first) * inv)))];
