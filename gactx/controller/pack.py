@@ -207,8 +207,10 @@ class PackPath:
         found = output_rule(t, self._claimed)
         if found is not None:
             return found
-        if not self.tracker.inside and t.grad_fn is None and not t.requires_grad:
-            return None, CONSTANT  # outside the forward, unwatched: it may be a float dropout mask
+        if not self.tracker.inside and t.grad_fn is None and not t.requires_grad and not in_backward():
+            # Outside the forward, unwatched: it may be a float dropout mask. Not a recomputation's save in backward
+            # (a checkpointed region's, whose tensors have no history there): those are the region's own ops'.
+            return None, CONSTANT
         return None, UNKNOWN
 
     def sketchable(self, slot: Slot) -> bool:
