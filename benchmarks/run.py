@@ -17,6 +17,7 @@ Writes models.csv, models.json and models.md (and batch_throughput.png with --sw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 from operator import itemgetter
@@ -114,31 +115,47 @@ def saved_bytes(method: Method, inputs, target) -> dict:
     return row
 
 
+TRAIN_SEED = 0  # every run's dropout draws: the same for each method, whatever ran before it
+
+
+def _random_as_eager():
+    """Inductor's random ops drawing from torch's global RNG as eager ops do (its own are seeded apart)."""
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
 def run_one(name: str, method_name: str, precision: str, args: argparse.Namespace, compiled: bool = False) -> dict:
+    """One model trained one way: its step time, saved bytes, final loss and accuracy. Every run draws the same
+    dropout masks (the global RNG seeded with ``TRAIN_SEED`` before its first step; a compiled run's random ops
+    draw from it as eager ones do, Inductor's ``fallback_random``), so its rows differ by the method alone."""
     w = workloads.build(name, args.size, args.device)
     batch = args.batch or w.default_batch
     method = Method(method_name, w, precision, compiled)
     gen = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(w.model.parameters(), lr=w.lr)
     row = {"model": name, "size": args.size, "method": method.label, "batch": batch}
+    random = _random_as_eager() if compiled else contextlib.nullcontext()
     try:
-        inputs, target = w.make_batch(batch, gen)
-        losses = [train_step(method, optimizer, inputs, target) for _ in range(args.warmup)]
-        seconds = median_step_seconds(
-            lambda: losses.append(train_step(method, optimizer, inputs, target)),
-            args.timed, 0, args.device == "cuda",
-        )  # fmt: skip
-        row |= {"step_ms": seconds * 1e3, "samples_per_s": batch / seconds}
-        row |= saved_bytes(method, inputs, target)
-        for _ in range(max(0, args.train_steps - len(losses))):
-            losses.append(train_step(method, optimizer, *w.make_batch(batch, gen)))
-        held_out = w.make_batch(batch, torch.Generator().manual_seed(12345))
-        row |= {"final_loss": sum(losses[-3:]) / len(losses[-3:]), "accuracy": workloads.accuracy(w, *held_out)}
-        if args.max_batch:
-            fits = lambda b: _fits(name, method_name, precision, b, args, compiled=compiled) is not None  # noqa: E731
-            row["max_batch"], _ = max_batch(fits, batch)
-        if args.sweep:
-            row["sweep"] = _sweep(name, method_name, precision, batch, args, compiled)
+        with random:
+            torch.manual_seed(TRAIN_SEED)
+            inputs, target = w.make_batch(batch, gen)
+            losses = [train_step(method, optimizer, inputs, target) for _ in range(args.warmup)]
+            seconds = median_step_seconds(
+                lambda: losses.append(train_step(method, optimizer, inputs, target)),
+                args.timed, 0, args.device == "cuda",
+            )  # fmt: skip
+            row |= {"step_ms": seconds * 1e3, "samples_per_s": batch / seconds}
+            row |= saved_bytes(method, inputs, target)
+            for _ in range(max(0, args.train_steps - len(losses))):
+                losses.append(train_step(method, optimizer, *w.make_batch(batch, gen)))
+            held_out = w.make_batch(batch, torch.Generator().manual_seed(12345))
+            row |= {"final_loss": sum(losses[-3:]) / len(losses[-3:]), "accuracy": workloads.accuracy(w, *held_out)}
+            if args.max_batch:
+                fits = lambda b: _fits(name, method_name, precision, b, args, compiled=compiled) is not None  # noqa: E731
+                row["max_batch"], _ = max_batch(fits, batch)
+            if args.sweep:
+                row["sweep"] = _sweep(name, method_name, precision, batch, args, compiled)
     finally:
         method.close()
     return row
