@@ -177,9 +177,9 @@ BERT_SIZES = {
 # pre-training rate instead: 12-24 post-LayerNorm layers without warm-up are the unstable case.
 TRANSFORMER_LR = {"full": 1e-4, "small": 1e-3, "tiny": 1e-3}
 # Small BERT at 1e-3 learns its task in 30 steps and then swings: its final loss moved from 0.003 to 0.5 with the
-# dropout draws, whatever the method, so one run compared methods by chance. At 3e-4 every draw reaches 100%
-# held-out accuracy, full precision and L1 within 0.04 of each other's loss (three seeds each).
-BERT_SMALL_LR = 3e-4
+# dropout draws, whatever the method, so one run compared methods by chance. At 5e-4 every draw reaches 100%
+# held-out accuracy in 30 steps, full precision and L1 within 0.005 of each other's loss (three seeds each).
+BERT_SMALL_LR = 5e-4
 CLS, MARKER, FIRST_WORD = 2, 3, 4  # ids below FIRST_WORD never occur at random: the marker is only where put
 
 # size -> (image, patch, layers, hidden, heads, intermediate, labels, default batch)
