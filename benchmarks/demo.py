@@ -76,14 +76,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for model, methods, compiled in groups:  # a model's rows as soon as its runs end
         timed = argparse.Namespace(**{**vars(run_args), "timed": 5 if compiled else 1})
-        group = []
+        group, trained = [], None if compiled else []
         for method in methods:
             progress.set_description(f"{model} {method}{'+compile' if compiled else ''}")
-            group.append(run_one(model, method, "fp32", timed, compiled=compiled))
+            group.append(run_one(model, method, "fp32", timed, compiled=compiled, keep=trained))
             progress.update()
         if not compiled:  # step times of the methods in turns: other load on the machine falls on each alike
             progress.set_description(f"{model} step times")
-            step_ms = alternated_step_ms(model, list(methods), "fp32", run_args)
+            step_ms = alternated_step_ms(model, list(methods), "fp32", run_args, trained=trained)
             for row, method in zip(group, methods, strict=True):
                 row["step_ms"] = step_ms[method]
                 row["samples_per_s"] = row["batch"] / (step_ms[method] / 1e3)

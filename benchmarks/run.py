@@ -125,10 +125,15 @@ def _random_as_eager():
     return config.patch(fallback_random=True)
 
 
-def run_one(name: str, method_name: str, precision: str, args: argparse.Namespace, compiled: bool = False) -> dict:
+def run_one(
+    name: str, method_name: str, precision: str, args: argparse.Namespace, compiled: bool = False,
+    keep: list | None = None,
+) -> dict:  # fmt: skip
     """One model trained one way: its step time, saved bytes, final loss and accuracy. Every run draws the same
     dropout masks (the global RNG seeded with ``TRAIN_SEED`` before its first step; a compiled run's random ops
-    draw from it as eager ones do, Inductor's ``fallback_random``), so its rows differ by the method alone."""
+    draw from it as eager ones do, Inductor's ``fallback_random``), so its rows differ by the method alone.
+    ``keep``: a list the trained run is appended to, suspended, as ``(method, step)`` for :func:`alternated_step_ms`
+    to time (it then closes it), instead of closed here: an adaptive level's first adaptation is not paid twice."""
     w = workloads.build(name, args.size, args.device)
     batch = args.batch or w.default_batch
     method = Method(method_name, w, precision, compiled)
@@ -156,22 +161,29 @@ def run_one(name: str, method_name: str, precision: str, args: argparse.Namespac
                 row["max_batch"], _ = max_batch(fits, batch)
             if args.sweep:
                 row["sweep"] = _sweep(name, method_name, precision, batch, args, compiled)
-    finally:
+    except BaseException:
         method.close()
+        raise
+    if keep is None:
+        method.close()
+    else:
+        method.suspend()
+        keep.append((method, functools.partial(train_step, method, optimizer, inputs, target)))
     return row
 
 
 def alternated_step_ms(
     name: str, method_names: list[str], precision: str, args: argparse.Namespace, compiled: bool = False,
-    rounds: int = 5, steps: int = 2,
+    rounds: int = 5, steps: int = 2, trained: list | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """Median step time (ms) of each method, timed in turns: a fresh model each, ``args.warmup`` steps each
     (gactx's first adaptation among them), then ``rounds`` rounds of ``steps`` steps of every method in turn,
     so that whatever else the machine does falls on each method alike. One method's gactx hooks are installed
-    at a time (saved-tensor hooks act on every model of the thread)."""
-    runs = []
+    at a time (saved-tensor hooks act on every model of the thread). ``trained``: the runs :func:`run_one` kept,
+    timed instead of fresh ones (their warm-up steps are then past any first adaptation); closed here."""
+    runs = [(method, step, None) for method, step in trained or []]
     try:
-        for method_name in method_names:
+        for method_name in [] if trained else method_names:
             w = workloads.build(name, args.size, args.device)
             method = Method(method_name, w, precision, compiled)
             method.suspend()

@@ -15,8 +15,11 @@ def test_a_models_rows_are_printed_as_its_runs_end(capsys, monkeypatch):
         printed.append(((model, method), capsys.readouterr().out))
         return run_one(model, method, *args, **kwargs)
 
-    def alternated(model, methods, *args, **kwargs):
+    def alternated(model, methods, *args, trained=None, **kwargs):
         timed.append((model, tuple(methods)))
+        assert [m.name for m, _ in trained] == list(methods)  # the trained runs, timed as they are
+        for method, _ in trained:
+            method.close()
         return {m: 1.0 + i for i, m in enumerate(methods)}
 
     monkeypatch.setattr(demo, "run_one", recording)

@@ -71,6 +71,30 @@ def test_step_times_in_turns_leave_no_hooks_installed():
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
+def test_trained_runs_are_timed_as_they_are_and_adapt_once():
+    """The demo times the runs it trained: an adaptive level's first adaptation is paid once, not again on a fresh
+    model, and the runs are closed after."""
+    import argparse
+
+    import torch
+
+    from benchmarks.run import alternated_step_ms, run_one
+
+    args = argparse.Namespace(
+        size="tiny", device="cpu", batch=None, train_steps=3, warmup=1, timed=1, max_batch=False, sweep=False
+    )
+    kept = []
+    for method in ("fp", "L2.2"):
+        run_one("sage", method, "fp32", args, keep=kept)
+    (_, _), (adaptive, _) = kept
+    first = adaptive.controller.last_adaptation
+    assert first is not None
+    times = alternated_step_ms("sage", ["fp", "L2.2"], "fp32", args, rounds=2, steps=1, trained=kept)
+    assert list(times) == ["fp", "L2.2"] and all(t > 0 for t in times.values())
+    assert adaptive.controller.last_adaptation is first, "no second first adaptation"
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
 def test_a_merge_keeps_the_rows_of_the_folder_it_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")  # the committed results, here a copy's
     monkeypatch.setattr(harness, "RUNS", tmp_path / "runs")
