@@ -1,7 +1,7 @@
 """The demo: train small GNN, transformer and CNN models with and without gactx on the default device, and
 print what was saved and the loss reached.
 
-    python -m benchmarks.demo            # about 5 minutes on a 2-core CPU; the same models at full size:
+    python -m benchmarks.demo            # about 4 minutes on a 2-core CPU; the same models at full size:
     python -m benchmarks.run             # the benchmark (see --help)
 
 Models (generated data, nothing downloaded): GraphSAGE on a random graph shaped like ogbn-arxiv, BERT, ResNet-50
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _expected(cuda: bool, size: str) -> str:
     if size == "small" and not cuda:
-        return "about 5 min on 2 cores, a minute more the first time (the C++ kernels and Inductor compile)"
+        return "about 4 min on 2 cores, a minute more the first time (the C++ kernels and Inductor compile)"
     if size == "tiny":
         return "under a minute"
     return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
