@@ -95,3 +95,33 @@ def test_normal_scheme_does_not_win_on_uniform_distributed_groups(bits):
     x = _data("uniform")
     ratio = rounding_variance(x, bits, 256, "normal") / rounding_variance(x, bits, 256, "uniform")
     assert 0.97 < ratio < 1.1
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    with_specials = torch.randn(700, generator=g)
+    with_specials[3], with_specials[400], with_specials[650] = float("nan"), float("inf"), -float("inf")
+    wide = torch.randn(600, generator=g)
+    wide[::200] = 3e38
+    wide[1::200] = -3e38
+    yield "outlier", _data("outlier", 1000, seed=4) * 3 + 1
+    yield "uniform", _data("uniform", 4096, seed=5)
+    yield "specials", with_specials
+    yield "past float32", wide
+    yield "tiny", torch.randn(512, generator=g) * 1e-40
+    yield "constant", torch.full((300,), -2.5)
+
+
+@pytest.mark.parametrize("name, x", list(_inputs()), ids=[n for n, _ in _inputs()])
+def test_every_width_at_once_is_the_exact_variance(name, x):
+    """The collecting step's closed forms (one pass of group statistics, then every width) against the exact
+    levels: the same to float32 rounding."""
+    from gactx.kernels.variance import normal_variances, uniform_variances
+
+    for scheme, widths, fast in (("uniform", (1, 2, 4, 8), uniform_variances), ("normal", (2, 4, 8), normal_variances)):
+        got = fast(x, widths, 256)
+        for bits in widths:
+            exact = float(rounding_variance(x, bits, 256, scheme))
+            value = float(got[bits])
+            assert got[bits].dtype == torch.float32 and got[bits].dim() == 0
+            assert value == exact or abs(value - exact) <= 1e-5 * abs(exact), (scheme, bits, value, exact)
