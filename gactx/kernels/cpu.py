@@ -192,6 +192,19 @@ def normal_dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_
     return out
 
 
+def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> torch.Tensor:
+    """``variance.uniform_variances`` of a contiguous CPU tensor: float64, one sum a width, in ``widths``' order."""
+    factors = [step_factor((1 << b) - 1) for b in widths]
+    special = [step_factor((1 << b) - 2) for b in widths]
+    return built.uniform_variances(flat, group_size, list(widths), factors, special)
+
+
+def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> torch.Tensor:
+    """``variance.normal_variances`` of a contiguous CPU tensor: float64, one sum a width, in ``widths``' order."""
+    shapes = [_normal_shape(b) for b in widths]
+    return built.normal_variances(flat, group_size, list(widths), [f for f, _ in shapes], [t for _, t in shapes])
+
+
 def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
     """``torch.bucketize(flat, edges)`` packed ``8 / bits`` codes a byte (the layout of ``codes.py``)."""
     packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gactx.kernels import cpu
 from gactx.kernels.format import SCHEME_BITS, SCHEMES, pack_planes, unpack_planes
 from gactx.kernels.schemes.normal.reference import _encode_meta, _padded, _segments, normal_levels
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, step_factor
@@ -60,6 +61,12 @@ def rounding_variance(flat: torch.Tensor, bits: int, group_size: int, scheme: st
     return error.sum().float()
 
 
+def _on_cpu_kernels(flat: torch.Tensor) -> bool:
+    """Whether the C++ kernels compute the closed forms here (a CPU tensor of a dtype they take, and built)."""
+    taken = (torch.float32, torch.bfloat16, torch.float16)
+    return flat.device.type == "cpu" and flat.dtype in taken and cpu.available()
+
+
 def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> dict[int, torch.Tensor]:
     """:func:`rounding_variance` of the uniform scheme at each of ``widths`` (1 to 8 bits), from each group's
     range found once, in closed form: an element at ``r = (x - lo) / step`` steps from its group's lowest level
@@ -71,6 +78,8 @@ def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: i
     n = flat.numel()
     if n == 0:
         return {b: torch.zeros((), dtype=torch.float32, device=flat.device) for b in widths}
+    if _on_cpu_kernels(flat):
+        return dict(zip(widths, cpu.uniform_variances(flat.contiguous(), widths, group_size).float(), strict=True))
     groups = -(-n // group_size)
     x = torch.nn.functional.pad(flat.double(), (0, groups * group_size - n), value=float("nan"))
     x = x.view(groups, group_size)
@@ -107,6 +116,8 @@ def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: in
     flat = flat.detach().reshape(-1)
     if flat.numel() == 0:
         return {b: torch.zeros((), dtype=torch.float32, device=flat.device) for b in widths}
+    if _on_cpu_kernels(flat):
+        return dict(zip(widths, cpu.normal_variances(flat.contiguous(), widths, group_size).float(), strict=True))
     x, valid = _padded(flat, group_size)
     meta = _encode_meta(x, valid)
     live = valid & torch.isfinite(x)

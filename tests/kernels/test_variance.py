@@ -112,11 +112,18 @@ def _inputs():
     yield "constant", torch.full((300,), -2.5)
 
 
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
 @pytest.mark.parametrize("name, x", list(_inputs()), ids=[n for n, _ in _inputs()])
-def test_every_width_at_once_is_the_exact_variance(name, x):
-    """The collecting step's closed forms (one pass of group statistics, then every width) against the exact
-    levels: the same to float32 rounding."""
+def test_every_width_at_once_is_the_exact_variance(name, x, kernels, monkeypatch):
+    """The collecting step's closed forms (one pass of group statistics, then every width; C++ on a CPU, torch ops
+    elsewhere) against the exact levels: the same to float32 rounding."""
+    from gactx.kernels import cpu, variance
     from gactx.kernels.variance import normal_variances, uniform_variances
+
+    if kernels == "cpp" and not cpu.available():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    if kernels == "torch":
+        monkeypatch.setattr(variance, "_on_cpu_kernels", lambda flat: False)
 
     for scheme, widths, fast in (("uniform", (1, 2, 4, 8), uniform_variances), ("normal", (2, 4, 8), normal_variances)):
         got = fast(x, widths, 256)

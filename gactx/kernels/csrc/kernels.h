@@ -16,12 +16,18 @@ void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits,
 void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
                    int64_t seed, double factor, double factor_special);
 void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group);
+// The expected squared error of stochastic rounding at each width, float64 (variance.py's uniform_variances).
+at::Tensor uniform_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths, std::vector<double> factors,
+                             std::vector<double> special_factors);
 
 // schemes/normal/normal.cpp: normal-fitted levels (schemes/normal/format.py).
 std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic,
                                                    int64_t seed, std::vector<double> factors, int64_t tails);
 void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,
                        std::vector<double> factors, int64_t tails);
+// The same as uniform_variances, on the normal scheme's levels (variance.py's normal_variances).
+at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths,
+                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails);
 
 // codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
 void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits);

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &gactx::dequantize);
   m.def("normal_quantize", &gactx::normal_quantize);
   m.def("normal_dequantize", &gactx::normal_dequantize);
+  m.def("uniform_variances", &gactx::uniform_variances);
+  m.def("normal_variances", &gactx::normal_variances);
   m.def("encode_bins", &gactx::encode_bins);
   m.def("decode_table", &gactx::decode_table);
   m.def("pack_bool", &gactx::pack_bool);

@@ -56,6 +56,48 @@ Knots normal_knots(float lo, float hi, int32_t c16, int32_t d16, bool special, i
   return t;
 }
 
+struct Fit {  // what a group's metadata holds: its ends, and its centre and deviation in 16-bit fixed point
+  float lo, hi;
+  int32_t c16, d16;
+  bool special;
+};
+
+// A group's fit from its m values v and their range: mean and deviation in fixed point, each element's fraction of
+// the range in u (m int32), integer sums (normal.py's _encode_meta).
+Fit fit_group(const float* v, int64_t m, const GroupRange& range, int32_t* u) {
+  const float fmin = range.fmin + 0.0f, fmax = range.fmax + 0.0f;  // -0 as +0
+  const bool special = range.special();
+  const float lo = special ? 0.0f : fmin;
+  const float hi = special ? std::max(-fmin, fmax) + 0.0f : fmax;
+  const float base = special ? -hi : lo;
+  const float scale = hi - base <= kFltMax ? 1.0f : 0.25f;
+  const float a0 = base * scale;
+  const float span = hi * scale - a0;
+  float r = 0.0f;
+  if (span > 0.0f) {
+    r = (1.0f / span) * kFraction;
+    r = r > kFltMax ? kFltMax : r;
+  }
+  int32_t total = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    float w = (v[k] * scale - a0) * r;
+    w = w > kFraction ? kFraction : w;
+    u[k] = int32_t(finite(v[k]) ? w + 0.5f : 0.0f);
+    total += u[k];
+  }
+  const int32_t count = int32_t(m);
+  int32_t c16 = std::min((total + count / 2) / count, 65535);
+  int32_t squares = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const int32_t e = (std::abs(u[k] - c16) + 32) >> kDevShift;
+    squares += finite(v[k]) ? e * e : 0;
+  }
+  const float var = float(squares) / float(count);
+  int32_t d16 = std::min(int32_t(std::sqrt(var) * 64.0f + 0.5f), 65535);
+  if (special) c16 = d16 = 0;
+  return Fit{lo, hi, c16, d16, special};
+}
+
 // Codes of a group's m values v (finite or not) into q, noise 1 + u from ``noise(k)``: an element's segment by two
 // comparisons, then the uniform scheme's rounding inside it (normal.py's _codes).
 template <typename Noise>
@@ -95,40 +137,11 @@ void normal_quantize_impl(const T* x, int64_t n, uint8_t* codes, int32_t* meta, 
       const T* xg = x + start;
       // The finite range and the non-finite values there are (read_group: as the uniform scheme reads them).
       const GroupRange range = read_group(xg, m, v.data());
-      const float fmin = range.fmin + 0.0f, fmax = range.fmax + 0.0f;  // -0 as +0
-      const bool special = range.special();
-      const float lo = special ? 0.0f : fmin;
-      const float hi = special ? std::max(-fmin, fmax) + 0.0f : fmax;
-
-      // Mean and deviation in fixed point: each element's fraction U of the range, integer sums (int32).
-      const float base = special ? -hi : lo;
-      const float scale = hi - base <= kFltMax ? 1.0f : 0.25f;
-      const float a0 = base * scale;
-      const float span = hi * scale - a0;
-      float r = 0.0f;
-      if (span > 0.0f) {
-        r = (1.0f / span) * kFraction;
-        r = r > kFltMax ? kFltMax : r;
-      }
-      int32_t total = 0;
-      for (int64_t k = 0; k < m; ++k) {
-        float w = (v[k] * scale - a0) * r;
-        w = w > kFraction ? kFraction : w;
-        u[k] = int32_t(finite(v[k]) ? w + 0.5f : 0.0f);
-        total += u[k];
-      }
-      const int32_t count = int32_t(m);
-      int32_t c16 = std::min((total + count / 2) / count, 65535);
-      int32_t squares = 0;
-      for (int64_t k = 0; k < m; ++k) {
-        const int32_t e = (std::abs(u[k] - c16) + 32) >> kDevShift;
-        squares += finite(v[k]) ? e * e : 0;
-      }
-      const float var = float(squares) / float(count);
-      int32_t d16 = std::min(int32_t(std::sqrt(var) * 64.0f + 0.5f), 65535);
-      if (special) c16 = d16 = 0;
-      const uint32_t kind = bits_of(range.kind());
-      meta[3 * g] = int32_t(special ? kind : bits_of(lo));
+      const Fit fit = fit_group(v.data(), m, range, u.data());
+      const float lo = fit.lo, hi = fit.hi;
+      const int32_t c16 = fit.c16, d16 = fit.d16;
+      const bool special = fit.special;
+      meta[3 * g] = int32_t(special ? bits_of(range.kind()) : bits_of(lo));
       meta[3 * g + 1] = int32_t(bits_of(hi));
       meta[3 * g + 2] = int32_t(uint32_t(c16) | (uint32_t(d16) << 16));
 
@@ -195,6 +208,45 @@ void normal_dequantize_impl(const uint8_t* codes, const int32_t* meta, T* out, i
   });
 }
 
+// The expected squared error of stochastic rounding at each of ``widths`` (variance.py's normal_variances): a
+// group's fit once, then, a width at a time, each element's segment and step^2 f (1 - f), f the fraction of its
+// position on the segment's grid (capped at the segment's intervals, as normal_codes caps). Sums in float64.
+template <typename T>
+void normal_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<int64_t>& widths,
+                           const std::vector<NormalShape>& shapes, double* partial) {
+  const int64_t groups = (n + G - 1) / G, nw = int64_t(widths.size());
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    std::vector<float> v(G);
+    std::vector<int32_t> u(G);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * G, m = std::min(G, n - start);
+      const GroupRange range = read_group(x + start, m, v.data());
+      const Fit fit = fit_group(v.data(), m, range, u.data());
+      for (int64_t w = 0; w < nw; ++w) {
+        const int L = (1 << widths[w]) - 1;
+        const Knots t = normal_knots(fit.lo, fit.hi, fit.c16, fit.d16, fit.special, L, shapes[w]);
+        const float inv0 = t.s0 > 0.0f ? 1.0f / t.s0 : 0.0f, inv1 = t.s1 > 0.0f ? 1.0f / t.s1 : 0.0f;
+        const float inv2 = t.s2 > 0.0f ? 1.0f / t.s2 : 0.0f;
+        double sum = 0.0;
+        for (int64_t k = 0; k < m; ++k) {
+          if (!finite(v[k])) continue;
+          const float xs = v[k] * t.scale;
+          const bool up = xs >= t.a2, mid = xs >= t.a1;
+          const float origin = up ? t.a2 : (mid ? t.a1 : t.a0), inv = up ? inv2 : (mid ? inv1 : inv0);
+          const double step = up ? t.s2 : (mid ? t.s1 : t.s0);
+          const int32_t cap = up ? t.n2 : (mid ? t.n1 : t.n0);
+          if (!(step > 0.0)) continue;
+          double s = double((xs - origin) * inv);
+          s = std::min(std::max(s, 0.0), double(cap));
+          const double frac = s - std::floor(s);
+          sum += step * step * frac * (1.0 - frac);
+        }
+        partial[g * nw + w] = t.scale < 1.0f ? 16.0 * sum : sum;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 NormalShape normal_shape(const std::vector<double>& factors, int64_t tails) {
@@ -219,6 +271,21 @@ std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, i
                    meta.data_ptr<int32_t>(), int(bits), group, stochastic, seed, f));
   }
   return {codes, meta};
+}
+
+at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths,
+                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && widths.size() == factors.size() &&
+              widths.size() == tails.size());
+  std::vector<NormalShape> shapes;
+  for (size_t w = 0; w < widths.size(); ++w) shapes.push_back(normal_shape(factors[w], tails[w]));
+  const int64_t n = x.numel(), groups = (n + group - 1) / group, nw = int64_t(widths.size());
+  at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
+  if (n) {
+    GACTX_DISPATCH(x.scalar_type(), normal_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, widths, shapes,
+                   partial.data_ptr<double>()));
+  }
+  return partial.sum(0);
 }
 
 void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,

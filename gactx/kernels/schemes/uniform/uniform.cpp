@@ -112,6 +112,45 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
   });
 }
 
+// The expected squared error of stochastic rounding at each of ``widths`` (variance.py's uniform_variances): a
+// group's range and steps as quantize_impl finds them, then step^2 f (1 - f) an element a width, f the fraction of
+// its position on the grid. Sums in float64, a group's into ``partial[g * widths + w]``.
+template <typename T>
+void uniform_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<int64_t>& widths,
+                            const std::vector<double>& factors, const std::vector<double>& special_factors,
+                            double* partial) {
+  const int64_t groups = (n + G - 1) / G, nw = int64_t(widths.size());
+  at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
+    std::vector<float> v(G);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t start = g * G, m = std::min(G, n - start);
+      const GroupRange r = read_group(x + start, m, v.data());
+      const float fmin = r.fmin, fmax = r.fmax;
+      const bool special = r.special();
+      const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
+      const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
+      const float origin = (special ? 0.0f : fmin) * scale;
+      for (int64_t w = 0; w < nw; ++w) {
+        const int L = (1 << widths[w]) - 1;
+        const float f = float(special ? special_factors[w] : factors[w]);
+        float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
+        step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
+        if (L == 1 && special) step = 0.0f;
+        double sum = 0.0;
+        if (step > 0.0f) {
+          const float inv = 1.0f / (step * scale), shift = special ? float((L - 1) / 2) : 0.0f;
+          for (int64_t k = 0; k < m; ++k) {
+            const float s = (v[k] * scale - origin) * inv + shift;
+            const double frac = double(s) - std::floor(double(s));
+            sum += (bits_of(v[k]) & 0x7F800000u) != 0x7F800000u ? frac * (1.0 - frac) : 0.0;
+          }
+        }
+        partial[g * nw + w] = sum * double(step) * double(step);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Outputs are allocated here: from Python each allocation costs more than a small tensor's kernel.
@@ -144,6 +183,20 @@ void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, i
   advise_huge_pages(out.data_ptr(), out.nbytes());
   GACTX_DISPATCH(out.scalar_type(), dequantize_impl<scalar>(codes, meta, out.data_ptr<scalar>(), out.numel(),
                  int(bits), group));
+}
+
+
+at::Tensor uniform_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths, std::vector<double> factors,
+                             std::vector<double> special_factors) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && widths.size() == factors.size() &&
+              widths.size() == special_factors.size());
+  const int64_t n = x.numel(), groups = (n + group - 1) / group, nw = int64_t(widths.size());
+  at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
+  if (n) {
+    GACTX_DISPATCH(x.scalar_type(), uniform_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, widths, factors,
+                   special_factors, partial.data_ptr<double>()));
+  }
+  return partial.sum(0);
 }
 
 }  // namespace gactx
