@@ -22,7 +22,9 @@ from gactx.kernels.schemes.normal.reference import _encode_meta, _padded, _segme
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, step_factor
 from gactx.kernels.schemes.uniform.reference import quantize_groups, torch_dequantize
 
-__all__ = ["normal_variances", "rounding_variance", "uniform_variances"]
+__all__ = ["SAMPLED_ELEMENTS", "group_sample", "normal_variances", "rounding_variance", "uniform_variances"]
+
+SAMPLED_ELEMENTS = 1 << 14  # what group_sample keeps of a large tensor: 64 groups of 256
 
 
 def _uniform_levels(flat: torch.Tensor, bits: int, group_size: int):
@@ -59,6 +61,19 @@ def rounding_variance(flat: torch.Tensor, bits: int, group_size: int, scheme: st
     error = ((x - below.double()) * (above.double() - x)).clamp(min=0)
     error = torch.where(live & torch.isfinite(error), error, 0.0)
     return error.sum().float()
+
+
+def group_sample(flat: torch.Tensor, group_size: int, budget: int = SAMPLED_ELEMENTS) -> tuple[torch.Tensor, float]:
+    """Evenly spaced whole groups of a 1-D tensor, about ``budget`` elements of them, and the factor that scales their
+    summed error to the tensor's (its elements over theirs); a tensor of fewer groups than that whole, factor 1. An
+    estimate of the total, for the free estimator's collecting step, which measures every width of every tensor:
+    the allocator weighs tensors against each other, and a few per cent of error in one moves no width."""
+    groups, keep = flat.numel() // group_size, max(1, budget // group_size)
+    stride = groups // keep
+    if stride < 2:
+        return flat, 1.0
+    sample = flat[: groups * group_size].view(groups, group_size)[::stride].reshape(-1)
+    return sample, flat.numel() / sample.numel()
 
 
 def _on_cpu_kernels(flat: torch.Tensor) -> bool:

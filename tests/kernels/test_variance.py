@@ -132,3 +132,19 @@ def test_every_width_at_once_is_the_exact_variance(name, x, kernels, monkeypatch
             value = float(got[bits])
             assert got[bits].dtype == torch.float32 and got[bits].dim() == 0
             assert value == exact or abs(value - exact) <= 1e-5 * abs(exact), (scheme, bits, value, exact)
+
+
+def test_a_sample_of_groups_estimates_a_large_tensors_total():
+    """group_sample: a small tensor whole; of a large one, evenly spaced groups whose scaled sum is the total to a
+    few per cent."""
+    from gactx.kernels.variance import SAMPLED_ELEMENTS, group_sample, uniform_variances
+
+    small = torch.randn(SAMPLED_ELEMENTS)
+    assert group_sample(small, 256) == (small, 1.0)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1 << 20, generator=g) * torch.linspace(0.5, 2.0, 1 << 20)  # groups of unequal ranges
+    sample, scale = group_sample(x, 256)
+    assert SAMPLED_ELEMENTS // 2 <= sample.numel() <= SAMPLED_ELEMENTS and scale == x.numel() / sample.numel()
+    for bits, value in uniform_variances(sample, (2, 4, 8), 256).items():
+        exact = float(rounding_variance(x, bits, 256))
+        assert abs(float(value) * scale - exact) <= 0.05 * exact, bits
