@@ -3,10 +3,21 @@ PYTHON ?= python3
 
 .PHONY: torch setup setup-demo test demo bench bench-kernels lint
 
-# torch is installed only when missing: a CPU-only machine takes torch 2.13.0 (its CPU build), and a
-# machine that already has torch (a CUDA build, say) keeps it.
+# torch is installed only when missing; a machine that already has torch (a CUDA build, say) keeps it. Without an
+# NVIDIA GPU it comes from PyTorch's CPU index where that answers (PyPI's Linux wheel is the CUDA build, several GB
+# with its nvidia-* packages), else from pip's own index. PIP_INSTALL=echo shows the command without running it.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_INSTALL ?= $(PYTHON) -m pip install --quiet
 torch:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install --quiet torch==2.13.0
+	@$(PYTHON) -c "import torch" 2>/dev/null || { \
+		if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -c "import urllib.request as u; \
+			u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1; then \
+			echo "no NVIDIA GPU: torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX)"; \
+			$(PIP_INSTALL) torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX); \
+		else \
+			$(PIP_INSTALL) torch==$(TORCH_VERSION); \
+		fi; }
 
 # Tests and benchmarks: gactx with its test and benchmark extras.
 setup: torch
