@@ -171,8 +171,7 @@ class PackPath:
         key = self.tracker.key(t)
         slot, ptr = key.slot, ptr or 0
         if cfg.dedupe and stats.holds(ptr):
-            stats.deduplicated += 1  # its storage is already kept as is: another view of it costs no copy
-            stats.extend(t, ptr)
+            stats.extend(t, ptr)  # its storage is already kept as is: another view of it costs no copy
             return Kept.of(t)
         if reason is not None or cfg.bits is None:
             stats.record(t, key, ptr, None, None, None, reason or "L0")
@@ -232,7 +231,6 @@ class PackPath:
         if self.config.dedupe and self.stats.holds(ptr):
             # Kept as is by a save resolved just before (a log_softmax result that nll_loss saves as its input):
             # what an unwatched pass finds at the save itself, where that one is already recorded.
-            self.stats.deduplicated += 1
             self.stats.extend(t, ptr)
             handle.stored = as_is(t)
             return

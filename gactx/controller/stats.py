@@ -137,8 +137,9 @@ class PassStats:
             self.held[ptr] = owner
 
     def extend(self, t: torch.Tensor, ptr: int) -> None:
-        """Another view of a storage this pass keeps as it is (no record of its own): the bytes it covers that
-        no saved view covered yet."""
+        """Another view of a storage this pass keeps as it is (no record of its own): a deduplicated save, and the
+        bytes it covers that no saved view covered yet."""
+        self.deduplicated += 1
         added = self._cover(t, ptr, True) if ptr in self.live else 0
         if added:
             held, why = self.kept_storages.get(ptr, (0, "kept"))

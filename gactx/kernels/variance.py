@@ -22,7 +22,10 @@ from gactx.kernels.schemes.normal.reference import _encode_meta, _padded, _segme
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, step_factor
 from gactx.kernels.schemes.uniform.reference import quantize_groups, torch_dequantize
 
-__all__ = ["SAMPLED_ELEMENTS", "group_sample", "normal_variances", "rounding_variance", "uniform_variances"]
+__all__ = [
+    "SAMPLED_ELEMENTS", "estimated_variances", "group_sample", "normal_variances", "rounding_variance",
+    "uniform_variances",
+]  # fmt: skip
 
 SAMPLED_ELEMENTS = 1 << 14  # what group_sample keeps of a large tensor: 64 groups of 256
 
@@ -76,10 +79,11 @@ def group_sample(flat: torch.Tensor, group_size: int, budget: int = SAMPLED_ELEM
     return sample, flat.numel() / sample.numel()
 
 
-def _on_cpu_kernels(flat: torch.Tensor) -> bool:
-    """Whether the C++ kernels compute the closed forms here (a CPU tensor of a dtype they take, and built)."""
-    taken = (torch.float32, torch.bfloat16, torch.float16)
-    return flat.device.type == "cpu" and flat.dtype in taken and cpu.available()
+def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int, scheme: str):
+    """:func:`uniform_variances` or :func:`normal_variances` (``scheme``) of a :func:`group_sample` of ``flat``,
+    scaled to the whole tensor: what ``ChoiceMeter`` measures of each scheme."""
+    sample, scale = group_sample(flat.detach().reshape(-1), group_size)
+    return _closed_form(sample, widths, group_size, scheme, scale)
 
 
 def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> dict[int, torch.Tensor]:
@@ -88,27 +92,53 @@ def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: i
     costs ``step**2 f (1 - f)``, ``f`` the fraction of ``r``. Groups holding NaN or +-Inf use their grid centred
     on zero. Computed in float64 from the step the quantizer stores (its float32 rounding aside), it matches the
     exact levels to about 1e-6 of a step; a tenth of the exact function's cost a width, for the free estimator's
-    collecting step (``ChoiceMeter``), which measures every width of every tensor."""
+    collecting step (``ChoiceMeter``), which measures every width of every tensor. C++ on a CPU, torch ops
+    elsewhere."""
+    return _closed_form(flat, widths, group_size, "uniform")
+
+
+def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> dict[int, torch.Tensor]:
+    """:func:`rounding_variance` of the normal scheme at each of ``widths``, the metadata fitted once (it does not
+    depend on the width) and each element's error in closed form on its segment's uniform grid, as
+    :func:`uniform_variances` does: ``step**2 f (1 - f)``. Matches the exact levels to float32 rounding (where two
+    segments meet, the exact function takes the next segment's first level; here the segment's own top)."""
+    return _closed_form(flat, widths, group_size, "normal")
+
+
+def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0) -> dict:
+    """Each width's summed error (float64), times ``scale``, as a 0-d float32 tensor a width: the C++ kernels where
+    they take the tensor, else the torch form."""
     flat = flat.detach().reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        return {b: torch.zeros((), dtype=torch.float32, device=flat.device) for b in widths}
-    if _on_cpu_kernels(flat):
-        return dict(zip(widths, cpu.uniform_variances(flat.contiguous(), widths, group_size).float(), strict=True))
-    groups = -(-n // group_size)
-    x = torch.nn.functional.pad(flat.double(), (0, groups * group_size - n), value=float("nan"))
-    x = x.view(groups, group_size)
-    finite = torch.isfinite(x)
-    special = (~finite).any(1)
-    if n % group_size:  # the padding is no element: a special value only where the tensor holds one
-        special[-1] = (~torch.isfinite(flat[(groups - 1) * group_size :])).any()
+    if flat.numel() == 0:
+        sums = torch.zeros(len(widths), dtype=torch.float64, device=flat.device)
+    elif _on_cpu_kernels(flat):
+        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
+        sums = kernel(flat.contiguous(), widths, group_size)
+    else:
+        padded, valid = _padded(flat, group_size)
+        form = _uniform_sums if scheme == "uniform" else _normal_sums
+        sums = torch.stack(form(padded, valid, widths, group_size))
+    return dict(zip(widths, (sums * scale).float().unbind(), strict=True))
+
+
+def _on_cpu_kernels(flat: torch.Tensor) -> bool:
+    """Whether the C++ kernels compute the closed forms here (a CPU tensor of a dtype they take, and built)."""
+    taken = (torch.float32, torch.bfloat16, torch.float16)
+    return flat.device.type == "cpu" and flat.dtype in taken and cpu.available()
+
+
+def _uniform_sums(x: torch.Tensor, valid: torch.Tensor, widths: tuple[int, ...], group_size: int) -> list:
+    """The uniform closed form's float64 sum a width, of the padded groups ``x`` (``valid``: real elements)."""
+    x = x.double()
+    finite = valid & torch.isfinite(x)
+    special = (valid & ~finite).any(1)
     inf = float("inf")
     fmin = torch.where(finite, x, inf).amin(1)
     fmax = torch.where(finite, x, -inf).amax(1)
     fmin, fmax = torch.where(fmin < inf, fmin, 0.0), torch.where(fmax > -inf, fmax, 0.0)
     span = torch.where(special, 2.0 * torch.maximum(-fmin, fmax), fmax - fmin)
     x = torch.where(finite, x, 0.0)
-    out = {}
+    sums = []
     for bits in widths:
         levels = (1 << bits) - 1
         factor = torch.where(special, step_factor(levels - 1), step_factor(levels))
@@ -119,24 +149,15 @@ def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: i
         r = (x - origin[:, None]) / torch.where(step > 0, step, 1.0)[:, None]
         f = r - r.floor()
         error = (step * step)[:, None] * f * (1 - f)
-        out[bits] = torch.where(finite & (step > 0)[:, None], error, 0.0).sum().float()
-    return out
+        sums.append(torch.where(finite & (step > 0)[:, None], error, 0.0).sum())
+    return sums
 
 
-def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> dict[int, torch.Tensor]:
-    """:func:`rounding_variance` of the normal scheme at each of ``widths``, the metadata fitted once (it does not
-    depend on the width) and each element's error in closed form on its segment's uniform grid, as
-    :func:`uniform_variances` does: ``step**2 f (1 - f)``. Matches the exact levels to float32 rounding (where two
-    segments meet, the exact function takes the next segment's first level; here the segment's own top)."""
-    flat = flat.detach().reshape(-1)
-    if flat.numel() == 0:
-        return {b: torch.zeros((), dtype=torch.float32, device=flat.device) for b in widths}
-    if _on_cpu_kernels(flat):
-        return dict(zip(widths, cpu.normal_variances(flat.contiguous(), widths, group_size).float(), strict=True))
-    x, valid = _padded(flat, group_size)
+def _normal_sums(x: torch.Tensor, valid: torch.Tensor, widths: tuple[int, ...], group_size: int) -> list:
+    """The normal closed form's float64 sum a width, of the padded groups ``x`` (``valid``: real elements)."""
     meta = _encode_meta(x, valid)
     live = valid & torch.isfinite(x)
-    out = {}
+    sums = []
     for bits in widths:
         xs, origin, step, _, count, scale = _segments(x, meta, bits)
         step, unscale = step.double(), torch.where(scale < 1, 4.0, 1.0).double()[:, None]
@@ -144,5 +165,5 @@ def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: in
         r = torch.minimum(r, count.double())
         f = r - r.floor()
         error = (step * unscale) ** 2 * f * (1 - f)
-        out[bits] = torch.where(live & (step > 0) & torch.isfinite(error), error, 0.0).sum().float()
-    return out
+        sums.append(torch.where(live & (step > 0) & torch.isfinite(error), error, 0.0).sum())
+    return sums

@@ -10,7 +10,7 @@ from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.functional import quantize
 from gactx.kernels.schemes import Choice, Scheme
 from gactx.kernels.schemes.normal.format import NORMAL_BITS
-from gactx.kernels.variance import group_sample, normal_variances
+from gactx.kernels.variance import estimated_variances
 
 __all__ = ["NormalScheme"]
 
@@ -19,8 +19,8 @@ class NormalScheme(Scheme):
     name = "normal"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        sample, scale = group_sample(flat, group_size)
-        return {Choice(b, "normal"): v * scale for b, v in normal_variances(sample, NORMAL_BITS, group_size).items()}
+        measured = estimated_variances(flat, NORMAL_BITS, group_size, "normal")
+        return {Choice(b, "normal"): v for b, v in measured.items()}
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size, scheme="normal")

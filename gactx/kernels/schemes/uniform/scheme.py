@@ -7,7 +7,7 @@ import torch
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.functional import quantize
 from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
-from gactx.kernels.variance import group_sample, uniform_variances
+from gactx.kernels.variance import estimated_variances
 
 __all__ = ["UniformScheme"]
 
@@ -16,8 +16,8 @@ class UniformScheme(Scheme):
     name = "uniform"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        sample, scale = group_sample(flat, group_size)
-        return {Choice(b): v * scale for b, v in uniform_variances(sample, CODE_WIDTHS, group_size).items()}
+        measured = estimated_variances(flat, CODE_WIDTHS, group_size, "uniform")
+        return {Choice(b): v for b, v in measured.items()}
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size)

@@ -6,10 +6,30 @@
 namespace gactx {
 namespace {
 
+// A group's grid (format.py): its step, as the metadata stores it, and how an element is placed on it,
+// (x * scale - origin) * inv + shift steps above the lowest level. A finite group whose span overflowed:
+// step = fmax * f - fmin * f, elements at a quarter of their value (scale).
+struct Grid {
+  float step, scale, origin, inv, shift;
+};
+
+inline Grid group_grid(const GroupRange& r, int L, float factor, float factor_special) {
+  const float fmin = r.fmin, fmax = r.fmax;
+  const bool special = r.special();
+  const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
+  const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
+  const float f = special ? factor_special : factor;
+  float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
+  step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
+  if (L == 1 && special) step = 0.0f;
+  const float inv = step > 0.0f ? 1.0f / (step * scale) : 0.0f;
+  return Grid{step, scale, (special ? 0.0f : fmin) * scale, inv, special ? float((L - 1) / 2) : 0.0f};
+}
+
 template <typename T>
 void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits, int64_t G, bool stochastic,
                    int64_t seed, float factor, float factor_special) {
-  const int L = (1 << bits) - 1, centre = (L - 1) / 2, per_byte = 8 / bits;
+  const int L = (1 << bits) - 1, per_byte = 8 / bits;
   const int64_t W = G / per_byte;  // bytes a group
   const int64_t groups = (n + G - 1) / G;
   const uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
@@ -21,21 +41,9 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
       const int64_t start = g * G, m = std::min(G, n - start);
       const T* xg = x + start;
       const GroupRange r = read_group(xg, m, v.data());
-      const float fmin = r.fmin, fmax = r.fmax;
-      const bool special = r.special();
-      const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
-      // A finite group whose span overflowed: step = fmax * f - fmin * f, elements encoded at a quarter
-      // of their value (format.py).
-      const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
-      const float f = special ? factor_special : factor;
-      float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
-      step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
-      if (L == 1 && special) step = 0.0f;
-      const float inv = step > 0.0f ? 1.0f / (step * scale) : 0.0f;
-      const float kind = r.kind();
-      const float origin = (special ? 0.0f : fmin) * scale;
-      const float shift = special ? float(centre) : 0.0f;
-      meta[2 * g] = special ? kind : fmin;
+      const Grid grid = group_grid(r, L, factor, factor_special);
+      const float step = grid.step, scale = grid.scale, inv = grid.inv, origin = grid.origin, shift = grid.shift;
+      meta[2 * g] = r.special() ? r.kind() : r.fmin;
       meta[2 * g + 1] = step;
       if (stochastic) {
         const uint32_t high = k1 ^ uint32_t(uint64_t(start) >> 32) * 0x85EBCA77u, low = uint32_t(uint64_t(start));
@@ -125,27 +133,16 @@ void uniform_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t start = g * G, m = std::min(G, n - start);
       const GroupRange r = read_group(x + start, m, v.data());
-      const float fmin = r.fmin, fmax = r.fmax;
-      const bool special = r.special();
-      const float span = special ? 2.0f * std::max(-fmin, fmax) : fmax - fmin;
-      const float scale = (special || span <= kFltMax) ? 1.0f : 0.25f;
-      const float origin = (special ? 0.0f : fmin) * scale;
       for (int64_t w = 0; w < nw; ++w) {
-        const int L = (1 << widths[w]) - 1;
-        const float f = float(special ? special_factors[w] : factors[w]);
-        float step = std::min(scale < 1.0f ? fmax * f - fmin * f : span * f, kFltMax);
-        step = span > 0.0f ? std::max(step, kMinStep) : 0.0f;
-        if (L == 1 && special) step = 0.0f;
+        const Grid grid = group_grid(r, (1 << widths[w]) - 1, float(factors[w]), float(special_factors[w]));
+        const float scale = grid.scale, origin = grid.origin, inv = grid.inv, shift = grid.shift;
         double sum = 0.0;
-        if (step > 0.0f) {
-          const float inv = 1.0f / (step * scale), shift = special ? float((L - 1) / 2) : 0.0f;
-          for (int64_t k = 0; k < m; ++k) {
-            const float s = (v[k] * scale - origin) * inv + shift;
-            const double frac = double(s) - std::floor(double(s));
-            sum += (bits_of(v[k]) & 0x7F800000u) != 0x7F800000u ? frac * (1.0 - frac) : 0.0;
-          }
+        for (int64_t k = 0; grid.step > 0.0f && k < m; ++k) {
+          const float s = (v[k] * scale - origin) * inv + shift;
+          const double frac = double(s) - std::floor(double(s));
+          sum += (bits_of(v[k]) & 0x7F800000u) != 0x7F800000u ? frac * (1.0 - frac) : 0.0;
         }
-        partial[g * nw + w] = sum * double(step) * double(step);
+        partial[g * nw + w] = sum * double(grid.step) * double(grid.step);
       }
     }
   });
