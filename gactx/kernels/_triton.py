@@ -11,7 +11,17 @@ import os
 
 import torch
 
-__all__ = ["HAS_TRITON", "INTERPRET", "triton", "tl", "constexpr", "jit", "require_triton", "triton_runs_on"]
+__all__ = [
+    "HAS_TRITON",
+    "INTERPRET",
+    "triton",
+    "tl",
+    "constexpr",
+    "jit",
+    "launch",
+    "require_triton",
+    "triton_runs_on",
+]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -58,3 +68,59 @@ def constexpr(value):
     """A module-level constant that kernels may read: the compiler reads only ``tl.constexpr`` globals (the
     interpreter reads any, so only compiling for a GPU catches a plain one). Without Triton, the value itself."""
     return tl.constexpr(value) if HAS_TRITON else value
+
+
+# Compiled kernels bound for a direct launch (their launcher, function and metadata), by configuration (see launch).
+_BOUND: dict[tuple, tuple] = {}
+# Whether launch binds kernels: off under the interpreter and before Triton 3.3 (another launch convention), and from
+# the first kernel whose compiled form does not have the one it knows; set it False to take Triton's own launch.
+DIRECT = HAS_TRITON and not INTERPRET and hasattr(triton, "knobs")
+
+
+def launch(kernel, programs: int, *args, **meta) -> None:
+    """``kernel[(programs,)](*args, **meta)``, with the compiled kernel looked up once per configuration.
+
+    Triton's own launch binds the arguments, specializes each one, builds a cache key and checks the kernel's globals
+    at every call: 30 to 50 us of host time, more than a small tensor's kernel takes on a GPU. The first call of a
+    configuration goes through it and keeps the compiled kernel it returns; later calls pass the same arguments to
+    that kernel's launcher, as Triton's own launch does (Triton 3.3 and later: every argument of the signature,
+    constexprs included, and the launch hooks). A configuration is what Triton specializes on: the meta-parameters,
+    each tensor's dtype and 16-byte alignment, each integer's width (and, for an integer that is specialized, whether
+    it is 1 or a multiple of 16), and the current device. Under the interpreter, with a launch hook installed (a
+    profiler's) or on an older Triton, every call takes Triton's own launch.
+    """
+    global DIRECT
+    if not DIRECT or triton.knobs.runtime.launch_enter_hook is not None:
+        kernel[(programs,)](*args, **meta)
+        return
+    key = (kernel, *meta.values(), *map(_kind, args), _device())
+    bound = _BOUND.get(key)
+    if bound is None:
+        compiled = kernel[(programs,)](*args, **meta)
+        try:
+            assert len(args) + sum(name in meta for name in kernel.arg_names) == len(kernel.arg_names)
+            _BOUND[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        except (AssertionError, AttributeError, KeyError, TypeError):  # another convention: Triton's own launch
+            DIRECT = False
+        return
+    run, function, packed = bound
+    values = (*args, *(meta[name] for name in kernel.arg_names[len(args) :]))
+    run(programs, 1, 1, _stream(key[-1]), function, packed, None, None, triton.knobs.runtime.launch_exit_hook, *values)
+
+
+def _device() -> int:
+    """The device Triton launches on: the current one (as Triton's own launch takes it)."""
+    return triton.runtime.driver.active.get_current_device()
+
+
+def _stream(device: int) -> int:
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def _kind(arg) -> tuple:
+    """What Triton specializes an argument on (see :func:`launch`)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return (type(arg),)
+    return (-(1 << 31) <= arg < (1 << 31), arg == 1, arg % 16 == 0)

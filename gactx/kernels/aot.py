@@ -57,7 +57,17 @@ from gactx.kernels import _triton, schemes
 from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmask_launch
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
-from gactx.kernels.specs import SIZE_SEED, KernelSpec, both, spec
+from gactx.kernels.specs import DTYPES, POINTER, SIZE_SEED, KernelSpec, both, spec
+from gactx.kernels.tables import (
+    COMPARE_KINDS,
+    COUNTED,
+    _decode_table_kernel,
+    _encode_bins_kernel,
+    _encode_compare_kernel,
+    decode_table_launch,
+    encode_bins_launch,
+    encode_compare_launch,
+)
 
 __all__ = [
     "ARCHS",
@@ -123,10 +133,57 @@ def _bitmask_specs(family: str, bits=None) -> list[KernelSpec]:
     ]
 
 
-_SHARED = {  # kernels of no one scheme: bool masks and bfloat16 rounding
+def _edge_loads(meta: dict, bits: int) -> int:
+    """The loads of a table's edges a thread of the bins' encoding makes: one an edge where they are counted, else
+    one a step of the binary search for each of its elements."""
+    if meta["COUNT"] <= COUNTED:
+        return meta["COUNT"]
+    return meta["STEPS"] * (meta["BLOCK"] * 8 // bits) // (meta["num_warps"] * 32)
+
+
+def _encode_bins_specs(bits=None) -> list[KernelSpec]:
+    """FewBit's tables: ``2**bits - 1`` edges in the tensor's dtype."""
+    return [
+        spec("encode_bins", dict(dtype=name, bits=b), _encode_bins_kernel,
+             {"x_ptr": POINTER[name], "edges_ptr": POINTER[name], "out_ptr": "*u8"}, {"n": "i32", "full": "i32"},
+             meta, elements=meta["BLOCK"] * 8 // b, bytes_per_element=dtype.itemsize + b / 8, exact=True, wide="ld",
+             table_loads=_edge_loads(meta, b))
+        for name, dtype in DTYPES.items()
+        for b in (bits or CODE_BITS)
+        for meta in both(encode_bins_launch, b, (1 << b) - 1, dtype)
+    ]  # fmt: skip
+
+
+def _encode_compare_specs(bits=None) -> list[KernelSpec]:
+    return [
+        spec("encode_compare", dict(dtype=name, kind=kind), _encode_compare_kernel,
+             {"x_ptr": POINTER[name], "out_ptr": "*u8"}, {"n": "i32", "full": "i32", "lo": "fp32", "hi": "fp32"},
+             meta, elements=meta["BLOCK"] * 8, bytes_per_element=dtype.itemsize + 1 / 8, exact=True, wide="ld")
+        for name, dtype in DTYPES.items()
+        for kind in COMPARE_KINDS
+        for meta in both(encode_compare_launch, kind, dtype)
+    ]  # fmt: skip
+
+
+def _decode_table_specs(bits=None) -> list[KernelSpec]:
+    """Values moved as integers of their width: 16 bits (float16, bfloat16) and 32 (float32)."""
+    return [
+        spec("decode_table", dict(width=width, bits=b), _decode_table_kernel,
+             {"packed_ptr": "*u8", "table_ptr": f"*i{width}", "out_ptr": f"*i{width}"}, {"n": "i32", "full": "i32"},
+             meta, elements=meta["BLOCK"] * 8 // b, bytes_per_element=width / 8 + b / 8, exact=True, wide="st")
+        for width in (16, 32)
+        for b in (bits or CODE_BITS)
+        for meta in both(decode_table_launch, b)
+    ]  # fmt: skip
+
+
+_SHARED = {  # kernels of no one scheme: bool masks, table codes and bfloat16 rounding
     "round_bf16": _round_bf16_specs,
     "pack_bool": lambda bits=None: _bitmask_specs("pack_bool"),
     "unpack_bool": lambda bits=None: _bitmask_specs("unpack_bool"),
+    "encode_bins": _encode_bins_specs,
+    "encode_compare": _encode_compare_specs,
+    "decode_table": _decode_table_specs,
 }
 
 
@@ -181,6 +238,7 @@ def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
                 spec.wide,
                 spec.wide_bits,
                 aligned=False,
+                table_loads=spec.table_loads,
             )  # fmt: skip
         )
     return out
@@ -232,6 +290,8 @@ class Compiled:
         if self.spec.aligned:
             rest = self.spec.config["rest"]  # its masked program may load less: its unmasked one's accesses are wide
             for kind, widths in (("ld", self.load_bits), ("st", self.store_bits)):
+                if kind == "ld" and 0 < sum(w < self.spec.wide_bits for w in widths) <= self.spec.table_loads:
+                    widths = [w for w in widths if w >= self.spec.wide_bits]  # a table's loads: narrow by nature
                 narrow = sorted({w for w in widths if w < self.spec.wide_bits})
                 short = max(widths) < self.spec.wide_bits if rest and widths else bool(narrow)
                 if kind in self.spec.wide.split() and (not widths or short):

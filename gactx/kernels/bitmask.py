@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import jit, tl
+from gactx.kernels._triton import jit, launch, tl
 
 __all__ = ["bitmask_launch", "triton_pack_bool", "triton_unpack_bool", "torch_pack_bool", "torch_unpack_bool"]
 
@@ -92,8 +92,8 @@ def triton_pack_bool(flat: torch.Tensor, interpret: bool = False) -> torch.Tenso
     n = flat.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=flat.device)
     if n:
-        programs, full, launch = bitmask_launch(n, interpret)
-        _pack_bool_kernel[(programs,)](flat.view(torch.uint8), out, n, full, **launch)
+        programs, full, options = bitmask_launch(n, interpret)
+        launch(_pack_bool_kernel, programs, flat.view(torch.uint8), out, n, full, **options)
     return out
 
 
@@ -101,8 +101,8 @@ def triton_unpack_bool(packed: torch.Tensor, n: int, interpret: bool = False) ->
     """Unpack ``n`` bools from ``packed`` into a new contiguous 1-D bool tensor."""
     out = torch.empty(n, dtype=torch.bool, device=packed.device)
     if n:
-        programs, full, launch = bitmask_launch(n, interpret)
-        _unpack_bool_kernel[(programs,)](packed, out.view(torch.uint8), n, full, **launch)
+        programs, full, options = bitmask_launch(n, interpret)
+        launch(_unpack_bool_kernel, programs, packed, out.view(torch.uint8), n, full, **options)
     return out
 
 

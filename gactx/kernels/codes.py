@@ -11,9 +11,11 @@ back channels_last) and packed ``8 / bits`` to a byte, element ``k`` of a run of
     bits = 2, byte j:   bit  7 6 | 5 4 | 3 2 | 1 0
                            [ e3  | e2  | e1  | e0 ]    e_k = code of element 4j + k
 
-1-bit codes are bool masks and go through :mod:`gactx.kernels.bitmask` (Triton on CUDA); wider codes are
-packed with a few torch element-wise ops (no host synchronization: nothing is read back), or on a CPU by the
-C++ kernels of :mod:`gactx.kernels.cpu`, which bin, pack and decode without a temporary.
+1-bit codes are bool masks and go through :mod:`gactx.kernels.bitmask`. A tensor's bins and its test against
+bounds are encoded, and every width decoded, in one call of a kernel: Triton on CUDA
+(:mod:`gactx.kernels.tables`), C++ on a CPU (:mod:`gactx.kernels.cpu`), without a temporary. Other codes (the
+signs), and every code on the torch backend, are packed and decoded with a few torch element-wise ops (no host
+synchronization: nothing is read back).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from gactx.kernels import cpu
+from gactx.kernels import _triton, cpu, tables
 from gactx.kernels.format import QuantizedTensor, contiguous_order, memory_order, restore_order, restore_perm
 from gactx.kernels.functional import choose_backend, dequantize, quantize
 
@@ -97,13 +99,18 @@ def encode_codes(codes: torch.Tensor, bits: int, table: torch.Tensor, backend: s
 def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torch.Tensor, backend: str = "auto"):
     """What ``encode_codes(test, 1, table)`` stores for the bool ``test`` of ``t`` against its bounds (the kinds
     of :func:`gactx.kernels.cpu.pack_compare`), made in one pass by the C++ kernel, no bool tensor between;
-    ``None`` where that kernel does not run (not a CPU tensor, not ``"cpp"`` or ``"auto"``, not built): then
-    the caller tests with torch ops and calls :func:`encode_codes`."""
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or choose_backend(t, backend) != "cpp":
+    or by the Triton kernel (:mod:`gactx.kernels.tables`) on CUDA; ``None`` where neither runs (the torch backend,
+    the C++ kernels not built): then the caller tests with torch ops and calls :func:`encode_codes`."""
+    chosen = choose_backend(t, backend)
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or chosen == "torch":
         return None
     flat, dense_shape, perm = contiguous_order(t)
+    if chosen == "cpp":
+        packed = cpu.pack_compare(flat, kind, lo, hi)
+    else:
+        packed = tables.triton_encode_compare(flat, kind, lo, hi, _interpret(flat))
     n = torch.Size([flat.numel()])
-    mask = QuantizedTensor(cpu.pack_compare(flat, kind, lo, hi), None, 1, 256, n, torch.bool, n, None)
+    mask = QuantizedTensor(packed, None, 1, 256, n, torch.bool, n, None)
     return CodedTensor(mask, table, 1, t.shape, table.dtype, dense_shape, perm, backend)
 
 
@@ -111,19 +118,34 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
     """The bin of each element of ``t`` among the sorted ``edges`` (``torch.bucketize``: the first edge at or
     above it; NaN past the last), stored as a ``bits``-bit code with ``table`` (see :func:`encode_codes`)."""
     flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
-    if bits > 1 and choose_backend(flat, backend) == "cpp":
+    chosen = choose_backend(flat, backend)
+    if chosen == "triton" and t.dtype in (torch.float32, torch.float16, torch.bfloat16) and bits in CODE_WIDTHS:
+        packed = tables.triton_encode_bins(flat.contiguous(), edges, bits, _interpret(flat))
+        if bits == 1:  # a 1-bit code is stored as a bool mask is
+            n = torch.Size([flat.numel()])
+            packed = QuantizedTensor(packed, None, 1, 256, n, torch.bool, n, None)
+        return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
+    if bits > 1 and chosen == "cpp":
         packed = cpu.encode_bins(flat.contiguous(), edges, bits)
         return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
     codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
     return encode_codes(codes, bits, table, backend)
 
 
+def _interpret(x: torch.Tensor) -> bool:
+    return _triton.INTERPRET and x.device.type == "cpu"
+
+
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
     """``table[codes]`` in the original shape, dtype, device and strides."""
     n = ct.numel
     packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
-    if choose_backend(packed, ct.backend) == "cpp":  # the table looked up from the bits, no bool mask between
+    chosen = choose_backend(packed, ct.backend)
+    if chosen == "cpp":  # the table looked up from the bits, no bool mask between
         return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
+    if chosen == "triton":
+        flat = tables.triton_decode_table(packed, ct.table, n, ct.bits, _interpret(packed))
+        return restore_order(flat, ct)
     if ct.bits == 1:
         mask = dequantize(ct.codes, backend=ct.backend)
         flat = torch.where(mask, ct.table[1], ct.table[0])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels._triton import constexpr, jit, launch, tl
 from gactx.kernels.random import ROUNDS, philox
 
 __all__ = ["BF16_MAX", "bf16_bits", "bf16_bits_to_float", "round_bf16_launch", "triton_round_bf16", "torch_round_bf16"]
@@ -132,8 +132,8 @@ def triton_round_bf16(flat: torch.Tensor, stochastic: bool, seed: int, interpret
     n = flat.numel()
     out = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
     if n:
-        programs, full, launch = round_bf16_launch(n, stochastic, interpret)
-        _round_bf16_kernel[(programs,)](flat, out.view(torch.int16), n, seed, full, **launch)
+        programs, full, options = round_bf16_launch(n, stochastic, interpret)
+        launch(_round_bf16_kernel, programs, flat, out.view(torch.int16), n, seed, full, **options)
     return out
 
 

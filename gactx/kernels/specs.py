@@ -37,6 +37,9 @@ class KernelSpec:
     wide: str  # "ld", "st" or "ld st": the global accesses that must be 128 bits wide (without a tail)
     wide_bits: int = 128  # less where a thread's run of consecutive elements is shorter than 16 bytes
     aligned: bool = True  # pointers 16-byte aligned (what the JIT assumes of a fresh torch allocation)
+    # Loads a thread makes of a table of a few values (a FewBit table's edges, read one by one or gathered): narrow by
+    # nature, and up to this many are left out of the width check.
+    table_loads: int = 0
 
     @property
     def label(self) -> str:

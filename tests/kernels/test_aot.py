@@ -37,6 +37,7 @@ CHUNKS = [
     (("quantize",), [8], "without"),
     (("dequantize",), None, "without"),
     (("round_bf16", "pack_bool", "unpack_bool"), None, "without"),
+    (("encode_bins", "encode_compare", "decode_table"), None, "without"),
     (aot.FAMILIES, None, "only"),
     (("normal_quantize",), [2], "without"),
     (("normal_quantize",), [4], "without"),

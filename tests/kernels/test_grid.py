@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gactx.kernels._grid import plan
+from gactx.kernels.codes import encode_codes
 from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 
@@ -49,20 +50,28 @@ class _Counting:
         self.launches += 1
         return self.kernel[grid]
 
+    def __getattr__(self, name):  # the kernel's signature, for a direct launch (_triton.launch)
+        return getattr(self.kernel, name)
+
 
 def _round_trips(n: int, device: str) -> dict:
     """Each kernel family's launcher on ``n`` elements, with the GPU's programs (``interpret=False``), and what its
     torch twin gives: ``family -> (kernel module, kernel name, run)``."""
-    bitmask, dequantize, half, normal, quantize = (
+    bitmask, dequantize, half, normal, quantize, tables = (
         importlib.import_module(f"gactx.kernels.{m}")
-        for m in ("bitmask", "schemes.uniform.dequantize", "half", "schemes.normal.triton", "schemes.uniform.quantize")
-    )  # the modules: gactx.kernels exports functions of some of these names
+        for m in ("bitmask", "schemes.uniform.dequantize", "half", "schemes.normal.triton", "schemes.uniform.quantize",
+                  "tables")
+    )  # the modules: gactx.kernels exports functions of some of these names  # fmt: skip
 
     x = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 3).to(device)
     mask = x > 0
     codes, meta = torch_quantize(x, 4, 256, False, 0)
     ncodes, nmeta = torch_normal_quantize(x, 4, 256, False, 0)
     packed = bitmask.torch_pack_bool(mask)
+    edges = torch.linspace(-2, 2, 15, device=device)
+    bins = torch.bucketize(x, edges)
+    table = torch.randn(16, generator=torch.Generator().manual_seed(2)).to(device)
+    binned = encode_codes(bins, 4, table, backend="torch").codes
     return {
         "quantize": (quantize, "_quantize_kernel",
                      lambda: quantize.triton_quantize(x, 4, 256, False, 0, interpret=False), (codes, meta)),
@@ -82,6 +91,12 @@ def _round_trips(n: int, device: str) -> dict:
         "pack_bool": (bitmask, "_pack_bool_kernel", lambda: bitmask.triton_pack_bool(mask, interpret=False), packed),
         "unpack_bool": (bitmask, "_unpack_bool_kernel", lambda: bitmask.triton_unpack_bool(packed, n, interpret=False),
                         mask),
+        "encode_bins": (tables, "_encode_bins_kernel", lambda: tables.triton_encode_bins(x, edges, 4, interpret=False),
+                        binned),
+        "encode_compare": (tables, "_encode_compare_kernel",
+                           lambda: tables.triton_encode_compare(x, "gt", 0.0, 0.0, interpret=False), packed),
+        "decode_table": (tables, "_decode_table_kernel",
+                         lambda: tables.triton_decode_table(binned, table, n, 4, interpret=False), table[bins]),
     }  # fmt: skip
 
 
@@ -98,7 +113,8 @@ def _neighbours(x: torch.Tensor):
     return check
 
 
-FAMILIES = ["quantize", "dequantize", "normal_quantize", "normal_dequantize", "round_bf16", "pack_bool", "unpack_bool"]
+FAMILIES = ["quantize", "dequantize", "normal_quantize", "normal_dequantize", "round_bf16", "pack_bool", "unpack_bool",
+            "encode_bins", "encode_compare", "decode_table"]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels._triton import constexpr, jit, launch, tl
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.normal.format import (
@@ -376,8 +376,8 @@ def triton_normal_quantize(
     if n == 0:
         return codes, meta
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    programs, full, launch = normal_quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
-    _normal_quantize_kernel[(programs,)](x, codes, meta, n, seed, full, **launch)
+    programs, full, options = normal_quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
+    launch(_normal_quantize_kernel, programs, x, codes, meta, n, seed, full, **options)
     return codes, meta
 
 

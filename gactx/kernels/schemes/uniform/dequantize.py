@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels._triton import constexpr, jit, launch, tl
 from gactx.kernels.half import bf16_bits
 from gactx.kernels.schemes.uniform.format import FLT_MAX
 from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, program_rows
@@ -114,6 +114,6 @@ def decode(kernel, launcher, codes, meta, bits: int, group_size: int, n: int, dt
     if n == 0:
         return out
     target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    programs, full, launch = launcher(n, dtype, bits, group_size, interpret)
-    kernel[(programs,)](codes, meta, target, n, full, **launch)
+    programs, full, options = launcher(n, dtype, bits, group_size, interpret)
+    launch(kernel, programs, codes, meta, target, n, full, **options)
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import constexpr, jit, tl
+from gactx.kernels._triton import constexpr, jit, launch, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, SAFETY, allocate
@@ -261,6 +261,6 @@ def triton_quantize(
     if n == 0:
         return codes, meta
     x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    programs, full, launch = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
-    _quantize_kernel[(programs,)](x, codes, meta, n, seed, full, **launch)
+    programs, full, options = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
+    launch(_quantize_kernel, programs, x, codes, meta, n, seed, full, **options)
     return codes, meta
