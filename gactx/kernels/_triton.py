@@ -81,16 +81,19 @@ def launch(kernel, programs: int, *args, **meta) -> None:
     """``kernel[(programs,)](*args, **meta)``, with the compiled kernel looked up once per configuration.
 
     Triton's own launch binds the arguments, specializes each one, builds a cache key and checks the kernel's globals
-    at every call: 30 to 50 us of host time, more than a small tensor's kernel takes on a GPU. The first call of a
+    at every call: host time that a small tensor's kernel does not take on a GPU. The first call of a
     configuration goes through it and keeps the compiled kernel it returns; later calls pass the same arguments to
     that kernel's launcher, as Triton's own launch does (Triton 3.3 and later: every argument of the signature,
     constexprs included, and the launch hooks). A configuration is what Triton specializes on: the meta-parameters,
     each tensor's dtype and 16-byte alignment, each integer's width (and, for an integer that is specialized, whether
     it is 1 or a multiple of 16), and the current device. Under the interpreter, with a launch hook installed (a
-    profiler's) or on an older Triton, every call takes Triton's own launch.
+    profiler's) or on an older Triton, every call takes Triton's own launch. Measured on an H200's host (Triton 3.6,
+    median of 5 turns of 300 calls): a quantize call of 4096 elements took 39.7 us of host time through Triton's
+    launch, 26.2 us bound, with the same bytes.
     """
     global DIRECT
-    if not DIRECT or triton.knobs.runtime.launch_enter_hook is not None:
+    hooks = triton.knobs.runtime if DIRECT else None
+    if hooks is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
         kernel[(programs,)](*args, **meta)
         return
     key = (kernel, *meta.values(), *map(_kind, args), _device())
@@ -105,7 +108,14 @@ def launch(kernel, programs: int, *args, **meta) -> None:
         return
     run, function, packed = bound
     values = (*args, *(meta[name] for name in kernel.arg_names[len(args) :]))
-    run(programs, 1, 1, _stream(key[-1]), function, packed, None, None, triton.knobs.runtime.launch_exit_hook, *values)
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # empty: no launch metadata is read
+    run(programs, 1, 1, _stream(key[-1]), function, packed, None, enter, leave, *values)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook would run: recent Triton (3.6, 3.9) holds an empty chain of hooks where none is installed
+    (``knobs.HookChain``), earlier versions ``None``."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _device() -> int:

@@ -43,8 +43,8 @@ def direct(monkeypatch):
     monkeypatch.setattr(_triton, "_BOUND", {})
     monkeypatch.setattr(_triton, "_device", lambda: 0)
     monkeypatch.setattr(_triton, "_stream", lambda device: 7)
-    monkeypatch.setattr(_triton.triton.knobs.runtime, "launch_enter_hook", None)
-    monkeypatch.setattr(_triton.triton.knobs.runtime, "launch_exit_hook", None)
+    monkeypatch.setattr(_triton.triton.knobs.runtime, "launch_enter_hook", _triton.triton.knobs.HookChain())
+    monkeypatch.setattr(_triton.triton.knobs.runtime, "launch_exit_hook", _triton.triton.knobs.HookChain())
 
 
 def test_a_configuration_is_bound_once_then_launched_with_every_argument(direct):
@@ -56,7 +56,18 @@ def test_a_configuration_is_bound_once_then_launched_with_every_argument(direct)
     assert kernel.launches == 1
     # Triton 3.3 and later: the grid, the stream, the function, its metadata, launch metadata and hooks, then every
     # argument of the signature, constexprs included, in its order (options such as num_warps are not arguments).
-    assert kernel.calls == [(5, 1, 1, 7, "function", "metadata", None, None, None, x, 200, 128)]
+    hooks = _triton.triton.knobs.runtime
+    call = (5, 1, 1, 7, "function", "metadata", None, hooks.launch_enter_hook, hooks.launch_exit_hook, x, 200, 128)
+    assert kernel.calls == [call]
+
+
+def test_a_launch_hook_takes_tritons_own_launch(direct):
+    """A profiler's hook (Triton's knobs) needs the launch metadata Triton's own launch makes."""
+    kernel = _Kernel()
+    _triton.triton.knobs.runtime.launch_enter_hook.add(lambda metadata: None)
+    for _ in range(2):
+        _triton.launch(kernel, 1, torch.zeros(4), 4, BLOCK=128)
+    assert kernel.launches == 2 and not kernel.calls
 
 
 def test_what_triton_specializes_on_binds_anew(direct):
