@@ -383,9 +383,13 @@ class Controller:
         a = self.last_adaptation
         if a is not None:
             share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at adapt_interval)"
+            cfg = self.config
+            basis = (f"budget={cfg.budget!r}, less what is kept or stored at a fixed width" if cfg.budget is not None
+                     else f"{cfg.bits:g} bits an element of what plain PyTorch saves, each storage once, and the "
+                     "groups' metadata")  # fmt: skip
             lines.append(
                 f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s{share}; "
-                f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors"
+                f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
                 + ("" if a.feasible else " (budget not met: narrowest widths)")
             )
         return "\n".join(lines)

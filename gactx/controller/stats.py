@@ -73,6 +73,7 @@ class KeyRecord:
     cls: str = ""  # its rule's class (see rules.py)
     form: str = ""  # how it was stored where not uniform codes: "normal", "sketch 1/4" (see adaptation/choices.py)
     reason: str = ""  # why it was kept as it is ("small", "kept", "as is", "L0", ...); "" where it was stored
+    storage: int = 0  # its storage's number in the pass (saves of one storage share it); 0: a storage of its own
 
     @property
     def compressed(self) -> bool:
@@ -97,10 +98,11 @@ class KeyRecord:
 class PassStats:
     """Accumulates one forward pass. Holds integers and keys only, never tensors."""
 
-    # storage address -> (a tensor on it, the byte ranges of it that saved tensors cover). An address names
+    # storage address -> (a tensor on it, the byte ranges of it that saved tensors cover, its number). An address names
     # one storage only while that storage lives: once a compressed original is freed, the allocator hands
-    # its address to new tensors, which are new storages.
-    live: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
+    # its address to new tensors, which are new storages (numbered apart: ``storages`` counts them).
+    live: dict[int, tuple[weakref.ref, list, int]] = field(default_factory=dict)
+    storages: int = 0
     kept_ranges: dict[int, list] = field(default_factory=dict)  # address -> byte ranges of kept views
     original_bytes: int = 0
     kept_storages: dict[int, tuple[int, str]] = field(default_factory=dict)  # address -> (bytes, why kept)
@@ -126,12 +128,13 @@ class PassStats:
         compressed = stored is not None
         op, cls = ("" if site is None else site.label), ("" if rule is None else rule.cls)
         packed = stored.nbytes if compressed else nbytes
-        record = KeyRecord(key, t.dtype, bits, nbytes, packed, span[1] - span[0], op, cls, form, reason)
         owner = weakref.ref(t if t._base is None else t._base)  # storage_owner(t), inlined: every save runs it
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
-            self.live[ptr] = (owner, [])
+            self.storages += 1
+            seen = self.live[ptr] = (owner, [], self.storages)
             self.kept_ranges.pop(ptr, None)
+        record = KeyRecord(key, t.dtype, bits, nbytes, packed, span[1] - span[0], op, cls, form, reason, seen[2])
         self._count(record, compressed, offloaded, ptr, self._cover(t, ptr, not compressed, span))
         if not compressed:
             self.held[ptr] = owner

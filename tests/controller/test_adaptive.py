@@ -46,6 +46,22 @@ def test_the_tensor_that_matters_more_gets_more_bits():
     assert bits[("b.1", 1, 0)] > bits[("a.1", 1, 0)]
 
 
+@pytest.mark.parametrize(("level", "most"), [("L2", 4.5), ("L2.1", 3.5), ("L2.2", 2.8)])
+def test_the_budget_counts_each_storage_plain_pytorch_saves_once(level, most):
+    """tanh's output is saved twice (tanh's FewBit code, the next linear layer's codes): both forms share its bits."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    x = torch.randn(1024, 32)
+    controller = _adapted(model, lambda: model(x).square().mean(), level=level)
+    with controller:
+        model(x).square().mean().backward()
+    stats = controller.memory_stats()
+    assert stats.kept_bytes == 0
+    assert 8 * stats.packed_bytes / (stats.original_bytes / 4) <= most  # bits an element of what plain saves
+    report = controller.report()
+    assert "bits an element of what plain PyTorch saves, each storage once" in report
+
+
 def test_same_seed_same_sensitivities_and_bits():
     (x, y), _ = digits_data()
     results = []

@@ -110,7 +110,7 @@ def plan(
     ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered. Returns
     the allocation and the bytes it was allowed for compressed tensors."""
     measured, probed, curves, ratios = measured or {}, probed or {}, curves or {}, ratios or {}
-    items, average = [], 0
+    items, metadata, storages = [], 0, {}
     known = list(sensitivity.values())
     fallback = max(known) if known else 1.0  # a tensor the closure did not show: treat it as sensitive
     # Kept storages are paid first, but for tensors kept at the 16 or 32 bits an allocation gave them: items again.
@@ -121,9 +121,14 @@ def plan(
             numel = torch.Size(record.key.shape).numel()
             c = sensitivity.get(slot, fallback)
             widths = CLASS_WIDTHS.get(record.cls)
-            # The average width, or a class's narrowest where that is wider (attention: 4 bits at L2.2); a noise
-            # floor is paid from that budget, not added to it.
-            average += int(numel * max(config.bits, min(widths or WIDTHS)) / 8) + 8 * -(-numel // config.group_size)
+            # The average width of what plain PyTorch saves, each storage once (two saves of one tensor, a FewBit
+            # code and quantized codes, share its bits), or a class's narrowest where that is wider (attention: 4
+            # bits at L2.2); the metadata of each save's groups on top. A noise floor is paid from that budget.
+            storage = record.storage or -len(items) - 1  # a compiled graph's value: a storage of its own
+            width = max(config.bits, min(widths or WIDTHS))
+            held = storages.get(storage, (0, 0))
+            storages[storage] = (max(held[0], numel), max(held[1], width))
+            metadata += 8 * -(-numel // config.group_size)
             if slot in ratios:
                 widths = noise_floor(widths or WIDTHS, ratios[slot])
             response = curves.get(slot, (1.0, 0.0))
@@ -142,6 +147,7 @@ def plan(
             )  # fmt: skip
         elif record.compressed:
             fixed += record.packed_bytes  # masks, signs, dropout masks: a fixed width, lossless
+    average = metadata + sum(int(numel * width / 8) for numel, width in storages.values())
     budget = parse_bytes(config.budget) - fixed if config.budget is not None else average
     allocation = allocate(items, budget, config.group_size)
     if not allocation.feasible:
