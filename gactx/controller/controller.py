@@ -326,6 +326,12 @@ class Controller:
         learned, and so is every later save that shares what it stores (the other projections of one input)."""
         return self._path.sketchable(slot)
 
+    def weight_only(self, slot: Slot) -> bool:
+        """Whether backward reads the save of ``slot`` only for weights' gradients (the input of a linear layer or a
+        convolution, and every later save that shares what it stores): GACT's estimator probes such saves together
+        where each is made in a module that owns its one weight."""
+        return self._path.weight_only(slot)
+
     def diagnostics(self) -> dict[str, int | bool]:
         """The sizes of the controller's own tables and the state of its op watcher, to check that nothing grows in a
         long run: ``keys`` (noise seeds' numbers, one a key ever seen), ``sites`` (learned ops, one a slot),

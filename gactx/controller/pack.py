@@ -47,6 +47,7 @@ from gactx.controller.rules import (
     output_rule,
     rule_for,
     sketchable,
+    weight_only,
 )
 from gactx.controller.stats import AS_IS, PassStats
 from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
@@ -218,6 +219,13 @@ class PackPath:
         learned = self.sites.get(slot)
         sharers = self.sharers.get(slot, {}).values()
         return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
+
+    def weight_only(self, slot: Slot) -> bool:
+        """Whether backward reads the save of ``slot`` only for weights' gradients (``rules.weight_only``), as its op
+        was learned, and so every later save that shares what it stores."""
+        learned = self.sites.get(slot)
+        sharers = self.sharers.get(slot, {}).values()
+        return learned is not None and all(s is not None and weight_only(s) for s in (learned[0], *sharers))
 
     def curved(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""

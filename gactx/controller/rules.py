@@ -82,6 +82,8 @@ __all__ = [
     "output_rule",
     "matrix_partner",
     "sketchable",
+    "weight_only",
+    "weight_partner",
     "curved",
     "LINEAR",
     "CHECKPOINT_INPUT",
@@ -406,6 +408,27 @@ def matrix_partner(op: str, role: str) -> str | None:
     if pair is None or role not in pair:
         return None
     return pair[1] if role == pair[0] else pair[0]
+
+
+# Ops whose backward reads an activation operand only for the weight's gradient, beyond the matrix products: a
+# convolution's input gradient is the transposed convolution of the output gradient with the weight.
+_WEIGHT_READERS = {"convolution": ("input", "weight")}
+
+
+def weight_partner(op: str, role: str) -> str | None:
+    """The weight operand's name of a save passed as ``role`` to ``op``, where backward reads that save only for the
+    weight's gradient (a matrix product's other operand, a convolution's weight), else ``None``."""
+    pair = _WEIGHT_READERS.get(op)
+    if pair is not None and role == pair[0]:
+        return pair[1]
+    return matrix_partner(op, role)
+
+
+def weight_only(site: Site) -> bool:
+    """Whether backward reads the save at ``site`` only for a weight's gradient, linearly: the activation operand of
+    a matrix product or a convolution whose other operand is a weight. Its noise then reaches that gradient alone
+    (the sensitivity estimator probes such saves together)."""
+    return site.weight_operand and not site.result and weight_partner(site.op, site.role) is not None
 
 
 def sketchable(site: Site) -> bool:

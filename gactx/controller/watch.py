@@ -9,9 +9,10 @@ results just after. A ``TorchDispatchMode`` sees every op below autograd, so:
   that op, under the name of the argument it is passed as (``"?"`` when it is not among the arguments:
   a custom ``autograd.Function``'s save, a clone made for an in-place op).
 
-An input save that is one of a matrix product's two operands (``addmm``'s ``mat1``) is marked
-``Site.weight_operand`` when the other is a weight: an ``nn.Parameter``, a view of one (linear passes
-``weight.t()``), or an autocast copy of one (``rules.sketchable``: the inputs of linear layers).
+An input save that is one of a matrix product's two operands (``addmm``'s ``mat1``), or a convolution's input, is
+marked ``Site.weight_operand`` when the other is a weight: an ``nn.Parameter``, a view of one (linear passes
+``weight.t()``), or an autocast copy of one (``rules.sketchable``: the inputs of linear layers; ``rules.weight_only``:
+those and the inputs of convolutions).
 
 Two kinds of tensor are known by where they come from (``rules.PROVENANCE``): a float dropout mask
 (``bernoulli_`` then ``div_`` on the same tensor) and probabilities computed by hand (an ``exp`` result
@@ -33,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gactx.controller.policy import _is_parameter, is_weight_copy, storage_owner
-from gactx.controller.rules import Site, matrix_partner
+from gactx.controller.rules import Site, weight_partner
 
 __all__ = ["OpWatcher"]
 
@@ -88,8 +89,8 @@ def _is_weight(t) -> bool:
 
 
 def _weight_operand(func, args: tuple, kwargs: dict, name: str, role: str) -> bool:
-    """Whether the save passed as ``role`` of the product ``name`` has a weight as its other operand."""
-    partner = matrix_partner(name, role)
+    """Whether the save passed as ``role`` of the product or convolution ``name`` has a weight as its other operand."""
+    partner = weight_partner(name, role)
     return partner is not None and _is_weight(_argument(func, args, kwargs, partner))
 
 

@@ -62,6 +62,31 @@ def test_the_budget_counts_each_storage_plain_pytorch_saves_once(level, most):
     assert "bits an element of what plain PyTorch saves, each storage once" in report
 
 
+@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer_layer", "gcn"])
+def test_linear_and_convolution_inputs_probed_together_measure_what_each_alone_does(name, monkeypatch):
+    """Their noise reaches only their own weights' gradients: two passes for all of them give each one's sensitivity
+    (and each sketch's calibration), the numbers probing them one at a time gives, in fewer passes."""
+    from benchmarks.zoo import build
+    from gactx.controller.adaptation.estimators import GactEstimator
+
+    results = []
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(GactEstimator, "_weights_of", lambda self, slot: ())
+        model, run = build(name, 1)
+
+        def loss(run=run):
+            torch.manual_seed(0)  # the same dropout masks in every pass
+            return run()
+
+        controller = _adapted(model, loss, schemes=("uniform", "normal", "sketch"))
+        results.append((controller.sensitivity, controller.last_adaptation.passes, controller.allocation))
+    (joint, fewer, bits), (alone, more, bits_alone) = results
+    assert joint.keys() == alone.keys()
+    assert all(math.isclose(joint[s], alone[s], rel_tol=1e-9, abs_tol=1e-30) for s in joint)
+    assert fewer < more and bits == bits_alone
+
+
 def test_same_seed_same_sensitivities_and_bits():
     (x, y), _ = digits_data()
     results = []
@@ -93,12 +118,16 @@ def test_adaptation_leaves_the_model_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
     assert torch.equal(before["rng"], torch.get_rng_state())
-    # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, a pair
-    # probes each, a second pair each BatchNorm input (rules.curved), calibration pairs each sketchable input.
+    # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, one pair
+    # probes the inputs of the convolutions and the linear layer together (each owns its module's one weight), a pair
+    # each other tensor, a second pair each BatchNorm input (rules.curved), and the sketchable input's calibration
+    # pairs.
     curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
     sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
-    per_estimate = 1 + 2 * len(controller.sensitivity) + 2 * curved + 2 * CALIBRATION_PAIRS * sketchable
-    assert curved >= 1 and sketchable >= 1 and adaptation.passes == 2 * per_estimate
+    together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
+    alone = len(controller.sensitivity) - together
+    per_estimate = 1 + 2 + 2 * alone + 2 * curved + 2 * CALIBRATION_PAIRS
+    assert curved >= 1 and sketchable >= 1 and together >= 2 and adaptation.passes == 2 * per_estimate
     assert adaptation.seconds > 0
     assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
 
@@ -279,8 +308,10 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     monkeypatch.setattr(estimators_module, "PROGRESS_SECONDS", 0.0)
     lines, controller = _adaptation_log(caplog)
     total = controller.last_adaptation.passes
-    slots = len(controller.sensitivity)
-    assert len(lines) == 2 * slots + 1 >= 5 and "budget" in lines[-1]  # the first adaptation estimates twice
+    together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
+    slots = len(controller.sensitivity) - together + (together > 1)  # the tensors probed together log once
+    assert together > 1 and slots >= 2
+    assert len(lines) == 2 * slots + 1 and "budget" in lines[-1]  # the first adaptation estimates twice
     done = []
     for k in (1, 2):
         prefix = f"gactx adaptation at step 1, estimate {k} of 2: "
@@ -332,10 +363,13 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     assert records[("norm", 1, 0)].op == "native_layer_norm:input"
     assert [records[("norm", 1, i)].cls for i in (1, 2)] == ["statistics", "statistics"]  # mean, 1/deviation: kept
     assert all(not isinstance(records[("norm", 1, i)].bits, int) for i in (1, 2))
-    # One pass finds the tensors, a pair probes each, and a second pair the normalisation's input (an adaptation
+    # One pass finds the tensors, a pair probes the two linear layers' inputs together, a pair each other tensor, a
+    # second pair the normalisation's input, and the sketchable inputs' calibration pairs, together (an adaptation
     # after the first: one estimate).
     with controller:
         model(x).square().mean().backward()
         adaptation = controller.adapt(lambda: model(x).square().mean().backward())
-    sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
-    assert adaptation.passes == 1 + 2 * len(controller.sensitivity) + 2 + 2 * CALIBRATION_PAIRS * sketchable
+    assert {s.module for s in controller.sensitivity if controller.weight_only(s)} == {"a", "b"}
+    assert all(controller.weight_only(s) for s in controller.sensitivity if controller.sketchable(s))
+    alone = len(controller.sensitivity) - 2
+    assert adaptation.passes == 1 + 2 + 2 * alone + 2 + 2 * CALIBRATION_PAIRS

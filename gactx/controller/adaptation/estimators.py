@@ -117,10 +117,11 @@ class _Measuring:
 
 class GactEstimator(_Measuring):
     """GACT's estimator: each allocated tensor perturbed in turn at the probe width, two passes of the closure each;
-    the gradient variance between them is its sensitivity (``sensitivity.py``). The first adaptation measures twice:
-    a tensor's effect on the gradient depends on how the others are stored (a normalisation's input on a BERT layer:
-    10 times larger with the others at the default width than at the widths then allocated), so the second round
-    measures around the allocation the first found, as every later adaptation does."""
+    the gradient variance between them is its sensitivity (``sensitivity.py``); the inputs of linear and convolution
+    layers, whose noise reaches only their own weights' gradients, all in the same two passes. The first adaptation
+    measures twice: a tensor's effect on the gradient depends on how the others are stored (a normalisation's input
+    on a BERT layer: 10 times larger with the others at the default width than at the widths then allocated), so the
+    second round measures around the allocation the first found, as every later adaptation does."""
 
     def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
         super().__init__(config, model, path, tracker)
@@ -155,9 +156,28 @@ class GactEstimator(_Measuring):
 
         estimate = estimate_sensitivities(
             self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
-            self._probed_choices, self.path.curved,
+            self._probed_choices, self.path.curved, self._weights_of,
         )  # fmt: skip
         return self._measured(estimate)
+
+    def _weights_of(self, slot: Slot) -> tuple:
+        """The weights whose gradients alone a slot's noise reaches: where the save is the activation operand of
+        products or convolutions with weights (``rules.weight_only``: backward reads it only for their gradients) and
+        each such save
+        (the slot's, and those that share what it stores) is made in a module that owns one matrix weight, those
+        weights; else ``()``, and the slot is probed on its own."""
+        path = self.path
+        if not path.weight_only(slot):
+            return ()
+        modules = dict(self.model.named_modules())
+        weights = []
+        for name in (slot[0], *(s[0] for s in path.sharers.get(slot, {}))):
+            module = modules.get(name)
+            owned = [] if module is None else [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+            if len(owned) != 1 or not owned[0].requires_grad:
+                return ()
+            weights.append(owned[0])
+        return tuple(weights)
 
     def _discover(self, run: Callable[[], object]) -> list[Slot]:
         """Run the estimator's first pass on fresh statistics (the meter measuring it); the slots it allocated."""

@@ -113,13 +113,16 @@ def estimate_sensitivities(
     progress: Callable[[int, int], None] | None = None,
     choices_of: Callable[[Hashable], tuple] | None = None,
     curved: Callable[[Hashable], bool] | None = None,
+    weights_of: Callable[[Hashable], tuple] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
     ``progress(done, total)`` is told the passes run so far before each slot. ``choices_of(slot)``: pairs of storage
     choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
-    (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``."""
+    (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``.
+    ``weights_of(slot)``: the parameters whose gradients alone the slot's noise reaches (the weights of the products it
+    is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
@@ -131,9 +134,26 @@ def estimate_sensitivities(
             )
             for slot in slots
         }
-        total = 1 + sum(2 * (len(widths) + len(pairs)) for widths, pairs in plans.values())
+        blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
+        together = len(blocks) > 1
+        total = 1 + sum(2 * (len(widths) + len(pairs)) for slot, (widths, pairs) in plans.items()
+                        if not together or slot not in blocks)  # fmt: skip
+        if together:
+            total += 2 * (1 + max(len(plans[s][1]) for s in blocks))
         raw, probed, curves, passes = {}, {}, {}, 1
+        if together:
+            if progress is not None:
+                progress(passes, total)
+            found, runs = _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of)
+            passes += runs
+            if found is None:  # what they reached is not what their weights say: each on its own, below
+                total += sum(2 * (1 + len(plans[s][1])) for s in blocks) - runs
+            else:
+                raw.update(found[0])
+                probed.update(found[1])
         for slot, (widths, pairs) in plans.items():
+            if slot in raw:
+                continue
             if progress is not None:
                 progress(passes, total)
             variance = {}
@@ -162,7 +182,73 @@ def estimate_sensitivities(
     finally:
         set_probe(None)
         snapshot.restore()
+    raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
     return Estimate(cap(raw), passes, time.perf_counter() - start, probed, curves)
+
+
+def _blocks(model: nn.Module, weights: dict) -> dict:
+    """``slot -> (start, end)`` ranges of the flat gradient (``_gradient``'s layout) holding the gradients of each
+    slot's weights, for the slots whose weights no other slot claims; the others are left out."""
+    claims: dict[int, int] = {}
+    for params in weights.values():
+        for p in params:
+            claims[id(p)] = claims.get(id(p), 0) + 1
+    ranges, offset = {}, 0
+    for p in model.parameters():
+        if p.grad is not None:  # the parameters the discovering pass gave a gradient: _gradient's layout
+            ranges[id(p)] = (offset, offset + p.numel())
+            offset += p.numel()
+    out = {}
+    for slot, params in weights.items():
+        if params and all(claims[id(p)] == 1 and id(p) in ranges for p in params):
+            out[slot] = tuple(ranges[id(p)] for p in params)
+    return out
+
+
+def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of):
+    """Probe every slot of ``blocks`` at once: a pair of passes for the probe width and one for each storage choice
+    pair, each slot with its own seeds (those it would have alone). A slot's noise reaches only its weights' gradients
+    (a weight's gradient reads the saved operand linearly, and no other gradient reads it), so the two gradients
+    differ in its weights' ranges by its noise alone, exactly as when it is probed alone, and nowhere else. Returns
+    ``((sensitivities, probed), passes)``, or ``(None, passes)`` where the gradients also differ elsewhere (a weight
+    shared beyond what the slots say, a nondeterministic backward): then each slot is probed alone."""
+
+    def pair(probes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        grads = []
+        for mapping in probes:
+            set_probe(mapping)
+            grads.append(_gradient(model, backprop, snapshot))
+        return grads[0], grads[1]
+
+    def spread(a: torch.Tensor, b: torch.Tensor, scale: float, members) -> dict | None:
+        diff = a - b
+        total, parts = float(diff.dot(diff)), {}
+        for slot in members:
+            parts[slot] = sum(float(diff[i:j].dot(diff[i:j])) for i, j in blocks[slot])
+        inside = sum(parts.values())
+        if not (math.isfinite(total) and abs(total - inside) <= 1e-6 * total):
+            return None
+        return {slot: scale * v for slot, v in parts.items()}
+
+    passes = 2
+    first = spread(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5, blocks)
+    if first is None:
+        return None, passes
+    raw = {slot: v / variance_factor(probe_bits) for slot, v in first.items()}
+    probed: dict = {}
+    for n in range(max(len(plans[s][1]) for s in blocks)):
+        members = [s for s in blocks if len(plans[s][1]) > n]
+        seeds = {s: seed_of(s, 2 + 1 + n) for s in members}
+        probes = [{s: Probe(s, plans[s][1][n][k].bits, seeds[s], plans[s][1][n][k]) for s in members} for k in (0, 1)]
+        a, b = pair(probes)
+        passes += 2
+        found = spread(a, b, 0.25, members)
+        if found is None:
+            return None, passes
+        for s in members:
+            probed.setdefault(s, {}).setdefault(plans[s][1][n][0], []).append(found[s])
+    probed = {s: {c: sum(v) / len(v) for c, v in row.items()} for s, row in probed.items()}
+    return (raw, probed), passes
 
 
 def fit_curve(variance: dict[int, float], probe_bits: int) -> tuple[tuple[float, float], float]:
