@@ -95,9 +95,9 @@ def announce(adaptation, interval: int, first_only: bool) -> None:
     if a.seconds < SLOW_SECONDS:
         return
     warnings.warn(
-        describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (1 + 2 passes "
-        "each for GACT's estimator); a smaller batch in the closure, a longer adapt_interval or estimator='actnn' "
-        "costs less (docs/adaptive.md)",
+        describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (GACT's "
+        "estimator: 2 passes each, the inputs of linear and convolution layers 2 for all); a smaller batch in the "
+        "closure, a longer adapt_interval or estimator='actnn' costs less (docs/adaptive.md)",
         SlowAdaptationWarning,
         stacklevel=4,
     )
