@@ -55,8 +55,8 @@ class Plan:
 
     ``bits``: the level's width (``None`` at L0); ``adaptive``: whether ``allocation`` decides it per slot (a slot it
     has not seen gets ``default_width(bits)``); ``choices``: the slots the allocation stores in another scheme than
-    uniform codes; ``probe``: what the sensitivity estimator perturbs now (a :class:`Probe` of one slot, or a
-    mapping of slots to probes: saves probed together); ``step`` and ``seed_base``: the
+    uniform codes; ``probe``: what the sensitivity estimator perturbs now, by slot (one slot, or saves probed
+    together); ``step`` and ``seed_base``: the
     training step and its part of every noise seed; ``compiled``: ``(module, shape, dtype, width)`` of each
     allocated eager save of the pass the allocation was made for, which compiled graphs take their widths from."""
 
@@ -68,6 +68,13 @@ class Plan:
     step: int = 0
     seed_base: int = 0
     compiled: tuple[tuple[str, tuple, torch.dtype, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        """``probe`` given as one :class:`Probe`, or a mutable mapping, is held as a read-only mapping by slot."""
+        probe = self.probe
+        if probe is not None and type(probe) is not MappingProxyType:
+            probes = {probe.slot: probe} if isinstance(probe, Probe) else dict(probe)
+            object.__setattr__(self, "probe", MappingProxyType(probes))
 
     @classmethod
     def initial(cls, bits: int | None, adaptive: bool, seed: int) -> Plan:
@@ -83,15 +90,8 @@ class Plan:
         )
 
     def probing(self, probe: Probe | Mapping[Slot, Probe] | None) -> Plan:
-        if probe is not None and not isinstance(probe, Probe):
-            probe = MappingProxyType(dict(probe))
+        """This plan perturbing one slot (a :class:`Probe`), several (probes by slot), or none."""
         return dataclasses.replace(self, probe=probe)
-
-    def _probe(self, slot: Slot) -> Probe | None:
-        probe = self.probe
-        if probe is None or type(probe) is Probe:
-            return probe if probe is not None and slot == probe.slot else None
-        return probe.get(slot)
 
     def width(self, slot: Slot | GraphSlot) -> tuple[int | None, Choice | None, bool]:
         """``(bits, choice, probing)`` of an allocated class's save in ``slot``: the probe's while it perturbs the
@@ -99,7 +99,7 @@ class Plan:
         at adaptive levels :meth:`compiled_width`'s."""
         if type(slot) is GraphSlot:
             return self.compiled_width(slot.modules, slot.shape, slot.dtype), None, False
-        probe = self._probe(slot) if self.probe is not None else None
+        probe = self.probe.get(slot) if self.probe is not None else None
         if probe is not None:
             return probe.bits, probe.choice, True
         choice = self.choices.get(slot) if self.choices else None
@@ -111,7 +111,7 @@ class Plan:
         """The noise seed of the save numbered ``key_id`` (by the pack path, first seen first) in ``slot``: the probe's
         while it perturbs the slot, else a Weyl sequence from the step's hash (distinct seeds, which the kernels' own
         hash decorrelates)."""
-        probe = self._probe(slot) if self.probe is not None else None
+        probe = self.probe.get(slot) if self.probe is not None else None
         if probe is not None:
             return probe.seed
         return (self.seed_base + (key_id + 1) * GOLDEN) & MASK62

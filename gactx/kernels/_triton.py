@@ -18,6 +18,7 @@ __all__ = [
     "tl",
     "constexpr",
     "jit",
+    "interpreting",
     "launch",
     "require_triton",
     "triton_runs_on",
@@ -42,6 +43,11 @@ def triton_runs_on(x: torch.Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return True
+    return INTERPRET and x.device.type == "cpu"
+
+
+def interpreting(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel given ``x`` runs under the interpreter: a CPU tensor with ``TRITON_INTERPRET=1``."""
     return INTERPRET and x.device.type == "cpu"
 
 
@@ -101,13 +107,15 @@ def launch(kernel, programs: int, *args, **meta) -> None:
     if bound is None:
         compiled = kernel[(programs,)](*args, **meta)
         try:
-            assert len(args) + sum(name in meta for name in kernel.arg_names) == len(kernel.arg_names)
-            _BOUND[key] = (compiled.run, compiled.function, compiled.packed_metadata)
-        except (AssertionError, AttributeError, KeyError, TypeError):  # another convention: Triton's own launch
+            names = tuple(kernel.arg_names[len(args) :])  # the meta-parameters among the signature's arguments
+            if not all(name in meta for name in names):
+                raise KeyError(names)
+            _BOUND[key] = (compiled.run, compiled.function, compiled.packed_metadata, names)
+        except (AttributeError, KeyError, TypeError):  # another convention: Triton's own launch
             DIRECT = False
         return
-    run, function, packed = bound
-    values = (*args, *(meta[name] for name in kernel.arg_names[len(args) :]))
+    run, function, packed, names = bound
+    values = (*args, *(meta[name] for name in names))
     enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # empty: no launch metadata is read
     run(programs, 1, 1, _stream(key[-1]), function, packed, None, enter, leave, *values)
 

@@ -26,7 +26,14 @@ from typing import NamedTuple
 import torch
 
 from gactx.kernels import _triton, cpu, tables
-from gactx.kernels.format import QuantizedTensor, contiguous_order, memory_order, restore_order, restore_perm
+from gactx.kernels.format import (
+    FLOAT_DTYPES,
+    contiguous_order,
+    memory_order,
+    packed_mask,
+    restore_order,
+    restore_perm,
+)
 from gactx.kernels.functional import choose_backend, dequantize, quantize
 
 __all__ = ["CodedTensor", "encode_codes", "encode_compare", "encode_bins", "decode_codes", "coded_nbytes"]
@@ -102,16 +109,14 @@ def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torc
     or by the Triton kernel (:mod:`gactx.kernels.tables`) on CUDA; ``None`` where neither runs (the torch backend,
     the C++ kernels not built): then the caller tests with torch ops and calls :func:`encode_codes`."""
     chosen = choose_backend(t, backend)
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16) or chosen == "torch":
+    if t.dtype not in FLOAT_DTYPES or chosen == "torch":
         return None
     flat, dense_shape, perm = contiguous_order(t)
     if chosen == "cpp":
         packed = cpu.pack_compare(flat, kind, lo, hi)
     else:
-        packed = tables.triton_encode_compare(flat, kind, lo, hi, _interpret(flat))
-    n = torch.Size([flat.numel()])
-    mask = QuantizedTensor(packed, None, 1, 256, n, torch.bool, n, None)
-    return CodedTensor(mask, table, 1, t.shape, table.dtype, dense_shape, perm, backend)
+        packed = tables.triton_encode_compare(flat, kind, lo, hi, _triton.interpreting(flat))
+    return CodedTensor(packed_mask(packed, flat.numel()), table, 1, t.shape, table.dtype, dense_shape, perm, backend)
 
 
 def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
@@ -119,21 +124,16 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
     above it; NaN past the last), stored as a ``bits``-bit code with ``table`` (see :func:`encode_codes`)."""
     flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
     chosen = choose_backend(flat, backend)
-    if chosen == "triton" and t.dtype in (torch.float32, torch.float16, torch.bfloat16) and bits in CODE_WIDTHS:
-        packed = tables.triton_encode_bins(flat.contiguous(), edges, bits, _interpret(flat))
+    if chosen == "triton" and t.dtype in FLOAT_DTYPES and bits in CODE_WIDTHS:
+        packed = tables.triton_encode_bins(flat.contiguous(), edges, bits, _triton.interpreting(flat))
         if bits == 1:  # a 1-bit code is stored as a bool mask is
-            n = torch.Size([flat.numel()])
-            packed = QuantizedTensor(packed, None, 1, 256, n, torch.bool, n, None)
+            packed = packed_mask(packed, flat.numel())
         return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
     if bits > 1 and chosen == "cpp":
         packed = cpu.encode_bins(flat.contiguous(), edges, bits)
         return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
     codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
     return encode_codes(codes, bits, table, backend)
-
-
-def _interpret(x: torch.Tensor) -> bool:
-    return _triton.INTERPRET and x.device.type == "cpu"
 
 
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ def decode_codes(ct: CodedTensor) -> torch.Tensor:
     if chosen == "cpp":  # the table looked up from the bits, no bool mask between
         return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
     if chosen == "triton":
-        flat = tables.triton_decode_table(packed, ct.table, n, ct.bits, _interpret(packed))
+        flat = tables.triton_decode_table(packed, ct.table, n, ct.bits, _triton.interpreting(packed))
         return restore_order(flat, ct)
     if ct.bits == 1:
         mask = dequantize(ct.codes, backend=ct.backend)

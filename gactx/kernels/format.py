@@ -55,6 +55,7 @@ __all__ = [
     "GROUP_SIZES",
     "FLOAT_DTYPES",
     "QuantizedTensor",
+    "packed_mask",
     "as_is_width",
     "expected_nbytes",
     "memory_order",
@@ -121,6 +122,12 @@ class QuantizedTensor:
             f"group_size={self.group_size}, nbytes={self.nbytes}, device={self.device}"
             + (")" if self.scheme == "uniform" else f", scheme={self.scheme!r})")
         )
+
+
+def packed_mask(packed: torch.Tensor, n: int) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of ``n`` bools packed one bit each (``bitmask.py``'s layout) in ``packed``."""
+    size = torch.Size([n])
+    return QuantizedTensor(packed, None, 1, 256, size, torch.bool, size, None)
 
 
 def as_is_width(bits: int | None, dtype: torch.dtype) -> bool:

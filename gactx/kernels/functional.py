@@ -112,7 +112,7 @@ def _quantize_normal(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
         return QuantizedTensor(data, meta, bits, group_size, x.shape, x.dtype, dense_shape, perm, "normal")
     flat, dense_shape, perm = memory_order(x)
     if chosen == "triton":
-        interpret = _triton.INTERPRET and x.device.type == "cpu"
+        interpret = _triton.interpreting(x)
         data, meta = triton_normal_quantize(flat.contiguous(), bits, group_size, stochastic, seed, interpret)
     else:
         data, meta = torch_normal_quantize(flat, bits, group_size, stochastic, seed)
@@ -141,7 +141,7 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
             data, meta = torch_round_bf16(flat, stochastic, seed), None
         return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
     use_triton = chosen == "triton"
-    interpret = _triton.INTERPRET and x.device.type == "cpu"
+    interpret = _triton.interpreting(x)
     meta = None
     if dtype == torch.bool:
         data, bits = (triton_pack_bool(flat, interpret) if use_triton else torch_pack_bool(flat)), 1
@@ -170,7 +170,7 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
             dense = cpu.normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype)
             return restore_perm(dense, q.perm)
         if chosen == "triton":
-            interpret = _triton.INTERPRET and q.device.type == "cpu"
+            interpret = _triton.interpreting(q)
             flat = triton_normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.numel, q.dtype, interpret)
         else:
             flat = torch_normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.numel, q.dtype)
@@ -179,7 +179,7 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
         return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
     n = q.numel
     use_triton = chosen == "triton"
-    interpret = _triton.INTERPRET and q.device.type == "cpu"
+    interpret = _triton.interpreting(q)
     if q.dtype == torch.bool:
         if use_triton:
             flat = triton_unpack_bool(q.data, n, interpret)

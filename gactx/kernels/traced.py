@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from gactx.kernels.format import QuantizedTensor
+from gactx.kernels.format import packed_mask
 from gactx.kernels.functional import dequantize as _dequantize
 from gactx.kernels.functional import quantize as _quantize
 
@@ -209,8 +209,7 @@ def _(flat, backend):
 @torch.library.custom_op("gactx::unpack_bool", mutates_args=())
 def kernel_unpack_bool(packed: torch.Tensor, n: int, backend: str) -> torch.Tensor:
     """The ``n`` bools :func:`kernel_pack_bool` packed, as a 1-D tensor."""
-    size = torch.Size([n])
-    return _dequantize(QuantizedTensor(packed, None, 1, 256, size, torch.bool, size, None), backend=backend)
+    return _dequantize(packed_mask(packed, n), backend=backend)
 
 
 @kernel_unpack_bool.register_fake

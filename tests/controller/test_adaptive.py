@@ -72,7 +72,7 @@ def test_linear_and_convolution_inputs_probed_together_measure_what_each_alone_d
     results = []
     for together in (True, False):
         if not together:
-            monkeypatch.setattr(GactEstimator, "_weights_of", lambda self, slot: ())
+            monkeypatch.setattr(GactEstimator, "_weights_of", lambda self, slot, modules: ())
         model, run = build(name, 1)
 
         def loss(run=run):

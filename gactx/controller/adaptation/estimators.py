@@ -154,22 +154,21 @@ class GactEstimator(_Measuring):
         def seed_of(slot: Slot, k: int) -> int:
             return mix(seed, step, zlib.crc32(repr(slot).encode()), k)
 
+        modules = dict(self.model.named_modules())
         estimate = estimate_sensitivities(
             self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
-            self._probed_choices, self.path.curved, self._weights_of,
+            self._probed_choices, self.path.curved, lambda slot: self._weights_of(slot, modules),
         )  # fmt: skip
         return self._measured(estimate)
 
-    def _weights_of(self, slot: Slot) -> tuple:
+    def _weights_of(self, slot: Slot, modules: dict[str, nn.Module]) -> tuple:
         """The weights whose gradients alone a slot's noise reaches: where the save is the activation operand of
         products or convolutions with weights (``rules.weight_only``: backward reads it only for their gradients) and
-        each such save
-        (the slot's, and those that share what it stores) is made in a module that owns one matrix weight, those
-        weights; else ``()``, and the slot is probed on its own."""
+        each such save (the slot's, and those that share what it stores) is made in a module that owns one matrix
+        weight, those weights; else ``()``, and the slot is probed on its own. ``modules``: the model's, by name."""
         path = self.path
         if not path.weight_only(slot):
             return ()
-        modules = dict(self.model.named_modules())
         weights = []
         for name in (slot[0], *(s[0] for s in path.sharers.get(slot, {}))):
             module = modules.get(name)
