@@ -122,15 +122,16 @@ def encode_compare(t: torch.Tensor, kind: str, lo: float, hi: float, table: torc
 def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
     """The bin of each element of ``t`` among the sorted ``edges`` (``torch.bucketize``: the first edge at or
     above it; NaN past the last), stored as a ``bits``-bit code with ``table`` (see :func:`encode_codes`)."""
+    chosen = choose_backend(t, backend)
+    if bits > 1 and chosen == "cpp":  # the pack hook's call on a CPU: ``t`` itself where contiguous, no view made
+        flat, dense_shape, perm = contiguous_order(t)
+        packed = cpu.encode_bins(flat, edges, bits)
+        return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
     flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
-    chosen = choose_backend(flat, backend)
     if chosen == "triton" and t.dtype in FLOAT_DTYPES and bits in CODE_WIDTHS:
         packed = tables.triton_encode_bins(flat.contiguous(), edges, bits, _triton.interpreting(flat))
         if bits == 1:  # a 1-bit code is stored as a bool mask is
             packed = packed_mask(packed, flat.numel())
-        return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
-    if bits > 1 and chosen == "cpp":
-        packed = cpu.encode_bins(flat.contiguous(), edges, bits)
         return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
     codes = restore_order(torch.bucketize(flat, edges, out_int32=True), _Layout(dense_shape, perm))
     return encode_codes(codes, bits, table, backend)

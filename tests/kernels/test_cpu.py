@@ -403,3 +403,21 @@ def test_8_bit_bins_of_any_sorted_edges_are_bucketize(edges, values):
     x = torch.tensor(values + sorted(edges), dtype=torch.float32)
     coded = encode_bins(x, e, 8, torch.arange(256).to(torch.float32), backend="cpp")
     assert torch.equal(coded.codes, torch.bucketize(x, e).to(torch.uint8))
+
+
+def test_8_bit_bins_follow_the_edges_given_not_a_table_kept_from_an_earlier_call():
+    """The kernel keeps the index of the last tables of 255 edges it met (building one took longer than the codes of a
+    small tensor): a call with other edges of the same length, or the same tensor changed in place, is binned by the
+    edges it gives, and more tables than are kept come back right after being dropped."""
+    x = torch.randn(3000) * 2
+    tables = [torch.linspace(-3, 3, 255) * scale for scale in (1.0, 0.5, 2.0)]
+    tables += [torch.sort(torch.randn(255) * (k + 1)).values for k in range(20)]  # more than are kept
+    for _ in range(2):
+        for edges in tables:
+            coded = encode_bins(x, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
+            assert torch.equal(coded.codes, torch.bucketize(x, edges).to(torch.uint8))
+    edges = tables[0].clone()
+    encode_bins(x, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
+    edges.mul_(0.25)
+    coded = encode_bins(x, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
+    assert torch.equal(coded.codes, torch.bucketize(x, edges).to(torch.uint8))

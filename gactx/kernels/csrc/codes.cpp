@@ -3,6 +3,9 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <memory>
+#include <mutex>
+
 namespace gactx {
 namespace {
 
@@ -81,9 +84,21 @@ void bins_searched(const T* x, int64_t n, const float* e, const int32_t* lut, in
   });
 }
 
-template <typename T>
-void encode_bins_lut(const T* x, int64_t n, const std::vector<float>& edges, uint8_t* packed) {
+// The index of one table of edges, built once (up to 2 * 2**16 cells: a build took about 7 us, longer than the codes
+// of a 64 x 64 tensor) and kept for the next call with the same edges (a FewBit table is met at every save).
+struct BinIndex {
+  std::vector<float> edges;  // the key: the edges as given
+  float first = 0.0f, inv = 0.0f, top = 0.0f;
+  std::vector<BinCell> cells;  // cells of one edge at most (window <= 1), else empty
+  std::vector<int32_t> lut;  // else the edges in lower cells, searched in `padded` over 2**steps edges
+  std::vector<float> padded;
+  int steps = 0;
+};
+
+std::shared_ptr<const BinIndex> build_index(const std::vector<float>& edges) {
   constexpr int64_t kCells = 1 << 16;
+  auto index = std::make_shared<BinIndex>();
+  index->edges = edges;
   const int64_t count = int64_t(edges.size());
   const float first = edges[0], range = edges[count - 1] - edges[0];
   float gap = range;
@@ -105,36 +120,70 @@ void encode_bins_lut(const T* x, int64_t n, const std::vector<float>& edges, uin
     if (window <= 1 || cells >= kCells || attempt == 1) break;
     cells = std::min(kCells, 2 * cells);
   }
-  const float top = float(cells);
+  index->first = first;
+  index->inv = inv;
+  index->top = float(cells);
   if (window <= 1) {
-    std::vector<BinCell> table(cells + 1, BinCell{0, INFINITY});
+    index->cells.assign(cells + 1, BinCell{0, INFINITY});
     int32_t below = 0;
     for (int64_t c = 0, j = 0; c <= cells; ++c) {
-      table[c].below = below;
-      if (in_cell[c]) table[c].edge = edges[j++];
+      index->cells[c].below = below;
+      if (in_cell[c]) index->cells[c].edge = edges[j++];
       below += int32_t(in_cell[c]);
     }
-    bins_by_cell<T>(x, n, table.data(), count, first, inv, top, packed);
-    return;
+    return index;
   }
-  std::vector<int32_t> lut(cells + 1);
+  index->lut.resize(cells + 1);
   int32_t below = 0;
   for (int64_t c = 0; c <= cells; ++c) {
-    lut[c] = below;
+    index->lut[c] = below;
     below += int32_t(in_cell[c]);
   }
-  int steps = 0;
-  while ((int64_t(1) << steps) <= window) ++steps;  // the search covers [lut, lut + 2**steps - 1]
-  std::vector<float> e(edges);
-  e.resize(count + (int64_t(1) << steps), INFINITY);  // the search may look past the last edge
-  switch (steps) {  // the search unrolled: a constant number of steps
-    case 2: return bins_searched<T, 2>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    case 3: return bins_searched<T, 3>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    case 4: return bins_searched<T, 4>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    case 5: return bins_searched<T, 5>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    case 6: return bins_searched<T, 6>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    case 7: return bins_searched<T, 7>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
-    default: return bins_searched<T, 8>(x, n, e.data(), lut.data(), count, first, inv, top, packed);
+  while ((int64_t(1) << index->steps) <= window) ++index->steps;  // the search covers [lut, lut + 2**steps - 1]
+  index->padded = edges;
+  index->padded.resize(count + (int64_t(1) << index->steps), INFINITY);  // the search may look past the last edge
+  return index;
+}
+
+// The index of `edges`: the one kept for the same edges (bit for bit), or a new one, kept (the last 16 tables).
+std::shared_ptr<const BinIndex> bin_index(const std::vector<float>& edges) {
+  static std::mutex lock;
+  static std::vector<std::shared_ptr<const BinIndex>> kept;
+  const size_t bytes = edges.size() * sizeof(float);
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    for (const auto& index : kept) {
+      if (index->edges.size() == edges.size() && std::memcmp(index->edges.data(), edges.data(), bytes) == 0) {
+        return index;
+      }
+    }
+  }
+  auto index = build_index(edges);  // outside the lock: another thread may build the same one, and keep it too
+  std::lock_guard<std::mutex> guard(lock);
+  if (kept.size() >= 16) kept.erase(kept.begin());
+  kept.push_back(index);
+  return index;
+}
+
+template <typename T>
+void encode_bins_lut(const T* x, int64_t n, const std::vector<float>& edges, uint8_t* packed) {
+  const auto index = bin_index(edges);
+  const BinIndex& i = *index;
+  const int64_t count = int64_t(edges.size());
+  if (!i.cells.empty()) {
+    bins_by_cell<T>(x, n, i.cells.data(), count, i.first, i.inv, i.top, packed);
+    return;
+  }
+  const float* e = i.padded.data();
+  const int32_t* lut = i.lut.data();
+  switch (i.steps) {  // the search unrolled: a constant number of steps
+    case 2: return bins_searched<T, 2>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    case 3: return bins_searched<T, 3>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    case 4: return bins_searched<T, 4>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    case 5: return bins_searched<T, 5>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    case 6: return bins_searched<T, 6>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    case 7: return bins_searched<T, 7>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
+    default: return bins_searched<T, 8>(x, n, e, lut, count, i.first, i.inv, i.top, packed);
   }
 }
 
