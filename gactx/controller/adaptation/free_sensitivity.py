@@ -42,6 +42,7 @@ as GACT's measurement finds.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -65,7 +66,8 @@ def range_variance(t: torch.Tensor, group_size: int) -> torch.Tensor:
     full = flat.numel() // group_size * group_size
     total = flat.new_zeros((), dtype=torch.float32)
     if full:
-        lo, hi = torch.aminmax(flat[:full].view(-1, group_size), dim=1)
+        groups = flat[:full].view(-1, group_size)
+        lo, hi = groups.amin(1), groups.amax(1)  # not torch.aminmax(dim=1): ten times slower on a CPU
         total = total + (hi.float() - lo.float()).square().sum() * group_size
     if full < flat.numel():
         lo, hi = torch.aminmax(flat[full:])
@@ -80,9 +82,15 @@ def _row_variance(t: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
     n = flat.numel()
     pad = -n % group_size
     padded = torch.cat([flat, flat[-1:].expand(pad)]) if pad else flat  # the tail's own range, no host read
-    lo, hi = torch.aminmax(padded.view(-1, group_size), dim=1)
-    lo, hi = lo.float(), hi.float()
-    per_element = ((hi - lo).square() / 6)[:, None].expand(-1, group_size).reshape(-1)[:n]
+    groups = padded.view(-1, group_size)
+    lo, hi = groups.amin(1), groups.amax(1)  # not torch.aminmax(dim=1): ten times slower on a CPU
+    group = (hi.float() - lo.float()).square() / 6
+    row = n // rows
+    if not pad and row % group_size == 0:  # whole groups a row: no tensor of an element's share
+        return group.view(rows, -1).sum(1) * group_size
+    if not pad and group_size % row == 0:  # whole rows a group: each of its rows takes ``row`` elements' shares
+        return group.repeat_interleave(group_size // row) * row
+    per_element = group[:, None].expand(-1, group_size).reshape(-1)[:n]
     return per_element.view(rows, -1).sum(1)
 
 
@@ -110,7 +118,11 @@ def _inverse_variance(module: nn.Module | None, t: torch.Tensor) -> torch.Tensor
         dims = (0, *range(2, t.dim()))
     else:
         return None
-    var = t.detach().float().var(dims, unbiased=False)
+    x = t.detach().float()
+    # The variance as the squared norm of the centred values: torch's var over the last dimension took 2.2 ms of a
+    # 16 x 64 x 768 LayerNorm input on a CPU, this 0.12 ms (a BatchNorm input's, over three dimensions, 2.3 times less).
+    count = math.prod(x.shape[d] for d in dims)
+    var = torch.linalg.vector_norm(x - x.mean(dims, keepdim=True), dim=dims).square() / max(count, 1)
     return (1 / (var + module.eps)).mean()
 
 

@@ -242,16 +242,18 @@ def sketch_rows(
     )
 
 
-def sketch_variance(x: torch.Tensor, fraction: float) -> torch.Tensor:
+def sketch_variance(x: torch.Tensor, fraction: float, square: torch.Tensor | None = None) -> torch.Tensor:
     """``E ||x_hat - x||^2`` of the row sampling alone (no rounding): ``(N - k) / k * ||x||^2``, a 0-d float32
-    tensor on ``x``'s device. Torch ops only, nothing read back to the host (a saved-tensor hook may call it)."""
+    tensor on ``x``'s device (``square``: ``||x||^2`` where the caller has it, as a 0-d float32 tensor). Torch ops only,
+    nothing read back to the host (a saved-tensor hook may call it)."""
     _check_fraction(fraction)
     d = row_length(x)
     n = x.numel() // d if d else 0
     k = _n_kept(n, fraction)
     if k == 0 or k == n:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    square = torch.linalg.vector_norm(x.detach(), dtype=torch.float32).square()
+    if square is None:
+        square = torch.linalg.vector_norm(x.detach(), dtype=torch.float32).square()
     return square * ((n - k) / k)
 
 
@@ -275,7 +277,8 @@ class SketchScheme(Scheme):
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
         if x.dim() < 2 or not sketchable():
             return {}
-        return {Choice(32, "sketch", f): sketch_variance(x, f) for f in SKETCH_FRACTIONS}
+        square = torch.linalg.vector_norm(x.detach(), dtype=torch.float32).square()  # once for every fraction
+        return {Choice(32, "sketch", f): sketch_variance(x, f, square) for f in SKETCH_FRACTIONS}
 
     def options(self, choice, error, measured, scale) -> dict[Choice, float]:
         f = choice.fraction  # kept rows at b: their rounding error, scaled by 1/f for a fraction f of rows

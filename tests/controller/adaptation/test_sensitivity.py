@@ -242,3 +242,33 @@ def test_actnn_gives_a_normalization_input_no_width_where_its_noise_outweighs_it
         grads = torch.autograd.grad(run(), list(model.parameters()))
     error = sum(float((g - e).square().sum()) for g, e in zip(grads, exact, strict=True))
     assert error / sum(float(e.square().sum()) for e in exact) < 2
+
+
+@pytest.mark.parametrize("width", [512, 128, 100])  # two groups of 256 a row; two rows a group; rows across groups
+def test_a_linear_inputs_free_estimate_pairs_each_row_with_its_output_gradient(width):
+    """ActNN's per-sample form for the input ``x`` of a linear layer, ``sum_n ||g_n||^2 v_n``: ``v_n`` the variance
+    rounding adds to row ``n`` of ``x`` (each element its group's ``R^2 / 6``), ``g_n`` the gradient of the output row
+    it makes. Whatever the rows' length against the groups of 256."""
+    from gactx.controller.adaptation.free_sensitivity import free_estimate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(64, width) * torch.linspace(0.1, 3.0, 64)[:, None]  # rows of different ranges
+    outputs = []
+
+    def keep(module, args, out) -> None:
+        out.retain_grad()
+        outputs.append(out)
+
+    model[0].register_forward_hook(keep)
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn")
+    with controller:
+        model(x.clone()).square().sum().backward()  # a copy that dies: the stored codes are read, not x
+        estimate = free_estimate(model, controller.estimator.collector, None)
+    out = outputs[0]
+    flat = x.reshape(-1)
+    pad = -flat.numel() % 256
+    groups = torch.cat([flat, flat[-1:].expand(pad)]).view(-1, 256)
+    per_element = ((groups.amax(1) - groups.amin(1)).square() / 6).repeat_interleave(256)[: flat.numel()]
+    expected = float((out.grad.square().sum(1) * per_element.view(64, width).sum(1)).sum())
+    assert estimate.sensitivity[("0", 1, 0)] == pytest.approx(expected, rel=1e-5)
