@@ -1,6 +1,7 @@
 // What every CPU kernel of gactx shares: float bits, the noise of stochastic rounding, the planes of packed codes,
 // huge-page advice, the work a task, and the dispatch over float32, bfloat16 and float16. Built with
-// -ffp-contract=off and without fast-math (cpu.py): the same float32 operations as the torch twins, in their order.
+// -ffp-contract=off and without fast-math (cpu.py): the same float32 operations as the torch twins, in their order;
+// -fno-trapping-math lets loops with selects vectorize (no code reads the floating-point exception flags).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +26,20 @@ namespace gactx {
 constexpr float kFltMax = 3.4028234663852886e38f;
 constexpr float kMinStep = 1.1754943508222875e-38f;  // 2**-126
 constexpr int64_t kGrainBytes = 1 << 16;              // work a task at least: about 64 KiB of input
+
+// A float64 sum of many terms in kLanes independent lanes (term k in lane k % kLanes), added pairwise at the end: one
+// chain of dependent additions costs an addition's latency a term, and the lanes vectorize.
+constexpr int kLanes = 8;
+template <typename F>
+inline double lane_sum(int64_t m, F term) {
+  double lanes[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= m; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += term(k + j);
+  }
+  for (; k < m; ++k) lanes[k % kLanes] += term(k);
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
 
 inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
 inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }

@@ -129,19 +129,24 @@ void uniform_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<
                             double* partial) {
   const int64_t groups = (n + G - 1) / G, nw = int64_t(widths.size());
   at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
-    std::vector<float> v(G);
+    std::vector<float> v(G), fraction(G);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t start = g * G, m = std::min(G, n - start);
       const GroupRange r = read_group(x + start, m, v.data());
       for (int64_t w = 0; w < nw; ++w) {
         const Grid grid = group_grid(r, (1 << widths[w]) - 1, float(factors[w]), float(special_factors[w]));
         const float scale = grid.scale, origin = grid.origin, inv = grid.inv, shift = grid.shift;
-        double sum = 0.0;
-        for (int64_t k = 0; grid.step > 0.0f && k < m; ++k) {
+        // An element's fraction of a step, in float32: s - floor(s) is exact there (the fraction bits of s), so
+        // f (1 - f) in float64 is too; 0 for a non-finite element. No branch: the loops vectorize.
+        for (int64_t k = 0; k < m; ++k) {
           const float s = (v[k] * scale - origin) * inv + shift;
-          const double frac = double(s) - std::floor(double(s));
-          sum += (bits_of(v[k]) & 0x7F800000u) != 0x7F800000u ? frac * (1.0 - frac) : 0.0;
+          fraction[k] = std::fabs(v[k]) <= kFltMax ? s - std::floor(s) : 0.0f;  // false for NaN
         }
+        const float* f = fraction.data();
+        const double sum = grid.step > 0.0f ? lane_sum(m, [f](int64_t k) {
+          const double e = f[k];
+          return e * (1.0 - e);
+        }) : 0.0;
         partial[g * nw + w] = sum * double(grid.step) * double(grid.step);
       }
     }
