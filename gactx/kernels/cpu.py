@@ -194,17 +194,25 @@ def normal_dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_
     return out
 
 
-def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> torch.Tensor:
-    """``variance.uniform_variances`` of a contiguous CPU tensor: float64, one sum a width, in ``widths``' order."""
+def uniform_variances(
+    flat: torch.Tensor, widths: tuple[int, ...], group_size: int, stride: int = 1, scale: float = 1.0
+) -> torch.Tensor:
+    """``variance.uniform_variances`` of a contiguous CPU tensor, one sum a width in ``widths``' order (summed in
+    float64, times ``scale``, as float32): of every group, or (``stride`` 2 or more) of the whole groups 0, ``stride``,
+    ``2 stride``, ... (``variance.group_sample``'s sample, read where it lies)."""
     factors = [step_factor((1 << b) - 1) for b in widths]
     special = [step_factor((1 << b) - 2) for b in widths]
-    return built.uniform_variances(flat, group_size, list(widths), factors, special)
+    return built.uniform_variances(flat, group_size, list(widths), factors, special, stride, scale)
 
 
-def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> torch.Tensor:
-    """``variance.normal_variances`` of a contiguous CPU tensor: float64, one sum a width, in ``widths``' order."""
+def normal_variances(
+    flat: torch.Tensor, widths: tuple[int, ...], group_size: int, stride: int = 1, scale: float = 1.0
+) -> torch.Tensor:
+    """``variance.normal_variances`` of a contiguous CPU tensor, as :func:`uniform_variances` gives them."""
     shapes = [_normal_shape(b) for b in widths]
-    return built.normal_variances(flat, group_size, list(widths), [f for f, _ in shapes], [t for _, t in shapes])
+    return built.normal_variances(
+        flat, group_size, list(widths), [f for f, _ in shapes], [t for _, t in shapes], stride, scale
+    )
 
 
 def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:

@@ -71,18 +71,32 @@ def group_sample(flat: torch.Tensor, group_size: int, budget: int = SAMPLED_ELEM
     summed error to the tensor's (its elements over theirs); a tensor of fewer groups than that whole, factor 1. An
     estimate of the total, for the free estimator's collecting step, which measures every width of every tensor:
     the allocator weighs tensors against each other, and a few per cent of error in one moves no width."""
-    groups, keep = flat.numel() // group_size, max(1, budget // group_size)
-    stride = groups // keep
+    stride, scale = _sample_stride(flat.numel(), group_size, budget)
     if stride < 2:
         return flat, 1.0
-    sample = flat[: groups * group_size].view(groups, group_size)[::stride].reshape(-1)
-    return sample, flat.numel() / sample.numel()
+    groups = flat.numel() // group_size
+    return flat[: groups * group_size].view(groups, group_size)[::stride].reshape(-1), scale
+
+
+def _sample_stride(numel: int, group_size: int, budget: int = SAMPLED_ELEMENTS) -> tuple[int, float]:
+    """:func:`group_sample`'s step between the groups it keeps (below 2: the whole tensor) and its factor."""
+    groups, keep = numel // group_size, max(1, budget // group_size)
+    stride = groups // keep
+    if stride < 2:
+        return 1, 1.0
+    return stride, numel / (-(-groups // stride) * group_size)
 
 
 def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int, scheme: str):
     """:func:`uniform_variances` or :func:`normal_variances` (``scheme``) of a :func:`group_sample` of ``flat``,
-    scaled to the whole tensor: what ``ChoiceMeter`` measures of each scheme."""
-    sample, scale = group_sample(flat.detach().reshape(-1), group_size)
+    scaled to the whole tensor: what ``ChoiceMeter`` measures of each scheme. The C++ kernels read the sampled groups
+    where they lie (no copy, no view)."""
+    flat = flat.detach().reshape(-1)
+    if flat.numel() and _on_cpu_kernels(flat):
+        stride, scale = _sample_stride(flat.numel(), group_size)
+        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
+        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, stride, scale).unbind(), strict=True))
+    sample, scale = group_sample(flat, group_size)
     return _closed_form(sample, widths, group_size, scheme, scale)
 
 
@@ -113,7 +127,7 @@ def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str, sc
         sums = torch.zeros(len(widths), dtype=torch.float64, device=flat.device)
     elif _on_cpu_kernels(flat):
         kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        sums = kernel(flat.contiguous(), widths, group_size)
+        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, 1, scale).unbind(), strict=True))
     else:
         padded, valid = _padded(flat, group_size)
         form = _uniform_sums if scheme == "uniform" else _normal_sums

@@ -148,3 +148,25 @@ def test_a_sample_of_groups_estimates_a_large_tensors_total():
     for bits, value in uniform_variances(sample, (2, 4, 8), 256).items():
         exact = float(rounding_variance(x, bits, 256))
         assert abs(float(value) * scale - exact) <= 0.05 * exact, bits
+
+
+@pytest.mark.parametrize("numel", [1 << 20, (1 << 20) + 77, 300 * 256])  # whole groups; a tail; a stride of 4
+def test_the_meters_estimate_reads_the_sampled_groups_where_they_lie(numel):
+    """estimated_variances on a CPU reads group_sample's groups in place (the C++ kernels step over the others): the
+    same sums as the sample copied out and measured whole, times its factor (to float32 rounding)."""
+    from gactx.kernels import cpu
+    from gactx.kernels.variance import estimated_variances, group_sample, normal_variances, uniform_variances
+
+    if not cpu.available():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(numel, generator=g) * torch.linspace(0.5, 2.0, numel)
+    sample, scale = group_sample(x, 256)
+    assert sample.numel() < x.numel()
+    schemes = (("uniform", (1, 2, 4, 8), uniform_variances), ("normal", (2, 4, 8), normal_variances))
+    for scheme, widths, whole in schemes:
+        got = estimated_variances(x, widths, 256, scheme)
+        copied = whole(sample, widths, 256)
+        for bits in widths:
+            expected = (copied[bits].double() * scale).float()  # the sample's float32 sum, scaled
+            assert abs(float(got[bits]) - float(expected)) <= 1e-6 * float(expected), (scheme, bits)

@@ -144,6 +144,17 @@ inline GroupRange read_group(const T* xg, int64_t m, float* v) {
   return r;
 }
 
+// The groups a variance kernel sums: every group of n elements (stride 1, the tail too), or groups 0, stride,
+// 2 stride, ... of the whole ones (variance.group_sample's sample, read in place).
+inline int64_t sampled_groups(int64_t n, int64_t G, int64_t stride) {
+  return stride == 1 ? (n + G - 1) / G : (n / G + stride - 1) / stride;
+}
+
+// A variance kernel's per-group sums [groups, widths] (float64): summed over the groups, times scale, as float32.
+inline at::Tensor scaled_sums(const at::Tensor& partial, double scale) {
+  return partial.sum(0).mul_(scale).to(at::kFloat);
+}
+
 #define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \
   switch (DTYPE) {                                                                        \
     case at::kFloat: { using scalar = float; FN; break; }                                 \

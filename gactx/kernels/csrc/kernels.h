@@ -16,9 +16,11 @@ void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits,
 void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
                    int64_t seed, double factor, double factor_special);
 void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group);
-// The expected squared error of stochastic rounding at each width, float64 (variance.py's uniform_variances).
+// The expected squared error of stochastic rounding at each width (variance.py's uniform_variances), summed in float64
+// over every group (stride 1) or over groups 0, stride, 2 stride, ... of the whole ones (variance.group_sample), times
+// scale, as float32.
 at::Tensor uniform_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths, std::vector<double> factors,
-                             std::vector<double> special_factors);
+                             std::vector<double> special_factors, int64_t stride, double scale);
 
 // schemes/normal/normal.cpp: normal-fitted levels (schemes/normal/format.py).
 std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic,
@@ -27,7 +29,8 @@ void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_
                        std::vector<double> factors, int64_t tails);
 // The same as uniform_variances, on the normal scheme's levels (variance.py's normal_variances).
 at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths,
-                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails);
+                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails, int64_t stride,
+                            double scale);
 
 // codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
 void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits);

@@ -212,14 +212,14 @@ void normal_dequantize_impl(const uint8_t* codes, const int32_t* meta, T* out, i
 // group's fit once, then, a width at a time, each element's segment and step^2 f (1 - f), f the fraction of its
 // position on the segment's grid (capped at the segment's intervals, as normal_codes caps). Sums in float64.
 template <typename T>
-void normal_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<int64_t>& widths,
+void normal_variances_impl(const T* x, int64_t n, int64_t G, int64_t stride, const std::vector<int64_t>& widths,
                            const std::vector<NormalShape>& shapes, double* partial) {
-  const int64_t groups = (n + G - 1) / G, nw = int64_t(widths.size());
+  const int64_t groups = sampled_groups(n, G, stride), nw = int64_t(widths.size());
   at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
     std::vector<float> v(G), steps(G), fraction(G);
     std::vector<int32_t> u(G);
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t start = g * G, m = std::min(G, n - start);
+      const int64_t start = g * stride * G, m = std::min(G, n - start);
       const GroupRange range = read_group(x + start, m, v.data());
       const Fit fit = fit_group(v.data(), m, range, u.data());
       for (int64_t w = 0; w < nw; ++w) {
@@ -279,18 +279,19 @@ std::tuple<at::Tensor, at::Tensor> normal_quantize(at::Tensor x, int64_t bits, i
 }
 
 at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths,
-                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails) {
+                            std::vector<std::vector<double>> factors, std::vector<int64_t> tails, int64_t stride,
+                            double scale) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && widths.size() == factors.size() &&
-              widths.size() == tails.size());
+              widths.size() == tails.size() && stride >= 1);
   std::vector<NormalShape> shapes;
   for (size_t w = 0; w < widths.size(); ++w) shapes.push_back(normal_shape(factors[w], tails[w]));
-  const int64_t n = x.numel(), groups = (n + group - 1) / group, nw = int64_t(widths.size());
+  const int64_t n = x.numel(), groups = sampled_groups(n, group, stride), nw = int64_t(widths.size());
   at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
   if (n) {
-    GACTX_DISPATCH(x.scalar_type(), normal_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, widths, shapes,
-                   partial.data_ptr<double>()));
+    GACTX_DISPATCH(x.scalar_type(), normal_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, stride, widths,
+                   shapes, partial.data_ptr<double>()));
   }
-  return partial.sum(0);
+  return scaled_sums(partial, scale);
 }
 
 void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,

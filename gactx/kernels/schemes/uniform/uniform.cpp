@@ -124,14 +124,14 @@ void dequantize_impl(const uint8_t* codes, const float* meta, T* out, int64_t n,
 // group's range and steps as quantize_impl finds them, then step^2 f (1 - f) an element a width, f the fraction of
 // its position on the grid. Sums in float64, a group's into ``partial[g * widths + w]``.
 template <typename T>
-void uniform_variances_impl(const T* x, int64_t n, int64_t G, const std::vector<int64_t>& widths,
+void uniform_variances_impl(const T* x, int64_t n, int64_t G, int64_t stride, const std::vector<int64_t>& widths,
                             const std::vector<double>& factors, const std::vector<double>& special_factors,
                             double* partial) {
-  const int64_t groups = (n + G - 1) / G, nw = int64_t(widths.size());
+  const int64_t groups = sampled_groups(n, G, stride), nw = int64_t(widths.size());
   at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
     std::vector<float> v(G), fraction(G);
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t start = g * G, m = std::min(G, n - start);
+      const int64_t start = g * stride * G, m = std::min(G, n - start);
       const GroupRange r = read_group(x + start, m, v.data());
       for (int64_t w = 0; w < nw; ++w) {
         const Grid grid = group_grid(r, (1 << widths[w]) - 1, float(factors[w]), float(special_factors[w]));
@@ -189,16 +189,16 @@ void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, i
 
 
 at::Tensor uniform_variances(at::Tensor x, int64_t group, std::vector<int64_t> widths, std::vector<double> factors,
-                             std::vector<double> special_factors) {
+                             std::vector<double> special_factors, int64_t stride, double scale) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && widths.size() == factors.size() &&
-              widths.size() == special_factors.size());
-  const int64_t n = x.numel(), groups = (n + group - 1) / group, nw = int64_t(widths.size());
+              widths.size() == special_factors.size() && stride >= 1);
+  const int64_t n = x.numel(), groups = sampled_groups(n, group, stride), nw = int64_t(widths.size());
   at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
   if (n) {
-    GACTX_DISPATCH(x.scalar_type(), uniform_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, widths, factors,
-                   special_factors, partial.data_ptr<double>()));
+    GACTX_DISPATCH(x.scalar_type(), uniform_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, stride, widths,
+                   factors, special_factors, partial.data_ptr<double>()));
   }
-  return partial.sum(0);
+  return scaled_sums(partial, scale);
 }
 
 }  // namespace gactx
