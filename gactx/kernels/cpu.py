@@ -200,19 +200,27 @@ def uniform_variances(
     """``variance.uniform_variances`` of a contiguous CPU tensor, one sum a width in ``widths``' order (summed in
     float64, times ``scale``, as float32): of every group, or (``stride`` 2 or more) of the whole groups 0, ``stride``,
     ``2 stride``, ... (``variance.group_sample``'s sample, read where it lies)."""
-    factors = [step_factor((1 << b) - 1) for b in widths]
-    special = [step_factor((1 << b) - 2) for b in widths]
-    return built.uniform_variances(flat, group_size, list(widths), factors, special, stride, scale)
+    return built.uniform_variances(flat, group_size, *_uniform_factors(tuple(widths)), stride, scale)
 
 
 def normal_variances(
     flat: torch.Tensor, widths: tuple[int, ...], group_size: int, stride: int = 1, scale: float = 1.0
 ) -> torch.Tensor:
     """``variance.normal_variances`` of a contiguous CPU tensor, as :func:`uniform_variances` gives them."""
+    return built.normal_variances(flat, group_size, *_normal_factors_of(tuple(widths)), stride, scale)
+
+
+@functools.cache
+def _uniform_factors(widths: tuple[int, ...]) -> tuple[list[int], list[float], list[float]]:
+    """The widths, and the step factors :func:`uniform_variances` passes for them (of all levels, of one fewer)."""
+    return list(widths), [step_factor((1 << b) - 1) for b in widths], [step_factor((1 << b) - 2) for b in widths]
+
+
+@functools.cache
+def _normal_factors_of(widths: tuple[int, ...]) -> tuple[list[int], list[list[float]], list[int]]:
+    """The widths, and the normal scheme's factors and tails :func:`normal_variances` passes for them."""
     shapes = [_normal_shape(b) for b in widths]
-    return built.normal_variances(
-        flat, group_size, list(widths), [f for f, _ in shapes], [t for _, t in shapes], stride, scale
-    )
+    return list(widths), [f for f, _ in shapes], [t for _, t in shapes]
 
 
 def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
