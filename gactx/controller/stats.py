@@ -58,7 +58,7 @@ class MemoryStats:
         return self.packed_bytes - self.offloaded_bytes
 
 
-@dataclass
+@dataclass(slots=True)
 class KeyRecord:
     """One save of a pass: its key, what it was and what was stored (a :class:`~gactx.controller.decide.Decision`'s
     width and reason, the bytes before and after)."""
@@ -135,6 +135,17 @@ class PassStats:
             seen = self.live[ptr] = (owner, [], self.storages)
             self.kept_ranges.pop(ptr, None)
         record = KeyRecord(key, t.dtype, bits, nbytes, packed, span[1] - span[0], op, cls, form, reason, seen[2])
+        if compressed and not seen[1]:  # a storage first saved here, compressed (most saves): _cover, _count inlined
+            start, end = span
+            if end > start:
+                seen[1].append(span)
+                self.original_bytes += end - start
+            self.records.append(record)
+            self.compressed += 1
+            self.packed_bytes += packed
+            if offloaded:
+                self.offloaded_bytes += packed
+            return
         self._count(record, compressed, offloaded, ptr, self._cover(t, ptr, not compressed, span))
         if not compressed:
             self.held[ptr] = owner
