@@ -18,7 +18,10 @@ the number users compare::
   step frees first (``optimizer.zero_grad()``), so that both devices measure the same thing. The profiler
   costs time, not memory: time a step without the meter. The profiler's library (Kineto) writes lines of its own
   to the process's stderr as it starts and stops (``USDT: ... profiler_start``, ``STAGE: ...``): those are taken
-  out, and anything else written there meanwhile is passed on.
+  out, and anything else written there meanwhile is passed on. Inside the region torch's C++ log messages below
+ERROR are held back (``FLAGS_caffe2_log_level``, restored on exit): the allocator's "Memory block of unknown size was
+allocated before the profiling started" notice, written when the region frees memory allocated before it, is one
+(Python warnings are not affected).
 
 Nothing here reads a tensor: no host synchronization beyond the one ``torch.cuda.synchronize`` on exit.
 """
@@ -26,6 +29,8 @@ Nothing here reads a tensor: no host synchronization beyond the one ``torch.cuda
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import re
 import sys
@@ -63,6 +68,7 @@ class PeakMemory:
             from torch.profiler import ProfilerActivity, profile
 
             self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._log_level = _set_cpp_log_level(_CPP_ERROR)
             with _without_kineto_lines():
                 self._profiler.__enter__()
         return self
@@ -73,9 +79,37 @@ class PeakMemory:
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._start
             return
         profiler, self._profiler = self._profiler, None
-        with _without_kineto_lines():
-            profiler.__exit__(*exc)
+        try:
+            with _without_kineto_lines():
+                profiler.__exit__(*exc)
+        finally:
+            _set_cpp_log_level(self._log_level)
         self.peak = _running_peak(profiler.profiler.kineto_results.events())
+
+
+_CPP_ERROR = 2  # c10's log severities: INFO 0, WARNING 1, ERROR 2, FATAL 3
+
+
+def _set_cpp_log_level(level: int | None) -> int | None:
+    """Set c10's ``FLAGS_caffe2_log_level`` (the least severity its ``LOG`` writes) and return what it was; ``None``
+    (and nothing set) where this torch's c10 library does not export it."""
+    flag = _cpp_log_flag()
+    if flag is None or level is None:
+        return None
+    old, flag.value = flag.value, level
+    return old
+
+
+@functools.cache
+def _cpp_log_flag() -> ctypes.c_int | None:
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _C10_LIBRARY))
+        return ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+_C10_LIBRARY = {"win32": "c10.dll", "darwin": "libc10.dylib"}.get(sys.platform, "libc10.so")
 
 
 # What Kineto writes to stderr as a profiler starts and stops, one after another, not always with a newline between.

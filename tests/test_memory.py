@@ -79,3 +79,29 @@ def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "written by the region\n" * 2
+
+
+def test_the_cpu_meter_holds_back_the_allocators_notice_of_a_free_it_cannot_size():
+    """A region that frees memory allocated before it (a batch, an earlier step's activations) made torch's CPU
+    allocator log "Memory block of unknown size was allocated before the profiling started" to stderr; the meter
+    holds back C++ log messages below ERROR inside the region, and sets the level back after it (a child process:
+    the notice is written once a process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, gactx\n"
+        "from gactx.memory import _cpp_log_flag\n"
+        "level = None if _cpp_log_flag() is None else _cpp_log_flag().value\n"
+        "for _ in range(2):\n"
+        "    x = torch.randn(512, 512)\n"
+        "    with gactx.PeakMemory('cpu') as meter:\n"
+        "        del x\n"
+        "        y = torch.randn(64, 64)\n"
+        "    assert meter.peak >= 64 * 64 * 4\n"
+        "assert level is None or _cpp_log_flag().value == level, 'the level is set back'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "unknown size" not in done.stderr and done.stderr == ""
