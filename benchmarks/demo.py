@@ -1,14 +1,17 @@
 """The demo: train small GNN, transformer and CNN models with and without gactx on the default device, and
 print what was saved and the loss reached.
 
-    python -m benchmarks.demo            # about 4 minutes on a 2-core CPU; the same models at full size:
+    python -m benchmarks.demo            # about 2 minutes on a 2-core CPU; the same models at full size:
+    python -m benchmarks.demo --compile  # BERT also under torch.compile (the default on a GPU; a minute more on a CPU)
     python -m benchmarks.run             # the benchmark (see --help)
 
 Models (generated data, nothing downloaded): GraphSAGE on a random graph shaped like ogbn-arxiv, BERT, ResNet-50
 and a Llama-style decoder fine-tuned with LoRA (``benchmarks/llm.py``), each scaled down ("small") on a CPU and at
 full size on a GPU. Methods: full precision, gactx L1 (4 bits) and L2.2 (adaptive, 2 bits on average); the LLM with
-full precision, L1, Hugging Face's gradient checkpointing, and checkpointing with L1; BERT also with its forward
-under ``torch.compile`` (``+compile``: full precision and L1, compressed inside the compiled graphs).
+full precision, L1, Hugging Face's gradient checkpointing, and checkpointing with L1; on a GPU, or with ``--compile``,
+BERT also with its forward under ``torch.compile`` (``+compile``: full precision and L1, compressed inside the compiled
+graphs). On a CPU those rows are left out by default: Inductor's compiles of them took 49 of the demo's 165 s on 2
+cores, more with cold caches, and the demo is meant to finish in under 3 minutes from a new machine.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help=f"torch threads; default: the cores this process may use ({cores}). Fewer if the machine is busy: "
         "on a 2-core machine that runs something else, two threads wait on each other",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=cuda,
+        help="also train BERT under torch.compile (default: on a GPU; on a CPU its compiles take about a minute)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.steps < 3 or args.threads < 1:
         parser.error("--steps must be at least 3 and --threads at least 1")
@@ -61,8 +68,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
     print(f"activations: bytes held between forward and backward, from the {memory}")
     print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)")
-    print("step: median time of a training step, a model's methods timed in turns (5 rounds of 2 steps each);")
-    print("      compiled rows 5 steps in a row (gactx's hooks off and on again would recompile the graphs)\n")
+    print("step: median time of a training step, a model's methods timed in turns (5 rounds of 2 steps each)" + (
+        ";\n      compiled rows 5 steps in a row (gactx's hooks off and on again would recompile the graphs)\n"
+        if args.compile else "\n"))  # fmt: skip
     start = time.perf_counter()
     header = (
         f"{'model':<11}{'method':<14}{'activations':>13}{'saved':>8}{'peak':>12}{'lower':>7}{'loss':>8}{'accuracy':>10}"
@@ -71,7 +79,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(header)
     print("-" * len(header), flush=True)
     groups = [(model, MODEL_METHODS.get(model, METHODS), False) for model in MODELS]
-    groups.append((COMPILED[0], COMPILED[1], True))
+    if args.compile:
+        groups.append((COMPILED[0], COMPILED[1], True))
     progress = _progress(sum(len(methods) + (not compiled) for _, methods, compiled in groups))
     rows = []
     for model, methods, compiled in groups:  # a model's rows as soon as its runs end
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _expected(cuda: bool, size: str) -> str:
     if size == "small" and not cuda:
-        return "about 4 min on 2 cores, a minute more the first time (the C++ kernels and Inductor compile)"
+        return "about 2 min on 2 cores, 3 with --compile; the first time the C++ kernels compile too (40 s)"
     if size == "tiny":
         return "under a minute"
     return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
