@@ -58,3 +58,19 @@ def test_on_a_cpu_the_demo_leaves_the_compiled_rows_out_unless_asked(monkeypatch
     assert calls == []
     demo.main(["--size", "tiny", "--steps", "3", "--threads", "1", "--compile"])
     assert calls == [True] * len(demo.COMPILED[1])
+
+
+def test_the_demo_extra_installs_what_the_demos_models_import():
+    """``make demo`` installs gactx's ``demo`` extra and nothing else: every package the demo's models import must be
+    in it (the LoRA decoder's peft was not, and the demo failed at its LLM on a new machine)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    listed = re.search(r"^demo = \[(.*?)\]$", text, re.MULTILINE).group(1)  # one line (tomllib: Python 3.11)
+    extra = {re.split(r"[<>=\[ ;]", r.strip(' "'), maxsplit=1)[0].lower() for r in listed.split(",")}
+    needed = {"tqdm"}  # the progress bar
+    needs = {"sage": {"torch_geometric"}, "bert-base": {"transformers"}, "llama-lora": {"transformers", "peft"}}
+    for model in demo.MODELS:
+        needed |= needs.get(model, set())
+    assert needed <= extra, needed - extra
