@@ -31,9 +31,10 @@ from gactx.controller.adaptation.budget import default_width
 from gactx.controller.adaptation.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
+from gactx.controller.adaptation.widths import variance_factor
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.plan import mix
-from gactx.controller.stats import PassStats
+from gactx.controller.stats import AS_IS, KeyRecord, PassStats
 
 if TYPE_CHECKING:
     from gactx.controller.pack import PackPath
@@ -116,9 +117,10 @@ class _Measuring:
 
 
 class GactEstimator(_Measuring):
-    """GACT's estimator: each allocated tensor perturbed in turn at the probe width, two passes of the closure each;
+    """GACT's estimator: each allocated tensor perturbed in turn at the probe width, two passes of the closure each
+    (one, against a shared base pass, where backward is linear in it and its stored noise is known: ``_context``);
     the gradient variance between them is its sensitivity (``sensitivity.py``); the inputs of linear and convolution
-    layers, whose noise reaches only their own weights' gradients, all in the same two passes. The first adaptation
+    layers, whose noise reaches only their own weights' gradients, all in the same passes. The first adaptation
     measures twice: a tensor's effect on the gradient depends on how the others are stored (a normalisation's input
     on a BERT layer: 10 times larger with the others at the default width than at the widths then allocated), so the
     second round measures around the allocation the first found, as every later adaptation does."""
@@ -127,6 +129,7 @@ class GactEstimator(_Measuring):
         super().__init__(config, model, path, tracker)
         self.pending = False
         self._warned = False
+        self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -158,6 +161,7 @@ class GactEstimator(_Measuring):
         estimate = estimate_sensitivities(
             self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
             self._probed_choices, self.path.curved, lambda slot: self._weights_of(slot, modules),
+            lambda slot: self._context.get(slot),  # filled by the first pass (_discover), so read at each call
         )  # fmt: skip
         return self._measured(estimate)
 
@@ -190,7 +194,9 @@ class GactEstimator(_Measuring):
         finally:
             if self.meter is not None:
                 self.meter.armed = False
-        return [r.key.slot for r in path.stats.records if r.allocated]
+        records = [r for r in path.stats.records if r.allocated]
+        self._context = {r.key.slot: _context(r) for r in records}
+        return [r.key.slot for r in records]
 
     def _set_probe(self, probe: Probe | None) -> None:
         self.path.plan = self.path.plan.probing(probe)
@@ -202,6 +208,21 @@ class GactEstimator(_Measuring):
         if self.meter is not None and "sketch" in self.config.schemes and self.path.sketchable(slot):
             return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
         return ()
+
+
+def _context(record: KeyRecord) -> float | None:
+    """The variance of what a save stores when nothing is probed, in units of ``S(b)`` (``sensitivity.py``'s
+    ``context_of``), for a save whose op's backward is linear in it (class ``linear``): 0 where it is stored as it is,
+    ``S(b)`` of uniform codes at ``b`` bits. ``None`` for anything else: another scheme, bfloat16 rounding at 16 bits,
+    and a backward that is not linear in the save (attention's probabilities), where the gradient's mean moves with the
+    width, so that one pass against another width measures that move too, and a pair at one width does not."""
+    if record.cls != "linear":
+        return None
+    if record.reason == AS_IS:
+        return 0.0
+    if record.reason or record.form or record.bits is None or record.bits > 8:
+        return None
+    return variance_factor(record.bits)
 
 
 class ActnnEstimator(_Measuring):

@@ -8,7 +8,12 @@ noise alone, so::
     C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)
 
 That is ``1 + 2 L`` passes for ``L`` tensors (one pass finds the tensors), and two more for each storage choice
-whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``).
+whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). A tensor whose
+op's backward is linear in it and whose stored noise in these passes is known (``context_of``: ``S(b)`` of uniform
+codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, against one base pass with nothing
+probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
+(:data:`BASE`). Tensors whose noise reaches only their own weights' gradients are probed all at once
+(:func:`_probe_together`), by a pair or against the base.
 
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
@@ -43,6 +48,9 @@ CAP_FACTOR = 1e6
 # Every width the allocator may give lies between them or past 4 bits, where the fit is the 4-bit point's line:
 # nothing is extrapolated towards narrower widths.
 CURVE_WIDTHS = (1, 4)
+# Probe a tensor whose stored noise in the pass is known in one pass against a shared base pass, not a pair (see
+# estimate_sensitivities); False: every tensor by pairs.
+BASE = True
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ def estimate_sensitivities(
     choices_of: Callable[[Hashable], tuple] | None = None,
     curved: Callable[[Hashable], bool] | None = None,
     weights_of: Callable[[Hashable], tuple] | None = None,
+    context_of: Callable[[Hashable], float | None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -122,7 +131,10 @@ def estimate_sensitivities(
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
     (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``.
     ``weights_of(slot)``: the parameters whose gradients alone the slot's noise reaches (the weights of the products it
-    is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`)."""
+    is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`). ``context_of(slot)``: the
+    variance, in units of ``S(b)``, of what the slot stores when nothing is probed (``S(b)`` of uniform codes at ``b``
+    bits, 0 where it is stored as it is), or ``None`` where that is not known (another scheme): a slot probed at one
+    width whose context is known takes one pass, against a base pass of the context (:data:`BASE`), not a pair."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
@@ -134,20 +146,34 @@ def estimate_sensitivities(
             )
             for slot in slots
         }
+        # A slot probed at one width whose context is known: one pass against the base (BASE), else a pair.
+        context = {s: context_of(s) for s in slots} if BASE and context_of is not None else {}
+        single = {s for s in slots if plans[s][0] == (probe_bits,) and context.get(s) is not None}
         blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
         together = len(blocks) > 1
-        total = 1 + sum(2 * (len(widths) + len(pairs)) for slot, (widths, pairs) in plans.items()
-                        if not together or slot not in blocks)  # fmt: skip
+        alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
+        if len(single - set(blocks) if together else single) + (together and alone) < 2:
+            single, alone = set(), False  # the base pass would save fewer passes than it costs
+        cost = {s: (1 if s in single else 2) * len(widths) + 2 * len(pairs) for s, (widths, pairs) in plans.items()}
+        total = 1 + sum(cost[s] for s in plans if not together or s not in blocks)
         if together:
-            total += 2 * (1 + max(len(plans[s][1]) for s in blocks))
-        raw, probed, curves, passes = {}, {}, {}, 1
+            total += (1 if alone else 2) + 2 * max(len(plans[s][1]) for s in blocks)
+        base = None
+        if single:
+            set_probe(None)
+            base = _gradient(model, backprop, snapshot)  # every tensor stored as when nothing is probed
+            total += 1
+        raw, probed, curves, passes = {}, {}, {}, 1 + (base is not None)
         if together:
             if progress is not None:
                 progress(passes, total)
-            found, runs = _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of)
+            against = (base, {s: context[s] for s in blocks}) if alone and base is not None else None
+            found, runs = _probe_together(
+                model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against
+            )
             passes += runs
             if found is None:  # what they reached is not what their weights say: each on its own, below
-                total += sum(2 * (1 + len(plans[s][1])) for s in blocks) - runs
+                total += sum(cost[s] for s in blocks) - runs
             else:
                 raw.update(found[0])
                 probed.update(found[1])
@@ -156,18 +182,23 @@ def estimate_sensitivities(
                 continue
             if progress is not None:
                 progress(passes, total)
-            variance = {}
-            for k, bits in enumerate(widths):
-                grads = []
-                for j in (1, 2):
-                    set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
-                    grads.append(_gradient(model, backprop, snapshot))
-                diff = grads[0] - grads[1]
-                variance[bits] = 0.5 * float(diff.dot(diff))  # a host read, outside any hook: once per pair
-            if len(widths) == 1:
-                raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
+            if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
+                set_probe(Probe(slot, probe_bits, seed_of(slot, 1)))
+                diff = _gradient(model, backprop, snapshot) - base
+                raw[slot] = float(diff.dot(diff)) / (variance_factor(probe_bits) + context[slot])
             else:
-                curves[slot], raw[slot] = fit_curve(variance, probe_bits)
+                variance = {}
+                for k, bits in enumerate(widths):
+                    grads = []
+                    for j in (1, 2):
+                        set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
+                        grads.append(_gradient(model, backprop, snapshot))
+                    diff = grads[0] - grads[1]
+                    variance[bits] = 0.5 * float(diff.dot(diff))  # a host read, outside any hook: once per pair
+                if len(widths) == 1:
+                    raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
+                else:
+                    curves[slot], raw[slot] = fit_curve(variance, probe_bits)
             measured = {}
             for n, pair in enumerate(pairs):
                 grads = []
@@ -178,7 +209,7 @@ def estimate_sensitivities(
                 measured.setdefault(pair[0], []).append(0.25 * float(diff.dot(diff)))
             if measured:  # a choice probed by several pairs (several seeds): their mean
                 probed[slot] = {choice: sum(v) / len(v) for choice, v in measured.items()}
-            passes += 2 * (len(widths) + len(pairs))
+            passes += cost[slot]
     finally:
         set_probe(None)
         snapshot.restore()
@@ -205,13 +236,15 @@ def _blocks(model: nn.Module, weights: dict) -> dict:
     return out
 
 
-def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of):
+def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against=None):
     """Probe every slot of ``blocks`` at once: a pair of passes for the probe width and one for each storage choice
     pair, each slot with its own seeds (those it would have alone). A slot's noise reaches only its weights' gradients
     (a weight's gradient reads the saved operand linearly, and no other gradient reads it), so the two gradients
     differ in its weights' ranges by its noise alone, exactly as when it is probed alone, and nowhere else. Returns
     ``((sensitivities, probed), passes)``, or ``(None, passes)`` where the gradients also differ elsewhere (a weight
-    shared beyond what the slots say, a nondeterministic backward): then each slot is probed alone."""
+    shared beyond what the slots say, a nondeterministic backward): then each slot is probed alone. ``against``:
+    ``(the base pass's gradient, each slot's context)``, where every slot's context is known: then one pass with
+    every slot probed, against the base, instead of the pair (``estimate_sensitivities``)."""
 
     def pair(probes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         grads = []
@@ -230,11 +263,20 @@ def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_b
             return None
         return {slot: scale * v for slot, v in parts.items()}
 
-    passes = 2
-    first = spread(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5, blocks)
-    if first is None:
-        return None, passes
-    raw = {slot: v / variance_factor(probe_bits) for slot, v in first.items()}
+    if against is None:
+        passes = 2
+        first = spread(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5, blocks)
+        if first is None:
+            return None, passes
+        raw = {slot: v / variance_factor(probe_bits) for slot, v in first.items()}
+    else:
+        base, context = against
+        passes = 1
+        set_probe({s: Probe(s, probe_bits, seed_of(s, 1)) for s in blocks})
+        first = spread(_gradient(model, backprop, snapshot), base, 1.0, blocks)
+        if first is None:
+            return None, passes
+        raw = {slot: v / (variance_factor(probe_bits) + context[slot]) for slot, v in first.items()}
     probed: dict = {}
     for n in range(max(len(plans[s][1]) for s in blocks)):
         members = [s for s in blocks if len(plans[s][1]) > n]

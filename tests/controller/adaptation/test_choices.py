@@ -213,10 +213,13 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
     assert scaled[Choice(4)] == plain[Choice(4)]  # codes are not touched
 
 
-def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs():
+def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
+    from gactx.controller.adaptation import sensitivity
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
+    # Pairs for every tensor (no base pass): the two controllers' passes then differ by the calibration pairs alone.
+    monkeypatch.setattr(sensitivity, "BASE", False)
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))
     sketching = gactx.Controller(model, "L2.2", schemes=("uniform", "sketch"))
