@@ -34,8 +34,9 @@ METHODS = ("fp", "L1", "L2.2")
 # adaptation costs a minute here.
 MODEL_METHODS = {"llama-lora": ("fp", "L1", "checkpoint", "checkpoint+L1")}
 COMPILED = ("bert-base", ("fp", "L1"))  # a model and the methods also run compiled
-# Models trained half the steps: the LLM's loss moves little in a few steps at this size (4.94 to 4.93 in 30); its rows
-# show memory and step time, and its 4 methods at 30 steps were half the demo's time on a 2-core CPU.
+# Models trained half the steps, and timed in 3 rounds instead of 5: the LLM's loss moves little in a few steps at this
+# size (4.94 to 4.93 in 30); its rows show memory and step time, and its 4 methods at 30 steps were half the demo's time
+# on a 2-core CPU.
 HALF_STEPS = ("llama-lora",)
 
 
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
     print(f"activations: bytes held between forward and backward, from the {memory}")
     print("peak: the most allocated at once during forward and backward, above the start (gactx.PeakMemory)")
-    print("step: median time of a training step, a model's methods timed in turns (5 rounds of 2 steps each)" + (
+    step = "median time of a training step, a model's methods timed in turns (5 rounds of 2 steps each, the LLM's 3)"
+    print(f"step: {step}" + (
         ";\n      compiled rows 5 steps in a row (gactx's hooks off and on again would recompile the graphs)\n"
         if args.compile else "\n"))  # fmt: skip
     start = time.perf_counter()
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             progress.update()
         if not compiled:  # step times of the methods in turns: other load on the machine falls on each alike
             progress.set_description(f"{model} step times")
-            step_ms = alternated_step_ms(model, list(methods), "fp32", model_args, trained=trained)
+            rounds = 3 if model in HALF_STEPS else 5
+            step_ms = alternated_step_ms(model, list(methods), "fp32", model_args, rounds=rounds, trained=trained)
             for row, method in zip(group, methods, strict=True):
                 row["step_ms"] = step_ms[method]
                 row["samples_per_s"] = row["batch"] / (step_ms[method] / 1e3)
