@@ -5,7 +5,8 @@ PYTHON ?= python3
 
 # torch is installed only when missing; a machine that already has torch (a CUDA build, say) keeps it. Without an
 # NVIDIA GPU it comes from PyTorch's CPU index where that answers (PyPI's Linux wheel is the CUDA build, several GB
-# with its nvidia-* packages), else from pip's own index. PIP_INSTALL=echo shows the command without running it.
+# with its nvidia-* packages), else from pip's own index, in the same pip run as numpy and ninja (gactx needs both:
+# one run less on a new machine). PIP_INSTALL=echo shows the command without running it.
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_INSTALL ?= $(PYTHON) -m pip install --quiet
@@ -16,7 +17,7 @@ torch:
 			echo "no NVIDIA GPU: torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX)"; \
 			$(PIP_INSTALL) torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX); \
 		else \
-			$(PIP_INSTALL) torch==$(TORCH_VERSION); \
+			$(PIP_INSTALL) torch==$(TORCH_VERSION) numpy ninja; \
 		fi; }
 
 # Tests and benchmarks: gactx with its test and benchmark extras.
