@@ -1,7 +1,7 @@
 """The demo: train small GNN, transformer and CNN models with and without gactx on the default device, and
 print what was saved and the loss reached.
 
-    python -m benchmarks.demo            # about 2 minutes on a 2-core CPU; the same models at full size:
+    python -m benchmarks.demo            # about 90 s on a 2-core CPU; the same models at full size:
     python -m benchmarks.demo --compile  # BERT also under torch.compile (the default on a GPU; a minute more on a CPU)
     python -m benchmarks.run             # the benchmark (see --help)
 
@@ -11,7 +11,7 @@ full size on a GPU. Methods: full precision, gactx L1 (4 bits) and L2.2 (adaptiv
 full precision, L1, Hugging Face's gradient checkpointing, and checkpointing with L1; on a GPU, or with ``--compile``,
 BERT also with its forward under ``torch.compile`` (``+compile``: full precision and L1, compressed inside the compiled
 graphs). On a CPU those rows are left out by default: Inductor's compiles of them took 49 of the demo's 165 s on 2
-cores, more with cold caches, and the demo is meant to finish in under 3 minutes from a new machine.
+cores, more with cold caches, and `make demo` is meant to finish in under 3 minutes from a new machine.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _expected(cuda: bool, size: str) -> str:
     if size == "small" and not cuda:
-        return "about 2 min on 2 cores, 3 with --compile; the first time the C++ kernels compile too (40 s)"
+        return "about 90 s on 2 cores, a minute more with --compile; the first time the C++ kernels compile too (40 s)"
     if size == "tiny":
         return "under a minute"
     return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
