@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )  # fmt: skip
     threads = "" if device == "cpu" else f", {torch.get_num_threads()} torch threads"  # a CPU's name says them
     print(f"gactx demo on {device_name(device)}, torch {torch.__version__}{threads}")
+    half = max(3, args.steps // 2)  # the steps of HALF_STEPS models
     print(
-        f"{args.steps} training steps a model and method ({max(3, args.steps // 2)} the LLM's), size {args.size}; "
+        f"{args.steps} training steps a model and method ({half} the LLM's), size {args.size}; "
         + _expected(cuda, args.size)
     )
     memory = "CUDA allocator" if cuda else "saved-tensor accounting (plain PyTorch: a hook's count)"
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     progress = _progress(sum(len(methods) + (not compiled) for _, methods, compiled in groups))
     rows = []
     for model, methods, compiled in groups:  # a model's rows as soon as its runs end
-        steps = max(3, args.steps // 2) if model in HALF_STEPS else args.steps
-        model_args = argparse.Namespace(**{**vars(run_args), "train_steps": steps})
+        halved = model in HALF_STEPS
+        model_args = argparse.Namespace(**{**vars(run_args), "train_steps": half if halved else args.steps})
         timed = argparse.Namespace(**{**vars(model_args), "timed": 5 if compiled else 1})
         group, trained = [], None if compiled else []
         for method in methods:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             progress.update()
         if not compiled:  # step times of the methods in turns: other load on the machine falls on each alike
             progress.set_description(f"{model} step times")
-            rounds = 3 if model in HALF_STEPS else 5
+            rounds = 3 if halved else 5
             step_ms = alternated_step_ms(model, list(methods), "fp32", model_args, rounds=rounds, trained=trained)
             for row, method in zip(group, methods, strict=True):
                 row["step_ms"] = step_ms[method]

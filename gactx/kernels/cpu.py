@@ -213,7 +213,7 @@ def normal_variances(
 @functools.cache
 def _uniform_factors(widths: tuple[int, ...]) -> tuple[list[int], list[float], list[float]]:
     """The widths, and the step factors :func:`uniform_variances` passes for them (of all levels, of one fewer)."""
-    return list(widths), [step_factor((1 << b) - 1) for b in widths], [step_factor((1 << b) - 2) for b in widths]
+    return list(widths), [step_factors(b)[0] for b in widths], [step_factors(b)[1] for b in widths]
 
 
 @functools.cache

@@ -94,8 +94,7 @@ def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size:
     flat = flat.detach().reshape(-1)
     if flat.numel() and _on_cpu_kernels(flat):
         stride, scale = _sample_stride(flat.numel(), group_size)
-        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, stride, scale).unbind(), strict=True))
+        return _closed_form(flat, widths, group_size, scheme, scale, stride)
     sample, scale = group_sample(flat, group_size)
     return _closed_form(sample, widths, group_size, scheme, scale)
 
@@ -119,15 +118,16 @@ def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: in
     return _closed_form(flat, widths, group_size, "normal")
 
 
-def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0) -> dict:
+def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0, stride: int = 1):
     """Each width's summed error (float64), times ``scale``, as a 0-d float32 tensor a width: the C++ kernels where
-    they take the tensor, else the torch form."""
+    they take the tensor (of every ``stride``-th whole group from ``stride`` 2: :func:`group_sample`'s, in place), else
+    the torch form (of every group)."""
     flat = flat.detach().reshape(-1)
     if flat.numel() == 0:
         sums = torch.zeros(len(widths), dtype=torch.float64, device=flat.device)
     elif _on_cpu_kernels(flat):
         kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, 1, scale).unbind(), strict=True))
+        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, stride, scale).unbind(), strict=True))
     else:
         padded, valid = _padded(flat, group_size)
         form = _uniform_sums if scheme == "uniform" else _normal_sums
