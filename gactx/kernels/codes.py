@@ -46,7 +46,7 @@ class _Layout(NamedTuple):
     perm: tuple[int, ...] | None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class CodedTensor:
     """``codes`` (packed uint8, or a 1-bit ``QuantizedTensor`` of a bool mask) and ``table`` (``2**bits``
     values in the original dtype) of a tensor of ``shape``."""
@@ -59,6 +59,16 @@ class CodedTensor:
     dense_shape: torch.Size
     perm: tuple[int, ...] | None
     backend: str = "auto"
+
+    def __init__(
+        self, codes: object, table: torch.Tensor, bits: int, shape: torch.Size, dtype: torch.dtype,
+        dense_shape: torch.Size, perm: tuple[int, ...] | None, backend: str = "auto",
+    ) -> None:  # fmt: skip
+        # The fields set at once, as QuantizedTensor's are (every pack hook of a FewBit class makes one).
+        object.__setattr__(self, "__dict__", {
+            "codes": codes, "table": table, "bits": bits, "shape": shape, "dtype": dtype, "dense_shape": dense_shape,
+            "perm": perm, "backend": backend,
+        })  # fmt: skip
 
     @property
     def numel(self) -> int:

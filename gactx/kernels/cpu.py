@@ -166,9 +166,7 @@ def step_factors(bits: int) -> tuple[float, float]:
 
 def dequantize(codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, shape, dtype: torch.dtype):
     """The decoded tensor, contiguous of ``shape`` (a number of elements, or a shape of that many)."""
-    out = torch.empty(shape, dtype=dtype)
-    built.dequantize(codes, meta, out, bits, group_size)
-    return out
+    return built.dequantize(codes, meta, (shape,) if type(shape) is int else shape, dtype, bits, group_size)
 
 
 @functools.cache
@@ -225,17 +223,13 @@ def _normal_factors_of(widths: tuple[int, ...]) -> tuple[list[int], list[list[fl
 
 def encode_bins(flat: torch.Tensor, edges: torch.Tensor, bits: int) -> torch.Tensor:
     """``torch.bucketize(flat, edges)`` packed ``8 / bits`` codes a byte (the layout of ``codes.py``)."""
-    packed = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8)
-    built.encode_bins(flat, edges.contiguous(), packed, bits)
-    return packed
+    return built.encode_bins(flat, edges, bits)
 
 
 def decode_table(packed: torch.Tensor, table: torch.Tensor, shape, bits: int) -> torch.Tensor:
     """``table[codes]`` of the codes packed by :func:`encode_bins`, contiguous of ``shape`` (a number of elements, or
     a shape of that many)."""
-    out = torch.empty(shape, dtype=table.dtype)
-    built.decode_table(packed, table.contiguous(), out, bits)
-    return out
+    return built.decode_table(packed, table, (shape,) if type(shape) is int else shape, bits)
 
 
 def pack_bool(flat: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ SCHEME_BITS = {"uniform": ALLOWED_BITS, "normal": (2, 4, 8)}
 SCHEME_META_BYTES = {"uniform": META_BYTES_PER_GROUP, "normal": 12}  # normal: lo, hi float32 + 2 x 16 bits
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class QuantizedTensor:
     """A compressed tensor. Build it with :func:`gactx.quantize`; read it back with :func:`gactx.dequantize`.
 
@@ -101,6 +101,16 @@ class QuantizedTensor:
     dense_shape: torch.Size
     perm: tuple[int, ...] | None
     scheme: str = "uniform"
+
+    def __init__(
+        self, data: torch.Tensor, meta: torch.Tensor | None, bits: int, group_size: int, shape: torch.Size,
+        dtype: torch.dtype, dense_shape: torch.Size, perm: tuple[int, ...] | None, scheme: str = "uniform",
+    ) -> None:  # fmt: skip
+        # The fields set at once (every pack hook makes one): a frozen dataclass's own __init__ sets them one by one.
+        object.__setattr__(self, "__dict__", {
+            "data": data, "meta": meta, "bits": bits, "group_size": group_size, "shape": shape, "dtype": dtype,
+            "dense_shape": dense_shape, "perm": perm, "scheme": scheme,
+        })  # fmt: skip
 
     @property
     def numel(self) -> int:

@@ -258,20 +258,25 @@ void decode_table_impl(const uint8_t* packed, const T* table, T* out, int64_t n,
 
 }  // namespace
 
-void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits) {
-  TORCH_CHECK(x.is_contiguous() && edges.is_contiguous() && packed.is_contiguous());
+at::Tensor encode_bins(at::Tensor x, at::Tensor edges, int64_t bits) {
+  TORCH_CHECK(x.is_contiguous());
   TORCH_CHECK(edges.scalar_type() == x.scalar_type());
+  edges = edges.contiguous();
+  at::Tensor packed = at::empty({(x.numel() * bits + 7) / 8}, at::TensorOptions().dtype(at::kByte));
   GACTX_DISPATCH(x.scalar_type(), encode_bins_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
                  edges.data_ptr<scalar>(), edges.numel(), packed.data_ptr<uint8_t>(), int(bits)));
+  return packed;
 }
 
 
-void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t bits) {
-  TORCH_CHECK(packed.is_contiguous() && table.is_contiguous() && out.is_contiguous());
-  TORCH_CHECK(table.scalar_type() == out.scalar_type());
+at::Tensor decode_table(at::Tensor packed, at::Tensor table, at::IntArrayRef shape, int64_t bits) {
+  TORCH_CHECK(packed.is_contiguous());
+  table = table.contiguous();
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(table.scalar_type()));
   advise_huge_pages(out.data_ptr(), out.nbytes());
   GACTX_DISPATCH(out.scalar_type(), decode_table_impl<scalar>(packed.data_ptr<uint8_t>(), table.data_ptr<scalar>(),
                  out.data_ptr<scalar>(), out.numel(), int(bits)));
+  return out;
 }
 
 }  // namespace gactx

@@ -11,7 +11,9 @@ namespace gactx {
 // schemes/uniform/uniform.cpp: per-group codes with stochastic or nearest rounding (schemes/uniform/format.py).
 std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t group, bool stochastic, int64_t seed,
                                             double factor, double factor_special);
-void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group);
+// The decoded tensor, contiguous of ``shape`` in ``dtype``.
+at::Tensor dequantize(at::Tensor codes, at::Tensor meta, at::IntArrayRef shape, at::ScalarType dtype, int64_t bits,
+                      int64_t group);
 // The same, into buffers the caller allocated: ``codes`` of code_bytes(n), ``meta`` of 2 floats a group.
 void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
                    int64_t seed, double factor, double factor_special);
@@ -33,8 +35,10 @@ at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> wi
                             double scale);
 
 // codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
-void encode_bins(at::Tensor x, at::Tensor edges, at::Tensor packed, int64_t bits);
-void decode_table(at::Tensor packed, at::Tensor table, at::Tensor out, int64_t bits);
+// The packed codes (``8 / bits`` a byte) of each element's bin among the sorted ``edges``; ``table`` looked up by
+// codes, contiguous of ``shape`` in the table's dtype.
+at::Tensor encode_bins(at::Tensor x, at::Tensor edges, int64_t bits);
+at::Tensor decode_table(at::Tensor packed, at::Tensor table, at::IntArrayRef shape, int64_t bits);
 
 // bitmask.cpp: masks 8 to a byte (bitmask.py).
 void pack_bool(at::Tensor mask, at::Tensor packed);

@@ -175,9 +175,12 @@ void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bit
                  stochastic, seed, float(factor), float(factor_special)));
 }
 
-void dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group) {
-  TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous() && out.is_contiguous());
+at::Tensor dequantize(at::Tensor codes, at::Tensor meta, at::IntArrayRef shape, at::ScalarType dtype, int64_t bits,
+                      int64_t group) {
+  TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous());
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
   dequantize_into(codes.data_ptr<uint8_t>(), meta.data_ptr<float>(), out, bits, group);
+  return out;
 }
 
 void dequantize_into(const uint8_t* codes, const float* meta, at::Tensor& out, int64_t bits, int64_t group) {
