@@ -13,6 +13,9 @@ At ``w = 64`` kernel time vanishes and the difference to plain is host time: it 
 - hooks and bookkeeping: L0 against plain (the hooks, the module tracker, the policy, the record);
 - compression: L1 against L0 (choosing the storage, the kernel calls, the handle);
 - pack and unpack: each hook's own wall time under L1, measured by a saved-tensor hook around gactx's;
+- the hooks' host time a save: both hooks' time in a step less the time inside the C++ kernels' calls (CPU), shared
+  over the step's compressed saves: what gactx's Python costs a save, kernels excluded (the floor's is the least
+  a hook pays);
 
 and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
 GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
@@ -43,7 +46,7 @@ import gactx
 from benchmarks.harness import Bench, alternate, where
 from benchmarks.measure import gpu_activities, synchronize
 from benchmarks.table import markdown_table
-from gactx.kernels import dequantize
+from gactx.kernels import cpu, dequantize
 from gactx.kernels.functional import choose_backend, quantize_checked
 
 __all__ = ["METHODS", "measure", "run"]
@@ -172,27 +175,53 @@ def launches(case: Case) -> int | None:
         return gpu_activities(case.step, case.device)
 
 
-def hook_us(case: Case, steps: int) -> tuple[float, float]:
-    """Mean wall microseconds of the case's pack and of its unpack hook a call (gactx's, or the floor's): its hooks
-    called from a saved-tensor hook pair of ours (eager only)."""
-    spent = {"pack": [0.0, 0], "unpack": [0.0, 0]}
+def hook_us(case: Case, steps: int) -> dict[str, float]:
+    """Wall microseconds of the case's hooks (gactx's, or the floor's), eager only: its pack and unpack hook called
+    from a saved-tensor hook pair of ours. ``pack_us`` and ``unpack_us``: a call's mean; ``host_us``: a compressed
+    save's share of both hooks' time less the time spent inside the C++ kernels' calls (on a CPU: each function of
+    the built extension timed around its call; the timer's own cost counts as host time). Off a CPU ``host_us`` is
+    left out: kernels there return before they run."""
+    spent = {"pack": [0.0, 0], "unpack": [0.0, 0], "kernels": [0.0, 0]}
 
     def timed(name: str, fn: Callable) -> Callable:
-        def hook(x):
+        def hook(*args):
             begin = time.perf_counter()
-            out = fn(x)
+            out = fn(*args)
             spent[name][0] += time.perf_counter() - begin
             spent[name][1] += 1
             return out
 
         return hook
 
-    with case.hooks():
+    with case.hooks(), _kernels_timed(timed if case.device == "cpu" else None):
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
         with torch.autograd.graph.saved_tensors_hooks(timed("pack", pack), timed("unpack", unpack)):
             for _ in range(steps):
                 case.step()
-    return tuple(1e6 * s / max(1, n) for s, n in (spent["pack"], spent["unpack"]))
+    out = {f"{name}_us": 1e6 * spent[name][0] / max(1, spent[name][1]) for name in ("pack", "unpack")}
+    if case.device == "cpu":
+        hooks = spent["pack"][0] + spent["unpack"][0] - spent["kernels"][0]
+        out["host_us"] = 1e6 * hooks / (steps * BLOCKS * 2)  # the MLP's compressed saves: two a block
+    return out
+
+
+@contextlib.contextmanager
+def _kernels_timed(timed: Callable | None) -> Iterator[None]:
+    """Each function of gactx's built C++ extension replaced by ``timed("kernels", fn)`` for the block (``None``:
+    nothing replaced). The kernels' Python wrappers look their function up at each call."""
+    built = cpu.built
+    if timed is None or built is None:
+        yield
+        return
+    names = [n for n in dir(built) if not n.startswith("_") and callable(getattr(built, n))]
+    originals = {n: getattr(built, n) for n in names}
+    for n, fn in originals.items():
+        setattr(built, n, timed("kernels", fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(built, n, fn)
 
 
 def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False) -> list[dict]:
@@ -221,8 +250,8 @@ def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = T
             row["launches_per_save"] = (own - plain_launches) / saves
         if name in ("L0", "L1", "L0+compile", "L1+compile"):
             row["part"] = "hooks and bookkeeping" if name.startswith("L0") else "compression"
-        if name in ("floor", "L1"):
-            row["pack_us"], row["unpack_us"] = hook_us(case, steps)
+        if name in ("floor", "L1", "L1.1"):
+            row.update(hook_us(case, steps))
         rows.append(row)
     by = {r["method"]: r for r in rows}
     for suffix in ("", "+compile"):
@@ -238,9 +267,9 @@ def render(rows: list[dict], env: dict) -> str:
              f"- model: {BLOCKS} x (Linear(w, w) + GELU), batch w: 16 compressed saves a step; "
              "eager methods against plain, compiled ones against compiled plain", ""]  # fmt: skip
     headers = ["w", "method", "step ms", "vs plain", "us a save", "compression us a save", "pack us", "unpack us",
-               "Python calls a save", "launches a save"]  # fmt: skip
+               "hooks' host us a save", "Python calls a save", "launches a save"]  # fmt: skip
     cells = [[r["width"], r["method"], f"{r['step_ms']:.3f}", f"{r['vs_plain']:.2f}x", _f(r.get("per_save_us")),
-              _f(r.get("compression_us")), _f(r.get("pack_us")), _f(r.get("unpack_us")),
+              _f(r.get("compression_us")), _f(r.get("pack_us")), _f(r.get("unpack_us")), _f(r.get("host_us")),
               _f(r.get("python_calls_per_save")), _f(r.get("launches_per_save"))] for r in rows]  # fmt: skip
     return "\n".join(lines + markdown_table(headers, cells, left=2)) + "\n"
 

@@ -335,15 +335,17 @@ class Controller:
     def diagnostics(self) -> dict[str, int | bool]:
         """The sizes of the controller's own tables and the state of its op watcher, to check that nothing grows in a
         long run: ``keys`` (noise seeds' numbers, one a key ever seen), ``sites`` (learned ops, one a slot),
-        ``handles`` and ``storages`` (this pass's dedupe entries and storages counted), ``watched_ops`` (aten ops the
-        watcher has seen, all passes), ``watch_next`` (the next pass is watched), ``in_forward`` (a forward of the
-        model is under way), ``most_calls`` (the most calls of one module in the pass under way), ``observers`` and
+        ``handles`` and ``storages`` (this pass's dedupe entries and storages counted), ``replays`` (saves kept to be
+        done again, one a key, at most ``pack.MAX_REPLAYS``), ``watched_ops`` (aten ops the watcher has seen, all
+        passes), ``watch_next`` (the next pass is watched), ``in_forward`` (a forward of the model is under way),
+        ``most_calls`` (the most calls of one module in the pass under way), ``observers`` and
         ``output_hooks`` (what the estimator watches saves and module outputs with, while it measures)."""
         path, tracker = self._path, self._tracker
         return {
             "keys": len(path.key_ids),
             "sites": len(path.sites),
             "handles": len(path.dedupe),
+            "replays": len(path.replays),
             "storages": len(self._pass.live),
             "watched_ops": path.watcher.ops,
             "watch_next": path.relearn,

@@ -30,10 +30,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gactx.config import Config
 from gactx.controller.checkpoint import SAVING
 from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
-from gactx.controller.identity import Key, ModuleTracker, Slot, graph_task_id, in_backward
+from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
 from gactx.controller.policy import KEEP_PARAMETER, keep_reason, model_storages, storage_ptr
+from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
     CHECKPOINT_INPUT,
@@ -54,9 +55,10 @@ from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
 
-__all__ = ["PackPath"]
+__all__ = ["MAX_REPLAYS", "PackPath"]
 
 logger = logging.getLogger(__name__)
+MAX_REPLAYS = 16384  # saves kept to be replayed (one a key): a few passes of a large model
 
 
 class PackPath:
@@ -78,7 +80,8 @@ class PackPath:
         self.config = config
         self.tracker = tracker
         self.model = model
-        self.plan = plan
+        self._plan = plan
+        self.replays: dict[Key, Replay] = {}  # key -> its save as last stored, done again while valid (replay.py)
         self.key_ids: dict[Key, int] = {}  # each key's number, first seen first: its noise seed's part
         self.offloader = offloader
         self.stats = PassStats()
@@ -104,6 +107,20 @@ class PackPath:
         # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
         self.before_save: Callable[[], None] | None = None
 
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        """A new plan (the controller's): the replays made under the old one hold while only the step (its seeds)
+        changed."""
+        old, self._plan = self._plan, plan
+        if (plan.allocation, plan.choices, plan.probe, plan.bits, plan.adaptive) != (
+            old.allocation, old.choices, old.probe, old.bits, old.adaptive
+        ) or plan.probe is not None:  # fmt: skip
+            self.replays.clear()
+
     # -- passes ---------------------------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
@@ -114,6 +131,7 @@ class PackPath:
         watch = cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn)
         if watch and cfg.bits is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.relearn = False
+            self.replays.clear()  # the ops learned in this pass may differ
             # Compiled regions inside the model run eagerly in a watched pass: torch.compile refuses to compile
             # under a dispatch mode, and then skips the code for good.
             self._eager = torch.compiler.set_stance("force_eager")
@@ -170,6 +188,12 @@ class PackPath:
         if reason == KEEP_PARAMETER:
             return Kept.of(t)
         key = self.tracker.key(t)
+        if reason is None:
+            replay = self.replays.get(key)
+            if replay is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
+                seen = stats.live.get(ptr)
+                if seen is None or seen[0]() is None:  # no save of the pass holds its storage yet
+                    return self._replayed(replay, t, key, ptr, stats)
         slot, ptr = key.slot, ptr or 0
         if cfg.dedupe and stats.holds(ptr):
             stats.extend(t, ptr)  # its storage is already kept as is: another view of it costs no copy
@@ -188,30 +212,45 @@ class PackPath:
             return handle
         if t.dtype == torch.bool:
             return self._finish(t, key, slot, ptr, None, BOOL_MASK)
-        return self._finish(t, key, slot, ptr, *self._recall(t, key, slot))
+        site, rule, learned = self._recall(t, key, slot)
+        return self._finish(t, key, slot, ptr, site, rule, replay=learned)
 
-    def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule]:
-        """The site and rule of a save in an unwatched pass: learned for its slot, or read from a result's
-        ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
+    def _replayed(self, replay: Replay, t: torch.Tensor, key: Key, ptr: int, stats: PassStats) -> Packed:
+        """The save of ``key`` done again (``replay.py``), and what the whole path does after storing it: a result's
+        node claimed, the handle registered for later saves of the same tensor."""
+        if self.observers and replay.observed:  # as _store calls them, before the encoding
+            for observe in self.observers:
+                observe(key, t, replay.decision.rule)
+        handle = replay.pack(t, key, ptr, stats, self._plan)
+        if replay.claims:
+            self._claimed.add(node_id(t.grad_fn))
+        if self.config.dedupe:
+            shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, replay.form)
+            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), replay.decision)
+        return handle
+
+    def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule, bool]:
+        """The site and rule of a save in an unwatched pass, and whether they were learned for its slot: else read
+        from a result's ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
         learned, signature = self.sites.get(slot), _signature(t)
         if learned is not None and learned[2] == signature:
-            return learned[0], learned[3]
+            return learned[0], learned[3], True
         # A watched pass may number a module call's saves apart from an unwatched one: under the watcher a composite
         # op (the CTC loss) saves copies of its integer arguments that it does not save otherwise, and the saves after
         # them shift. The one save of this call learned with the same signature, if there is exactly one, is this.
         alike = [v for v in self._calls.get((key.module, key.call), {}).values() if v[2] == signature]
         if len(alike) == 1:
-            return alike[0][0], alike[0][3]
+            return alike[0][0], alike[0][3], False
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)
         if found is not None:
-            return found
+            return *found, False
         if not self.tracker.inside and t.grad_fn is None and not t.requires_grad and not in_backward():
             # Outside the forward, unwatched: it may be a float dropout mask. Not a recomputation's save in backward
             # (a checkpointed region's, whose tensors have no history there): those are the region's own ops'.
-            return None, CONSTANT
-        return None, UNKNOWN
+            return None, CONSTANT, False
+        return None, UNKNOWN, False
 
     def sketchable(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
@@ -248,16 +287,22 @@ class PackPath:
             key = handle.key
             self._finish(t, key, key.slot, ptr, site, _rule(site, origin), handle=handle, learn=(site, origin))
 
-    def _finish(self, t, key: Key, slot: Slot, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None):
+    def _finish(
+        self, t, key: Key, slot: Slot, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None,
+        replay: bool = False,
+    ):  # fmt: skip
         """Decide (``decide.py``), store ``t`` (or share what the same tensor stored the same way got), record it,
-        and return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept."""
+        and return the handle (a new one, or ``handle`` filled in) or the tensor itself when it is kept. ``replay``:
+        the rule was learned for the slot in an unwatched pass, and the save may be kept for the next pass to replay
+        (``replay.py``)."""
         cfg = self.config
         if learn is not None:
             self.sites[slot] = learned = (learn[0], learn[1], _signature(t), rule)
             self._calls.setdefault(slot[:2], {})[slot.index] = learned
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-        decision = decide(t, rule, self.plan, slot, cfg, self.key_ids.setdefault(key, len(self.key_ids)))
+        number = self.key_ids.setdefault(key, len(self.key_ids))
+        decision = decide(t, rule, self._plan, slot, cfg, number)
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
         # that several ops save (the input of the Q, K and V projections) is one tensor to the allocator, under
         # the slot of its first save: the later saves share whatever that one stored (its width, its scheme, a
@@ -275,6 +320,10 @@ class PackPath:
             handle.stored = hit.stored
             return handle
         stored = self._store(t, key, slot, ptr, site, decision)
+        if replay and hit is None and not isinstance(stored, torch.Tensor) and self._may_replay(decision, key):
+            if len(self.replays) >= MAX_REPLAYS:  # shapes that keep changing (sequence lengths): the newest kept
+                self.replays.clear()
+            self.replays[key] = Replay(t, site, decision, number, cfg, self.stats.records[-1])
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return Kept(stored, t._version)
@@ -284,6 +333,13 @@ class PackPath:
         if cfg.dedupe and hit is None:
             self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), decision)
         return handle
+
+    def _may_replay(self, decision: Decision, key: Key) -> bool:
+        """Whether a save of ``key`` just stored under ``decision`` may be replayed in later passes (``replay.py``):
+        a forward pass's, nothing offloaded, a rule that stores it alone."""
+        return (
+            self.offloader is None and not self.watching and key.module != BACKWARD and replayable(decision, self._plan)
+        )
 
     def _store(self, t, key: Key, slot: Slot, ptr: int, site, decision: Decision):
         """Encode, offload where asked, and record: what the handle will hold."""

@@ -150,6 +150,26 @@ class PassStats:
         if not compressed:
             self.held[ptr] = owner
 
+    def record_new(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
+        """:meth:`record` of a compressed save whose storage no save of the pass holds, stored as the save of ``like``
+        was (a replayed save, see ``replay.py``): its record, ``like`` itself where nothing differs."""
+        span = counted_range(t)
+        covered = span[1] - span[0]
+        self.storages += 1
+        number = self.storages
+        self.live[ptr] = (weakref.ref(t if t._base is None else t._base), [span] if covered > 0 else [], number)
+        self.kept_ranges.pop(ptr, None)
+        record = like
+        if like.storage != number or like.storage_bytes != covered:  # like.key == key: replays are by key
+            record = KeyRecord(key, like.dtype, like.bits, like.original_bytes, like.packed_bytes, covered, like.op,
+                               like.cls, like.form, like.reason, number)  # fmt: skip
+        self.records.append(record)
+        if covered > 0:
+            self.original_bytes += covered
+        self.compressed += 1
+        self.packed_bytes += record.packed_bytes
+        return record
+
     def extend(self, t: torch.Tensor, ptr: int) -> None:
         """Another view of a storage this pass keeps as it is (no record of its own): a deduplicated save, and the
         bytes it covers that no saved view covered yet."""

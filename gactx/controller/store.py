@@ -24,7 +24,18 @@ from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES, as_is_width
 from gactx.kernels.functional import choose_backend, quantize_checked
 from gactx.kernels.schemes import Choice, scheme
 
-__all__ = ["Kept", "Packed", "Unused", "as_is", "encode", "mask_values", "modified_in_place", "stored_form", "unpack"]
+__all__ = [
+    "Kept",
+    "Packed",
+    "Unused",
+    "as_is",
+    "encode",
+    "fewbit_tables",
+    "mask_values",
+    "modified_in_place",
+    "stored_form",
+    "unpack",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,44 +124,38 @@ class Packed:
         self.through_base = source._base is not None
         self.backend = backend
         ptr = storage_ptr(owner) if ptr is None else ptr
-        self.view = (tuple(source.shape), source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
+        self.view = (source.shape, source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
 
     def unpack(self) -> torch.Tensor:
-        saved = self.saved()
-        if saved is None or saved._version != self.version:
-            self._check_version()
-        s = self.stored
-        if isinstance(s, torch.Tensor):
-            return s
-        if self.source() is not None:
-            live = self._still_alive()
-            if live is not None:
-                return live
-        if isinstance(s, HostCopy):
-            s = s.offloader.fetch(s)
-        if isinstance(s, QuantizedTensor):
-            return dequantize(s, backend=self.backend)
-        return s.decode()  # every other stored form: codes, a scheme's (gactx/kernels/schemes), nothing
-
-    def _check_version(self) -> None:
-        saved = self.saved()
+        saved, owner = self.saved(), self.source()
         if saved is not None:
             if saved._version != self.version:
                 raise modified_in_place(saved, self.version)
-            return
-        base = self.source() if self.through_base else None
-        if base is not None and base._version != self.view[4]:
-            raise modified_in_place(base, self.view[4])
+        elif self.through_base and owner is not None and owner._version != self.view[4]:
+            raise modified_in_place(owner, self.view[4])  # the saved view is gone: its base's counter was its own
+        s = self.stored
+        if isinstance(s, torch.Tensor):
+            return s
+        if owner is not None:
+            live = _still_alive(owner, self.view)
+            if live is not None:
+                return live
+        if isinstance(s, QuantizedTensor):
+            return dequantize(s, backend=self.backend)
+        if isinstance(s, HostCopy):
+            s = s.offloader.fetch(s)
+            if isinstance(s, QuantizedTensor):
+                return dequantize(s, backend=self.backend)
+        return s.decode()  # every other stored form: codes, a scheme's (gactx/kernels/schemes), nothing
 
-    def _still_alive(self) -> torch.Tensor | None:
-        """The saved tensor itself, if something outside gactx still holds it, unchanged since the save."""
-        owner = self.source()
-        if owner is None:
-            return None
-        shape, stride, offset, dtype, version, ptr = self.view
-        if owner._version != version or owner.dtype != dtype or storage_ptr(owner) != ptr:
-            return None
-        return owner.detach().as_strided(shape, stride, offset)
+
+def _still_alive(owner: torch.Tensor, view: tuple) -> torch.Tensor | None:
+    """The saved tensor itself (``view`` of ``owner``, as :class:`Packed` holds it), if ``owner`` still holds it
+    unchanged since the save (something outside gactx keeps it alive)."""
+    shape, stride, offset, dtype, version, ptr = view
+    if owner._version != version or owner.dtype != dtype or storage_ptr(owner) != ptr:
+        return None
+    return owner.detach().as_strided(shape, stride, offset)
 
 
 def mask_values(rule: Rule, dtype: torch.dtype) -> tuple[float, float] | None:
@@ -236,9 +241,7 @@ def _table(values: tuple, dtype: torch.dtype, device: torch.device, name: tuple 
     return table
 
 
-def _fewbit_tables(
-    rule: Rule, bits: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fewbit_tables(rule: Rule, bits: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The edges and points of the rule's FewBit table at ``bits`` on ``device``, named by the table's arguments."""
     key = (rule.fn, rule.fn_params, bits, dtype, device)
     found = _FEWBIT.get(key)
@@ -280,7 +283,7 @@ def encode(
     if kind == "keep" or bits is None:
         return as_is(t)
     if kind == "fewbit" and bits <= 8:
-        edges, points = _fewbit_tables(rule, bits, t.dtype, t.device)
+        edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
         return encode_bins(t, edges, bits, points, backend)
     if kind == "quantize" and choice is not None:
         stored = _encode_choice(t, choice, seed, group_size, stochastic, backend, site)

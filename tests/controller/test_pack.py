@@ -1,6 +1,7 @@
 """gactx/controller/pack.py: the path of one saved tensor is short. Followed through pack in eager mode (the input of
 a linear layer at L1, an unwatched pass, not the pass's first save), it leaves the pack path for one module at a
-time (the policy, the keys, the pass's statistics, the decision, the store) and never calls up into the Controller.
+time (the policy, the keys, the pass's statistics, the decision, the store) and never calls up into the Controller;
+in the passes after, the same save is replayed (replay.py): the policy, the key, the replay.
 """
 
 import sys
@@ -14,9 +15,10 @@ from gactx.controller.pack import PackPath
 HUB = "controller/pack.py"
 
 
-def _follow_one_save(monkeypatch) -> list[tuple[str, str]]:
+def _follow_one_save(monkeypatch, before: int) -> list[tuple[str, str]]:
     """``(file, function)`` of each call that pack.py makes into another gactx file while packing the second
-    layer's input, nested calls left out (they belong to the call that made them)."""
+    layer's input in the pass after ``before`` passes (the first watched), nested calls left out (they belong to the
+    call that made them)."""
     calls, state = [], {"n": -1, "on": False}
 
     def tracer(frame, event, arg):
@@ -43,7 +45,7 @@ def _follow_one_save(monkeypatch) -> list[tuple[str, str]]:
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
     x = torch.randn(64, 64)
     with gactx.Controller(model, level="L1") as controller:
-        for _ in range(3):
+        for _ in range(before):
             model(x).sum().backward()
         state["n"], state["on"] = -1, True
         model(x).sum().backward()
@@ -52,7 +54,7 @@ def _follow_one_save(monkeypatch) -> list[tuple[str, str]]:
 
 
 def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
-    calls = _follow_one_save(monkeypatch)
+    calls = _follow_one_save(monkeypatch, before=1)  # the first unwatched pass: the whole path
     modules = [f for f, _ in calls]
     rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]  # consecutive calls: one stop
     assert rooms == [
@@ -62,6 +64,15 @@ def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
         "controller/decide.py",  # width, scheme, seed (from the plan)
         "controller/store.py",  # encoded (the kernels, nested)
         "controller/stats.py",  # recorded
+        "controller/replay.py",  # kept for the next pass to replay
         "controller/store.py",  # the handle
     ], calls
     assert "controller/controller.py" not in modules
+
+
+def test_the_same_save_in_a_later_pass_is_replayed_in_three_stops(monkeypatch):
+    calls = _follow_one_save(monkeypatch, before=3)
+    modules = [f for f, _ in calls]
+    rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    assert rooms == ["controller/policy.py", "controller/identity.py", "controller/replay.py"], calls
+    assert ("controller/replay.py", "pack") in calls

@@ -1,0 +1,98 @@
+"""A save done again: what the pack path decided for a key in one pass, redone for the next pass's save of it.
+
+A training loop saves the same tensors in the same order, step after step, under the same plan. The first save of a
+key goes the whole path (``pack.py``): the policy, the site learned for its slot, the decision, the store's choice of
+kernel, the record. Where that save was stored by its rule alone (no scheme the allocation chose, no probe, nothing
+offloaded) and no other save of its storage came first, its key keeps a :class:`Replay`: the
+rule's encoder with its arguments bound, and the record's fields. The next pass's save of the same key (slot and
+shape) with the same dtype, device and ``grad_fn`` node, whose storage no earlier save of the pass holds, is encoded,
+recorded and handed back by :meth:`Replay.pack` without the rest: what the whole path would do, in fewer steps.
+
+What a replay must not outlive, the pack path drops: every replay when the plan's widths, schemes or probe change
+(only the step's seed changes from one step to the next) or a watched pass learns the model's ops again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from gactx.controller.decide import Decision
+from gactx.controller.identity import Key
+from gactx.controller.plan import GOLDEN, MASK62, Plan
+from gactx.controller.rules import ALLOCATED, Site
+from gactx.controller.stats import KeyRecord, PassStats
+from gactx.controller.store import Packed, encode, fewbit_tables
+from gactx.kernels.codes import encode_bins
+from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
+from gactx.kernels.functional import choose_backend, quantize_checked
+
+__all__ = ["Replay", "replayable"]
+
+REPLAYED_KINDS = ("quantize", "fewbit", "mask", "sign", "dropout")  # rules whose encoding depends on dtype and width
+
+
+def replayable(decision: Decision, plan: Plan) -> bool:
+    """Whether a save stored under ``decision`` can be replayed: by its rule alone, not under a scheme the allocation
+    chose or a probe (the noise seed of a replay is the step's)."""
+    rule = decision.rule
+    return (
+        rule is not None
+        and not decision.reason
+        and decision.choice is None
+        and rule.kind in REPLAYED_KINDS
+        and plan.probe is None
+    )
+
+
+class Replay:
+    """One key's save, as the whole path stored it (see the module docstring). ``pack`` does it again."""
+
+    __slots__ = (
+        "dtype", "node", "device", "encode", "weyl", "claims", "observed", "record", "form", "decision", "backend"
+    )  # fmt: skip
+
+    def __init__(
+        self, t: torch.Tensor, site: Site | None, decision: Decision, number: int, config, record: KeyRecord
+    ) -> None:
+        """``t`` saved at ``site``, stored under ``decision`` as the save numbered ``number`` (its noise seed's part),
+        with the controller's ``config``, and recorded as ``record``."""
+        self.dtype, self.node, self.device = t.dtype, type(t.grad_fn), t.device
+        self.encode: Callable[[torch.Tensor, int], object] = _encoder(t, site, decision, config)
+        self.weyl = (number + 1) * GOLDEN  # Plan.seed's part of the save's number
+        self.claims = site is not None and site.result and t.grad_fn is not None
+        self.observed = decision.rule.cls in ALLOCATED  # what the pack path's observers are shown
+        self.record = record  # the last record of the save: what the next one repeats, storage aside
+        self.form, self.decision, self.backend = decision.rule.form, decision, config.backend
+
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device."""
+        return t.dtype is self.dtype and type(t.grad_fn) is self.node and t.device == self.device
+
+    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan) -> Packed:
+        """Encode ``t`` (its storage at ``ptr``, new to the pass) with the step's seed, record it in ``stats``, and
+        return its handle."""
+        stored = self.encode(t, (plan.seed_base + self.weyl) & MASK62)
+        self.record = stats.record_new(t, key, ptr, self.record)
+        return Packed(stored, key, t, self.backend, ptr)
+
+
+def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> Callable[[torch.Tensor, int], object]:
+    """``encode`` of the decision's rule and width, its arguments bound, called as ``encoder(t, seed)``: the kernel's
+    own call for uniform codes and FewBit codes, ``store.encode`` for the other rules."""
+    rule, bits = decision.rule, decision.bits
+    if rule.kind == "quantize" and bits in ALLOWED_BITS and t.dtype in FLOAT_DTYPES:
+        chosen = choose_backend(t, config.backend)
+        group_size, stochastic = config.group_size, config.stochastic
+        return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+    if rule.kind == "fewbit" and bits <= 8:
+        edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
+        backend = config.backend
+        return lambda x, seed: encode_bins(x, edges, bits, points, backend)
+    return partial(_encode, rule, bits, config.group_size, config.stochastic, config.backend, site)
+
+
+def _encode(rule, bits, group_size, stochastic, backend, site, t, seed):
+    return encode(t, rule, bits, seed, group_size, stochastic, backend, None, site)

@@ -1,0 +1,83 @@
+"""gactx/controller/replay.py: a save done again in a later pass stores, records and returns what the whole pack path
+would, and is dropped when what it was decided under changes."""
+
+import pytest
+import torch
+from torch import nn
+
+import gactx
+
+
+class Mixed(nn.Module):
+    """Saves of every replayed kind: linear inputs (codes), GELU's (FewBit codes), a ReLU and a tanh result (a mask, a
+    result save), a dropout mask, a norm's input, one input saved by two layers (shared), and a transposed view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(64, 64) for _ in range(3))
+        self.norm, self.drop = nn.LayerNorm(64), nn.Dropout(0.25)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.a(x))
+        h = self.norm(torch.relu(h) + self.drop(torch.tanh(h)))
+        return (self.b(h) * self.c(h)).t() @ h[:, :8]
+
+
+def _passes(model, x, level="L1", passes=4, **options):
+    """Gradients, records and memory statistics of each of ``passes`` identical steps under one controller (the
+    step is not advanced: every pass draws the same noise)."""
+    out = []
+    with gactx.Controller(model, level=level, **options) as controller:
+        for _ in range(passes):
+            torch.manual_seed(1)  # the dropout mask
+            model(x).sum().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            records = [(r.key, r.dtype, r.bits, r.original_bytes, r.packed_bytes, r.op, r.cls, r.reason, r.storage)
+                       for r in controller.records]  # fmt: skip
+            out.append((grads, records, controller.memory_stats(), controller.diagnostics()))
+    return out
+
+
+@pytest.mark.parametrize("level", ["L1", "L1.1", "L2"])
+def test_a_replayed_pass_stores_and_records_what_the_whole_path_did(level):
+    torch.manual_seed(0)
+    model, x = Mixed(), torch.randn(64, 64)
+    passes = _passes(model, x, level)
+    assert passes[1][3]["replays"] > 0, "the first unwatched pass leaves replays"
+    whole, replayed = passes[1], passes[3]
+    for g, h in zip(whole[0], replayed[0], strict=True):
+        assert torch.equal(g, h)
+    assert whole[1] == replayed[1]
+    assert whole[2] == replayed[2]
+    assert replayed[2].deduplicated > 0, "the shared input is stored once"
+
+
+def test_a_save_whose_dtype_changed_goes_the_whole_path():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(64, 64)
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            model(x).sum().backward()
+        model.to(torch.bfloat16)
+        model(x.to(torch.bfloat16)).sum().backward()
+        dtypes = {r.dtype for r in controller.records if r.compressed}
+    assert dtypes == {torch.bfloat16}
+    assert all(p.grad is not None and torch.isfinite(p.grad.float()).all() for p in model.parameters())
+
+
+def test_a_new_allocation_drops_the_replays_made_under_the_old_one():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(64, 64)
+    controller = gactx.Controller(model, level="L2")
+    with controller:
+        for _ in range(3):
+            model(x).sum().backward()
+        assert controller.diagnostics()["replays"] > 0
+        controller.adapt(lambda: model(x).sum().backward())
+        assert controller.diagnostics()["replays"] == 0
+        allocation = controller.allocation
+        model(x).sum().backward()
+        model(x).sum().backward()  # replayed under the new allocation
+        widths = {r.key.slot: r.bits for r in controller.records if r.allocated}
+    assert widths and all(widths[slot] == allocation[slot] for slot in widths)
