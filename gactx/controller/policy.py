@@ -96,12 +96,18 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 
 def model_storages(model: torch.nn.Module) -> frozenset[int]:
-    """The storages of the model's parameters and buffers, read once a pass (one walk of the modules)."""
-    ptrs = set()
-    for module in model.modules():
+    """The storages of the model's parameters and buffers, read once a pass (one walk of the modules' own tables:
+    ``model.modules()`` names each module on the way, a third of the walk's time)."""
+    ptrs, seen, stack = set(), set(), [model]
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
         for tensors in (module._parameters, module._buffers):
             for t in tensors.values():
                 if t is not None:
                     ptrs.add(storage_ptr(t))
+        stack.extend(module._modules.values())
     ptrs.discard(None)
     return frozenset(ptrs)
