@@ -13,6 +13,11 @@ def test_quick_host_benchmark_splits_the_cost_of_a_save(tmp_path):
     assert rows["plain"]["vs_plain"] == 1 and rows["plain+compile"]["vs_plain"] == 1
     assert rows["L1"]["pack_us"] > 0 and rows["L1"]["unpack_us"] > 0
     assert rows["floor"]["pack_us"] > 0 and rows["floor"]["unpack_us"] > 0  # the least eager hooks pay
+    # the hooks' time less the C++ kernels': below the hooks' own, above nothing
+    for name in ("floor", "L1", "L1.1"):
+        r = rows[name]
+        assert 0 < r["host_us"] < (r["pack_us"] + r["unpack_us"]) * 23 / 16, r  # 23 saves a step, 16 compressed
+    assert host.cpu.built.quantize.__name__ == "quantize", "the kernels are put back after timing"
     assert rows["L1"]["compression_us"] == rows["L1"]["per_save_us"] - rows["L0"]["per_save_us"]
     # gactx's Python runs for eager saves; plain runs none of it
     assert rows["L1"]["python_calls_per_save"] >= 1 and rows["plain"]["python_calls_per_save"] == 0
