@@ -421,3 +421,20 @@ def test_8_bit_bins_follow_the_edges_given_not_a_table_kept_from_an_earlier_call
     edges.mul_(0.25)
     coded = encode_bins(x, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
     assert torch.equal(coded.codes, torch.bucketize(x, edges).to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_8_bit_bins_are_bucketize_from_any_start_and_at_any_length(dtype):
+    """The cell grid's loop takes eight values at a time where the CPU has vector gathers and finishes one at a time:
+    each start (a view's offset) and length is binned alike, values on each side of every edge included."""
+    from gactx.kernels.fewbit import fewbit_table
+
+    edges = torch.tensor(fewbit_table("gelu", (), 8).edges).to(dtype)
+    e = edges.float()
+    x = torch.cat([e, e.nextafter(torch.tensor(math.inf)), e.nextafter(torch.tensor(-math.inf)), torch.randn(301) * 4,
+                   torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e30, -1e30])]).to(dtype)  # fmt: skip
+    for start in range(9):
+        for length in (0, 1, 7, 8, 9, 17, x.numel() - start):
+            part = x[start : start + length]
+            coded = encode_bins(part, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
+            assert torch.equal(coded.codes, torch.bucketize(part.float(), e).to(torch.uint8)), (start, length)

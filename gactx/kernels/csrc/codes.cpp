@@ -5,6 +5,11 @@
 
 #include <memory>
 #include <mutex>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace gactx {
 namespace {
@@ -56,11 +61,74 @@ struct BinCell {
   float edge;  // the cell's one edge, or +inf (cells of one edge at most)
 };
 
+#if defined(__AVX2__)
+// Eight values as float32 (exactly: bfloat16 and float16 widen without rounding).
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+#endif
+
+// A value's cell, eight at a time: ((v - first) * inv) clamped to [0, top], as the scalar loops compute it (no fused
+// multiply-add). max(f, 0) returns its second operand where f is NaN: 0, as std::max(0, NaN) does.
+struct Cells8 {
+  __m256 first, inv, top;
+  Cells8(float f, float i, float t) : first(_mm256_set1_ps(f)), inv(_mm256_set1_ps(i)), top(_mm256_set1_ps(t)) {}
+  __m256i operator()(__m256 v) const {
+    const __m256 f = _mm256_max_ps(_mm256_mul_ps(_mm256_sub_ps(v, first), inv), _mm256_setzero_ps());
+    return _mm256_cvttps_epi32(_mm256_min_ps(top, f));
+  }
+};
+
+// Eight codes stored as bytes, NaN's (``count``) where v is NaN.
+inline void store8(uint8_t* packed, __m256i code, __m256 v, __m256i count) {
+  code = _mm256_blendv_epi8(code, count, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(code, code), _mm256_setzero_si256());
+  const uint32_t lo = uint32_t(_mm256_extract_epi32(bytes, 0)), hi = uint32_t(_mm256_extract_epi32(bytes, 4));
+  std::memcpy(packed, &lo, 4);
+  std::memcpy(packed + 4, &hi, 4);
+}
+
+// bins_by_cell's loop, eight values at a time: each cell's count and edge gathered from the table. Returns the values
+// done (a multiple of 8).
+template <typename T>
+int64_t bins_by_cell_avx2(const T* x, int64_t n, const BinCell* cells, int32_t count, float first, float inv,
+                          float top, uint8_t* packed) {
+  const Cells8 cell(first, inv, top);
+  const __m256i one = _mm256_set1_epi32(1), nan_code = _mm256_set1_epi32(count);
+  const int* below = reinterpret_cast<const int*>(cells);
+  const float* edge = reinterpret_cast<const float*>(cells) + 1;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    const __m256i c = cell(v);
+    const __m256i b = _mm256_i32gather_epi32(below, c, sizeof(BinCell));
+    const __m256 e = _mm256_i32gather_ps(edge, c, sizeof(BinCell));
+    // below + !(edge >= v): the comparison's true lanes are -1
+    const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(e, v, _CMP_GE_OQ));
+    store8(packed + i, _mm256_add_epi32(b, _mm256_add_epi32(one, ge)), v, nan_code);
+  }
+  return i;
+}
+#endif
+
 template <typename T>
 void bins_by_cell(const T* x, int64_t n, const BinCell* cells, int64_t count, float first, float inv, float top,
                   uint8_t* packed) {
   // By value: a uint8_t store may alias anything, so values captured by reference would be read again each element
   at::parallel_for(0, n, grain(int64_t(sizeof(T))), [=](int64_t i0, int64_t i1) {
+#if defined(__AVX2__) && defined(__F16C__)
+    i0 += bins_by_cell_avx2(x + i0, i1 - i0, cells, int32_t(count), first, inv, top, packed + i0);
+#elif defined(__AVX2__)
+    if constexpr (!std::is_same_v<T, c10::Half>) {
+      i0 += bins_by_cell_avx2(x + i0, i1 - i0, cells, int32_t(count), first, inv, top, packed + i0);
+    }
+#endif
     for (int64_t i = i0; i < i1; ++i) {
       const float v = to_float(x[i]);
       // std::max(0, NaN) is 0 (it returns its first argument unless that is less); NaN's code is set below
@@ -74,6 +142,7 @@ void bins_by_cell(const T* x, int64_t n, const BinCell* cells, int64_t count, fl
 template <typename T, int STEPS>
 void bins_searched(const T* x, int64_t n, const float* e, const int32_t* lut, int64_t count, float first, float inv,
                    float top, uint8_t* packed) {
+  // No gathers here: a gather a step costs what the scalar search does (tanh's 8-bit table: 3.2 ns a value both ways)
   at::parallel_for(0, n, grain(int64_t(sizeof(T))), [=](int64_t i0, int64_t i1) {  // by value, as above
     for (int64_t i = i0; i < i1; ++i) {
       const float v = to_float(x[i]);
