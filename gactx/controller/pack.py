@@ -186,7 +186,9 @@ class PackPath:
         ptr = storage_ptr(t)
         reason = keep_reason(t, ptr, cfg.min_numel, self._ptrs)
         if reason == KEEP_PARAMETER:
-            return Kept.of(t)
+            # Kept with its history: a parameter, a view of one or a cast copy of one (the node that saves it is never
+            # the node that made it, so no node holds its own output; store.as_is)
+            return Kept(t, t._version)
         key = self.tracker.key(t)
         if reason is None:
             replay = self.replays.get(key)
