@@ -25,9 +25,9 @@ from gactx.controller.plan import GOLDEN, MASK62, Plan
 from gactx.controller.rules import ALLOCATED, Site
 from gactx.controller.stats import KeyRecord, PassStats
 from gactx.controller.store import Packed, encode, fewbit_tables
-from gactx.kernels.codes import encode_bins
+from gactx.kernels.codes import bound_encode_bins
 from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
-from gactx.kernels.functional import choose_backend, quantize_checked
+from gactx.kernels.functional import bound_quantize
 
 __all__ = ["Replay", "replayable"]
 
@@ -84,13 +84,10 @@ def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> 
     own call for uniform codes and FewBit codes, ``store.encode`` for the other rules."""
     rule, bits = decision.rule, decision.bits
     if rule.kind == "quantize" and bits in ALLOWED_BITS and t.dtype in FLOAT_DTYPES:
-        chosen = choose_backend(t, config.backend)
-        group_size, stochastic = config.group_size, config.stochastic
-        return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+        return bound_quantize(t, bits, config.group_size, config.stochastic, config.backend)
     if rule.kind == "fewbit" and bits <= 8:
         edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
-        backend = config.backend
-        return lambda x, seed: encode_bins(x, edges, bits, points, backend)
+        return bound_encode_bins(t, edges, bits, points, config.backend)
     return partial(_encode, rule, bits, config.group_size, config.stochastic, config.backend, site)
 
 

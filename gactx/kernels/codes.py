@@ -147,6 +147,22 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
     return encode_codes(codes, bits, table, backend)
 
 
+def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
+    """:func:`encode_bins` of tensors like ``like`` (its device and dtype) with these ``edges`` and ``table``, its
+    arguments bound, called as ``fn(x, seed)`` (the seed unused: bins draw no noise): what a save replayed at every step
+    calls. On a CPU a contiguous ``x`` goes straight to the C++ kernel (looked up at each call)."""
+    if bits == 1 or choose_backend(like, backend) != "cpp":
+        return lambda x, seed: encode_bins(x, edges, bits, table, backend)
+
+    def run(x: torch.Tensor, seed: int) -> CodedTensor:
+        if not x.is_contiguous():
+            return encode_bins(x, edges, bits, table, backend)
+        return CodedTensor(cpu.built.encode_bins(x, edges, bits), table, bits, x.shape, table.dtype, x.shape, None,
+                           backend)  # fmt: skip
+
+    return run
+
+
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
     """``table[codes]`` in the original shape, dtype, device and strides."""
     n = ct.numel

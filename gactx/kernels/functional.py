@@ -158,6 +158,24 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
 
 
+def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
+    """:func:`quantize_checked` of tensors like ``like`` (its device; a width of 1 to 8 bits, a float dtype), its
+    arguments bound, called as ``fn(x, seed)``: what a save replayed at every step calls. On a CPU a contiguous ``x``
+    goes straight to the C++ kernel (looked up at each call); anything else through :func:`quantize_checked`."""
+    chosen = choose_backend(like, backend)
+    if chosen != "cpp" or not 1 <= bits <= 8:
+        return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+    factor, special = cpu.step_factors(bits)
+
+    def run(x: torch.Tensor, seed: int) -> QuantizedTensor:
+        if not x.is_contiguous():
+            return quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+        codes, meta = cpu.built.quantize(x, bits, group_size, stochastic, seed, factor, special)
+        return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
+
+    return run
+
+
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
     """Decode ``q`` into a tensor of its original shape, dtype and device (and strides, when dense)."""
     if not isinstance(q, QuantizedTensor):

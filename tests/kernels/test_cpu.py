@@ -438,3 +438,27 @@ def test_8_bit_bins_are_bucketize_from_any_start_and_at_any_length(dtype):
             part = x[start : start + length]
             coded = encode_bins(part, edges, 8, torch.arange(256).to(torch.float32), backend="cpp")
             assert torch.equal(coded.codes, torch.bucketize(part.float(), e).to(torch.uint8)), (start, length)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bound_encoders_store_what_the_kernels_api_stores(dtype):
+    """A replayed save's encoders, their arguments bound once: the same bytes as the kernels' own calls, for a
+    contiguous tensor (the C++ kernel called directly) and a transposed one (through the whole call)."""
+    from gactx.kernels.codes import bound_encode_bins
+    from gactx.kernels.fewbit import fewbit_table
+    from gactx.kernels.functional import bound_quantize, quantize_checked
+
+    x = (torch.randn(48, 80) * 3).to(dtype)
+    edges = torch.tensor(fewbit_table("gelu", (), 4).edges).to(dtype)
+    points = torch.arange(16).to(dtype)
+    for t in (x, x.t()):
+        for bits in (1, 2, 4, 8):
+            bound = bound_quantize(t, bits, 64, True, "auto")(t, 12345)
+            full = quantize_checked(t, bits, 64, True, 12345, "cpp")
+            assert torch.equal(bound.data, full.data) and torch.equal(bound.meta, full.meta)
+            assert (bound.shape, bound.dense_shape, bound.perm, bound.dtype) == (
+                full.shape, full.dense_shape, full.perm, full.dtype
+            )  # fmt: skip
+        coded = bound_encode_bins(t, edges, 4, points)(t, 0)
+        assert torch.equal(decode_codes(coded), decode_codes(encode_bins(t, edges, 4, points)))
+        assert torch.equal(coded.codes, encode_bins(t, edges, 4, points).codes)
