@@ -3,10 +3,11 @@
 A training loop saves the same tensors in the same order, step after step, under the same plan. The first save of a
 key goes the whole path (``pack.py``): the policy, the site learned for its slot, the decision, the store's choice of
 kernel, the record. Where that save was stored by its rule alone (no scheme the allocation chose, no probe, nothing
-offloaded) and no other save of its storage came first, its key keeps a :class:`Replay`: the
-rule's encoder with its arguments bound, and the record's fields. The next pass's save of the same key (slot and
-shape) with the same dtype, device and ``grad_fn`` node, whose storage no earlier save of the pass holds, is encoded,
-recorded and handed back by :meth:`Replay.pack` without the rest: what the whole path would do, in fewer steps.
+offloaded) and no other save of its storage came first, its key keeps a :class:`Replay`: the rule's encoder with its
+arguments bound (``bound_quantize``, ``bound_encode_bins`` of the kernels), and the record. The next pass's save of
+the same key (slot and shape) with the same dtype, device and ``grad_fn`` node, whose storage no earlier save of the
+pass holds, is encoded, recorded and handed back by :meth:`Replay.pack` without the rest: what the whole path would
+do, in fewer steps.
 
 What a replay must not outlive, the pack path drops: every replay when the plan's widths, schemes or probe change
 (only the step's seed changes from one step to the next) or a watched pass learns the model's ops again.
