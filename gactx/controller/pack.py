@@ -325,7 +325,7 @@ class PackPath:
         if replay and hit is None and not isinstance(stored, torch.Tensor) and self._may_replay(decision, key):
             if len(self.replays) >= MAX_REPLAYS:  # shapes that keep changing (sequence lengths): the newest kept
                 self.replays.clear()
-            self.replays[key] = Replay(t, site, decision, number, cfg, self.stats.records[-1])
+            self.replays[key] = Replay(t, site, decision, number, cfg, self.stats.records[-1], stored)
         if handle is None:
             if isinstance(stored, torch.Tensor):
                 return Kept(stored, t._version)

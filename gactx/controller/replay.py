@@ -26,9 +26,9 @@ from gactx.controller.plan import GOLDEN, MASK62, Plan
 from gactx.controller.rules import ALLOCATED, Site
 from gactx.controller.stats import KeyRecord, PassStats
 from gactx.controller.store import Packed, encode, fewbit_tables
-from gactx.kernels.codes import bound_encode_bins
-from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES
-from gactx.kernels.functional import bound_quantize
+from gactx.kernels.codes import CodedTensor, bound_decode_codes, bound_encode_bins
+from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES, QuantizedTensor
+from gactx.kernels.functional import bound_dequantize, bound_quantize
 
 __all__ = ["Replay", "replayable"]
 
@@ -52,16 +52,18 @@ class Replay:
     """One key's save, as the whole path stored it (see the module docstring). ``pack`` does it again."""
 
     __slots__ = (
-        "dtype", "node", "device", "encode", "weyl", "claims", "observed", "record", "form", "decision", "backend"
+        "dtype", "node", "device", "encode", "decode", "weyl", "claims", "observed", "record", "form", "decision",
+        "backend",
     )  # fmt: skip
 
     def __init__(
-        self, t: torch.Tensor, site: Site | None, decision: Decision, number: int, config, record: KeyRecord
+        self, t: torch.Tensor, site: Site | None, decision: Decision, number: int, config, record: KeyRecord, stored
     ) -> None:
-        """``t`` saved at ``site``, stored under ``decision`` as the save numbered ``number`` (its noise seed's part),
-        with the controller's ``config``, and recorded as ``record``."""
+        """``t`` saved at ``site``, stored under ``decision`` (as ``stored``) as the save numbered ``number`` (its noise
+        seed's part), with the controller's ``config``, and recorded as ``record``."""
         self.dtype, self.node, self.device = t.dtype, type(t.grad_fn), t.device
         self.encode: Callable[[torch.Tensor, int], object] = _encoder(t, site, decision, config)
+        self.decode = _decoder(stored, config.backend)
         self.weyl = (number + 1) * GOLDEN  # Plan.seed's part of the save's number
         self.claims = site is not None and site.result and t.grad_fn is not None
         self.observed = decision.rule.cls in ALLOCATED  # what the pack path's observers are shown
@@ -77,7 +79,7 @@ class Replay:
         return its handle."""
         stored = self.encode(t, (plan.seed_base + self.weyl) & MASK62)
         self.record = stats.record_new(t, key, ptr, self.record)
-        return Packed(stored, key, t, self.backend, ptr)
+        return Packed(stored, key, t, self.backend, ptr, self.decode)
 
 
 def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> Callable[[torch.Tensor, int], object]:
@@ -90,6 +92,16 @@ def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> 
         edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
         return bound_encode_bins(t, edges, bits, points, config.backend)
     return partial(_encode, rule, bits, config.group_size, config.stochastic, config.backend, site)
+
+
+def _decoder(stored, backend: str) -> Callable | None:
+    """What decodes what the replay stores, bound once (``bound_dequantize``, ``bound_decode_codes`` of the kernels);
+    ``None`` for the other stored forms (the handle asks them)."""
+    if isinstance(stored, QuantizedTensor):
+        return bound_dequantize(stored, backend)
+    if isinstance(stored, CodedTensor):
+        return bound_decode_codes(stored)
+    return None
 
 
 def _encode(rule, bits, group_size, stochastic, backend, site, t, seed):

@@ -109,10 +109,13 @@ class Packed:
     saved tensor does not share: what was stored is decoded.
     """
 
-    __slots__ = ("stored", "key", "source", "saved", "version", "through_base", "backend", "view", "__weakref__")
+    __slots__ = (
+        "stored", "key", "source", "saved", "version", "through_base", "backend", "view", "decode", "__weakref__"
+    )  # fmt: skip
 
-    def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None) -> None:
-        """``ptr``: the address of ``source``'s storage, where the caller has it already."""
+    def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None, decode=None) -> None:
+        """``ptr``: the address of ``source``'s storage, where the caller has it already; ``decode``: what decodes
+        ``stored`` (a replayed save's, bound once: ``replay.py``), else the stored form's own decoding."""
         owner = source if source._base is None else source._base  # storage_owner(source), inlined: every save
         self.stored = stored
         self.key = key
@@ -123,6 +126,7 @@ class Packed:
         self.saved, self.version = weakref.ref(source), source._version
         self.through_base = source._base is not None
         self.backend = backend
+        self.decode = decode
         ptr = storage_ptr(owner) if ptr is None else ptr
         self.view = (source.shape, source.stride(), source.storage_offset(), source.dtype, owner._version, ptr)
 
@@ -140,6 +144,8 @@ class Packed:
             live = _still_alive(owner, self.view)
             if live is not None:
                 return live
+        if self.decode is not None:
+            return self.decode(s)
         if isinstance(s, QuantizedTensor):
             return dequantize(s, backend=self.backend)
         if isinstance(s, HostCopy):

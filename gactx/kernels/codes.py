@@ -163,6 +163,14 @@ def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table:
     return run
 
 
+def bound_decode_codes(like: CodedTensor):
+    """:func:`decode_codes` of codes stored like ``like`` (its device and width), called as ``fn(ct)``: what a save
+    replayed at every step decodes with. On a CPU codes of 2 bits or more go straight to the C++ kernel."""
+    if like.bits == 1 or choose_backend(like.codes, like.backend) != "cpp":
+        return decode_codes
+    return lambda ct: restore_perm(cpu.built.decode_table(ct.codes, ct.table, ct.dense_shape, ct.bits), ct.perm)
+
+
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
     """``table[codes]`` in the original shape, dtype, device and strides."""
     n = ct.numel

@@ -176,6 +176,15 @@ def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: b
     return run
 
 
+def bound_dequantize(like: QuantizedTensor, backend: str = "auto"):
+    """:func:`dequantize` of tensors stored like ``like`` (its device, scheme and metadata), called as ``fn(q)``: what a
+    save replayed at every step decodes with. On a CPU the uniform scheme's codes go straight to the C++ kernel."""
+    if like.meta is None or like.scheme != "uniform" or choose_backend(like.data, backend) != "cpp":
+        return lambda q: dequantize(q, backend=backend)
+    return lambda q: restore_perm(cpu.built.dequantize(q.data, q.meta, q.dense_shape, q.dtype, q.bits, q.group_size),
+                                  q.perm)  # fmt: skip
+
+
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
     """Decode ``q`` into a tensor of its original shape, dtype and device (and strides, when dense)."""
     if not isinstance(q, QuantizedTensor):

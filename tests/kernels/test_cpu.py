@@ -442,11 +442,11 @@ def test_8_bit_bins_are_bucketize_from_any_start_and_at_any_length(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bound_encoders_store_what_the_kernels_api_stores(dtype):
-    """A replayed save's encoders, their arguments bound once: the same bytes as the kernels' own calls, for a
-    contiguous tensor (the C++ kernel called directly) and a transposed one (through the whole call)."""
-    from gactx.kernels.codes import bound_encode_bins
+    """A replayed save's encoders and decoders, their arguments bound once: the same bytes and values as the kernels'
+    own calls, for a contiguous tensor (the C++ kernel called directly) and a transposed one (its order restored)."""
+    from gactx.kernels.codes import bound_decode_codes, bound_encode_bins
     from gactx.kernels.fewbit import fewbit_table
-    from gactx.kernels.functional import bound_quantize, quantize_checked
+    from gactx.kernels.functional import bound_dequantize, bound_quantize, quantize_checked
 
     x = (torch.randn(48, 80) * 3).to(dtype)
     edges = torch.tensor(fewbit_table("gelu", (), 4).edges).to(dtype)
@@ -459,6 +459,8 @@ def test_bound_encoders_store_what_the_kernels_api_stores(dtype):
             assert (bound.shape, bound.dense_shape, bound.perm, bound.dtype) == (
                 full.shape, full.dense_shape, full.perm, full.dtype
             )  # fmt: skip
+            decoded = bound_dequantize(bound)(bound)
+            assert torch.equal(decoded, gactx.dequantize(full)) and decoded.stride() == gactx.dequantize(full).stride()
         coded = bound_encode_bins(t, edges, 4, points)(t, 0)
-        assert torch.equal(decode_codes(coded), decode_codes(encode_bins(t, edges, 4, points)))
+        assert torch.equal(bound_decode_codes(coded)(coded), decode_codes(encode_bins(t, edges, 4, points)))
         assert torch.equal(coded.codes, encode_bins(t, edges, 4, points).codes)
