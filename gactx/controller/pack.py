@@ -227,8 +227,7 @@ class PackPath:
         if replay.claims:
             self._claimed.add(node_id(t.grad_fn))
         if self.config.dedupe:
-            shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, replay.form)
-            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), replay.decision)
+            self.dedupe[_view(t, key, ptr, replay.form)] = _entry(handle, t, replay.decision)
         return handle
 
     def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule, bool]:
@@ -309,7 +308,7 @@ class PackPath:
         # that several ops save (the input of the Q, K and V projections) is one tensor to the allocator, under
         # the slot of its first save: the later saves share whatever that one stored (its width, its scheme, a
         # probe's noise), so what the estimator measures and what the budget counts is what training stores.
-        shape = (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, decision.rule.form)
+        shape = _view(t, key, ptr, decision.rule.form)
         entry = self.dedupe.get(shape) if cfg.dedupe else None
         # The address names the same storage only while that lives: asked of the storage itself, not of a Python
         # tensor that holds it (a base's wrapper can be freed, and made afresh, while its storage lives on).
@@ -333,7 +332,7 @@ class PackPath:
         else:
             handle.stored = stored
         if cfg.dedupe and hit is None:
-            self.dedupe[shape] = (weakref.ref(handle), StorageWeakRef(t.untyped_storage()), decision)
+            self.dedupe[shape] = _entry(handle, t, decision)
         return handle
 
     def _may_replay(self, decision: Decision, key: Key) -> bool:
@@ -367,6 +366,16 @@ class PackPath:
         bits = bits if bits is not None else encoded.bits
         self.stats.record(t, key, ptr, site, rule, bits, "", encoded, offloaded, form)
         return stored
+
+
+def _view(t: torch.Tensor, key: Key, ptr: int, form: str) -> tuple:
+    """What the dedupe table knows a save by: its storage, view, version and stored form (not its width)."""
+    return (ptr, t.storage_offset(), key.shape, t.stride(), t.dtype, t._version, form)
+
+
+def _entry(handle: Packed, t: torch.Tensor, decision: Decision) -> tuple[weakref.ref, StorageWeakRef, Decision]:
+    """The dedupe table's entry of a stored save: its handle, its storage (weakly) and its decision."""
+    return weakref.ref(handle), StorageWeakRef(t.untyped_storage()), decision
 
 
 def _rule(site: Site, origin: str | None) -> Rule:

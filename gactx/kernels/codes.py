@@ -133,10 +133,8 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
     """The bin of each element of ``t`` among the sorted ``edges`` (``torch.bucketize``: the first edge at or
     above it; NaN past the last), stored as a ``bits``-bit code with ``table`` (see :func:`encode_codes`)."""
     chosen = choose_backend(t, backend)
-    if bits > 1 and chosen == "cpp":  # the pack hook's call on a CPU: ``t`` itself where contiguous, no view made
-        flat, dense_shape, perm = contiguous_order(t)
-        packed = cpu.encode_bins(flat, edges, bits)
-        return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
+    if bits > 1 and chosen == "cpp":  # the pack hook's call on a CPU
+        return _cpp_encode_bins(t, edges, bits, table, backend)
     flat, dense_shape, perm = memory_order(t)  # in memory order: bucketize copies other layouts
     if chosen == "triton" and t.dtype in FLOAT_DTYPES and bits in CODE_WIDTHS:
         packed = tables.triton_encode_bins(flat.contiguous(), edges, bits, _triton.interpreting(flat))
@@ -147,28 +145,33 @@ def encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Te
     return encode_codes(codes, bits, table, backend)
 
 
+def _cpp_encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str) -> CodedTensor:
+    """The C++ kernel's codes of 2 to 8 bits (``t`` itself where contiguous, no view made)."""
+    flat, dense_shape, perm = contiguous_order(t)
+    packed = cpu.encode_bins(flat, edges, bits)
+    return CodedTensor(packed, table, bits, t.shape, table.dtype, dense_shape, perm, backend)
+
+
+def _cpp_decode(ct: CodedTensor) -> torch.Tensor:
+    """The C++ kernel's lookup of the table from the codes (no bool mask between at 1 bit)."""
+    packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
+    return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
+
+
 def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
-    """:func:`encode_bins` of tensors like ``like`` (its device and dtype) with these ``edges`` and ``table``, its
-    arguments bound, called as ``fn(x, seed)`` (the seed unused: bins draw no noise): what a save replayed at every step
-    calls. On a CPU a contiguous ``x`` goes straight to the C++ kernel (looked up at each call)."""
-    if bits == 1 or choose_backend(like, backend) != "cpp":
-        return lambda x, seed: encode_bins(x, edges, bits, table, backend)
-
-    def run(x: torch.Tensor, seed: int) -> CodedTensor:
-        if not x.is_contiguous():
-            return encode_bins(x, edges, bits, table, backend)
-        return CodedTensor(cpu.built.encode_bins(x, edges, bits), table, bits, x.shape, table.dtype, x.shape, None,
-                           backend)  # fmt: skip
-
-    return run
+    """:func:`encode_bins` of tensors like ``like`` (its device and dtype) with these ``edges`` and ``table``, the
+    backend chosen once, called as ``fn(x, seed)`` (the seed unused: bins draw no noise): what a save replayed at every
+    step calls (on a CPU, the C++ kernel's own call)."""
+    if bits > 1 and choose_backend(like, backend) == "cpp":
+        return lambda x, seed: _cpp_encode_bins(x, edges, bits, table, backend)
+    return lambda x, seed: encode_bins(x, edges, bits, table, backend)
 
 
 def bound_decode_codes(like: CodedTensor):
-    """:func:`decode_codes` of codes stored like ``like`` (its device and width), called as ``fn(ct)``: what a save
-    replayed at every step decodes with. On a CPU codes of 2 bits or more go straight to the C++ kernel."""
-    if like.bits == 1 or choose_backend(like.codes, like.backend) != "cpp":
-        return decode_codes
-    return lambda ct: restore_perm(cpu.built.decode_table(ct.codes, ct.table, ct.dense_shape, ct.bits), ct.perm)
+    """:func:`decode_codes` of codes stored like ``like`` (its device), the backend chosen once, called as ``fn(ct)``:
+    what a save replayed at every step decodes with (on a CPU, the C++ kernel's own call)."""
+    packed = like.codes.data if like.bits == 1 else like.codes
+    return _cpp_decode if choose_backend(packed, like.backend) == "cpp" else decode_codes
 
 
 def decode_codes(ct: CodedTensor) -> torch.Tensor:
@@ -176,8 +179,8 @@ def decode_codes(ct: CodedTensor) -> torch.Tensor:
     n = ct.numel
     packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
     chosen = choose_backend(packed, ct.backend)
-    if chosen == "cpp":  # the table looked up from the bits, no bool mask between
-        return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
+    if chosen == "cpp":
+        return _cpp_decode(ct)
     if chosen == "triton":
         flat = tables.triton_decode_table(packed, ct.table, n, ct.bits, _triton.interpreting(packed))
         return restore_order(flat, ct)

@@ -126,9 +126,7 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     its own (32, or 16 of a 16-bit tensor) keeps ``x`` itself, so callers detach it first there."""
     dtype = x.dtype
     if chosen == "cpp" and bits <= 8 and dtype != torch.bool:  # the pack hook's usual call
-        flat, dense_shape, perm = contiguous_order(x)
-        codes, meta = cpu.quantize(flat, bits, group_size, stochastic, seed)
-        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
+        return _cpp_quantize(x, bits, group_size, stochastic, seed)
     if dtype != torch.bool and as_is_width(bits, dtype):
         return QuantizedTensor(x, None, bits, group_size, x.shape, dtype, x.shape, None)  # at or below the width
     if x.requires_grad:  # no autograd history for the views below
@@ -158,31 +156,33 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, stochastic: bo
     return QuantizedTensor(data, meta, bits, group_size, x.shape, dtype, dense_shape, perm)
 
 
+def _cpp_quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int) -> QuantizedTensor:
+    """The C++ kernel's codes of a float CPU tensor at 1 to 8 bits (``x`` itself where contiguous, no view made)."""
+    flat, dense_shape, perm = contiguous_order(x)
+    codes, meta = cpu.quantize(flat, bits, group_size, stochastic, seed)
+    return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, dense_shape, perm)
+
+
+def _cpp_dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """The C++ kernel's decoding of the uniform scheme's codes."""
+    return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
+
+
 def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
-    """:func:`quantize_checked` of tensors like ``like`` (its device; a width of 1 to 8 bits, a float dtype), its
-    arguments bound, called as ``fn(x, seed)``: what a save replayed at every step calls. On a CPU a contiguous ``x``
-    goes straight to the C++ kernel (looked up at each call); anything else through :func:`quantize_checked`."""
+    """:func:`quantize_checked` of tensors like ``like`` (its device; a float dtype), the backend chosen once, called
+    as ``fn(x, seed)``: what a save replayed at every step calls (on a CPU, the C++ kernel's own call)."""
     chosen = choose_backend(like, backend)
-    if chosen != "cpp" or not 1 <= bits <= 8:
-        return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
-    factor, special = cpu.step_factors(bits)
-
-    def run(x: torch.Tensor, seed: int) -> QuantizedTensor:
-        if not x.is_contiguous():
-            return quantize_checked(x, bits, group_size, stochastic, seed, chosen)
-        codes, meta = cpu.built.quantize(x, bits, group_size, stochastic, seed, factor, special)
-        return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
-
-    return run
+    if chosen == "cpp" and 1 <= bits <= 8:
+        return lambda x, seed: _cpp_quantize(x, bits, group_size, stochastic, seed)
+    return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
 
 
 def bound_dequantize(like: QuantizedTensor, backend: str = "auto"):
-    """:func:`dequantize` of tensors stored like ``like`` (its device, scheme and metadata), called as ``fn(q)``: what a
-    save replayed at every step decodes with. On a CPU the uniform scheme's codes go straight to the C++ kernel."""
-    if like.meta is None or like.scheme != "uniform" or choose_backend(like.data, backend) != "cpp":
-        return lambda q: dequantize(q, backend=backend)
-    return lambda q: restore_perm(cpu.built.dequantize(q.data, q.meta, q.dense_shape, q.dtype, q.bits, q.group_size),
-                                  q.perm)  # fmt: skip
+    """:func:`dequantize` of tensors stored like ``like`` (its device, scheme and metadata), the backend chosen once,
+    called as ``fn(q)``: what a save replayed at every step decodes with (on a CPU, the C++ kernel's own call)."""
+    if like.meta is not None and like.scheme == "uniform" and choose_backend(like.data, backend) == "cpp":
+        return _cpp_dequantize
+    return lambda q: dequantize(q, backend=backend)
 
 
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
@@ -203,7 +203,7 @@ def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:
             flat = torch_normal_dequantize(q.data, q.meta, q.bits, q.group_size, q.numel, q.dtype)
         return restore_order(flat, q)
     if chosen == "cpp" and q.meta is not None:
-        return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
+        return _cpp_dequantize(q)
     n = q.numel
     use_triton = chosen == "triton"
     interpret = _triton.interpreting(q)
