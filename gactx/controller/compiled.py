@@ -64,6 +64,9 @@ __all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 # backward graph). CPP_*: the C++ ops of CPU tensors (``gactx_cpu::*_saved``), which the graph calls with no Python.
 KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL, CPP_KEPT, CPP, CPP_BOOL = range(8)
 _MASK32 = 0xFFFFFFFF
+# A graph's kept saves of static shapes are recorded with its first kept save, by no op of their own
+# (CompiledPath._follows); False: an op each.
+FOLLOW = True
 
 
 try:
@@ -205,6 +208,9 @@ class CompiledPath:
         self.logging = False  # graphs call the C++ ops, which log their runs: read by drain()
         self._held: dict[int, int] = {}  # token -> its logged saves that graphs still hold
         self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
+        self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first kept save
+        self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
+        self._follower_of: dict[int, int] = {}  # a follower's token -> its lead's
 
     # -- tracing ------------------------------------------------------------------------------------------
 
@@ -212,6 +218,8 @@ class CompiledPath:
         ctx = _hook_context()
         self._sink_pending(ctx["_bw_graph"])
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
+        if not save.compressed and self._follows(token, t, ctx["_fw_graph"]):
+            return t  # recorded with its graph's first kept save (_follows): no op, nothing beside it
         cfg = self.config
         if t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available():
             return self._pack_cpp(t, token, save)
@@ -238,6 +246,27 @@ class CompiledPath:
         seed = (count << 32) | _salt(cfg.seed, token)
         codes, meta = uniform.quantize(t.reshape(-1), save.bits, cfg.group_size, cfg.stochastic, seed)
         return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
+
+    def _follows(self, token: int, t: torch.Tensor, fw_graph) -> bool:
+        """Whether a kept save of ``fw_graph`` is recorded with the graph's first kept save, its lead, instead of by
+        an op of its own: every node of a graph runs when the graph runs, so the lead's op tells that this save ran
+        too, and the lead's marker (freed with the backward graph's inputs, at its end, as this save's own marker
+        would be) that it was released. A save of a dynamic shape has an op of its own: its record needs the shape
+        it runs with. Each op a save saves costs the graph's code a call, its size checks and one more saved
+        tensor: on a CPU about 4 us a kept save a step."""
+        if not FOLLOW:
+            return False
+        lead = self._leads.setdefault(fw_graph, token)
+        if lead == token:
+            return False
+        if token in self._follower_of:
+            return True
+        if not all(isinstance(s, int) for s in t.shape):
+            return False
+        self._follower_of[token] = lead
+        self._followers.setdefault(lead, []).append((token, tuple(t.shape)))
+        self.saves[token].extra = 0
+        return True
 
     def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave):
         """A CPU tensor's save by the C++ ops, which the graph calls with no Python: each returns one tensor, and logs
@@ -382,7 +411,11 @@ class CompiledPath:
         if run is None or token in run.seen:
             run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
         run.seen.add(token)
-        stats.add_compiled(save.record(self.tracker.frame(), run.call, shape), save.compressed)
+        frame = self.tracker.frame()
+        stats.add_compiled(save.record(frame, run.call, shape), save.compressed)
+        for follower, static in self._followers.get(token, ()):
+            run.seen.add(follower)
+            stats.add_compiled(self.saves[follower].record(frame, run.call, static), False)
 
 
 def _hint(shape) -> tuple[int, ...]:

@@ -4,6 +4,8 @@ Most tests compile with AOTAutograd and run its graphs eagerly (``backend="aot_e
 inlined the same way, in seconds. One test runs Inductor, what users run.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -354,3 +356,64 @@ def test_values_that_backward_feeds_to_exp_are_attention():
         grads(compiled, model, torch.randn(4, 32, WIDTH))
     scores = [r for r in controller.records if r.key.shape == (4, 32, 32)]
     assert scores and all(r.cls == "attention" and r.bits == 4 for r in scores), controller.report()
+
+
+class Normed(nn.Module):
+    """Linear layers each followed by a LayerNorm: every LayerNorm saves its rows' mean and inverse deviation, small
+    tensors kept as they are."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(blocks)])
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _kept_ops(run) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(e.count for e in prof.key_averages() if e.key == "gactx_cpu::keep_saved")
+
+
+@pytest.mark.parametrize("level", ["L0", "L1"])
+def test_a_graphs_kept_saves_share_one_op_and_are_recorded_as_with_one_each(monkeypatch, level):
+    from gactx.controller import compiled as compiled_module
+
+    seen = {}
+    for follow in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(compiled_module, "FOLLOW", follow)
+        model, x = Normed(), torch.randn(64, WIDTH)
+        run = torch.compile(model, backend="aot_eager")
+        with gactx.Controller(model, level=level, min_numel=1024) as controller:
+            for _ in range(2):
+                g = grads(run, model, x)
+            ops = _kept_ops(lambda: grads(run, model, x))
+            records = sorted((str(r.key), r.bits, r.reason, r.original_bytes, r.packed_bytes) for r in controller.records)
+            seen[follow] = (ops, records, controller.memory_stats(), g)
+    (ops_each, records_each, stats_each, g_each), (ops_one, records_one, stats_one, g_one) = seen[False], seen[True]
+    kept = sum(1 for r in records_each if r[2])
+    assert kept >= 6 and ops_each == kept, "one op each: the LayerNorms' statistics (and at L0 every save)"
+    assert ops_one == 1, "one op for the graph's kept saves"
+    # The same records, less the one-byte marker that each kept save but the first held beside its tensor.
+    assert [r[:4] for r in records_one] == [r[:4] for r in records_each]
+    assert [e[4] - o[4] for e, o in zip(records_each, records_one)].count(1) == kept - 1
+    assert [e[4] - o[4] for e, o in zip(records_each, records_one)].count(0) == len(records_each) - kept + 1
+    markers = dataclasses.replace(stats_one, packed_bytes=stats_one.packed_bytes + kept - 1,
+                                  kept_bytes=stats_one.kept_bytes + kept - 1, kept_by_reason={})  # fmt: skip
+    assert markers == dataclasses.replace(stats_each, kept_by_reason={})
+    assert stats_one.kept_by_reason.keys() == stats_each.kept_by_reason.keys()
+    if level == "L0":
+        assert torch.equal(g_one, g_each)
+
+
+def test_a_kept_save_of_a_dynamic_shape_is_recorded_with_the_shape_it_runs_with():
+    model = Normed(2)
+    run = torch.compile(model, backend="aot_eager", dynamic=True)
+    with gactx.Controller(model, level="L1", min_numel=1024) as controller:
+        for batch in (64, 32, 48):
+            grads(run, model, torch.randn(batch, WIDTH))
+            kept = [r for r in controller.records if r.reason]
+            assert kept and all(r.key.shape[0] == batch for r in kept if r.key.shape)
