@@ -365,44 +365,54 @@ class Normed(nn.Module):
     def __init__(self, blocks: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(blocks)])
+        layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(blocks)]
+        self.blocks = nn.Sequential(*layers)
 
     def forward(self, x):
         return self.blocks(x)
 
 
-def _kept_ops(run) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        run()
-    return sum(e.count for e in prof.key_averages() if e.key == "gactx_cpu::keep_saved")
+def _compiled_step(level: str, backend: str, op: str) -> tuple:
+    """Two steps of a compiled ``Normed``, then a third counted: the calls of ``op``, the records, the statistics and
+    the gradient."""
+    model, x = Normed(), torch.randn(64, WIDTH)
+    run = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level=level, min_numel=1024, backend=backend) as controller:
+        for _ in range(2):
+            grads(run, model, x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            g = grads(run, model, x)
+        ops = sum(e.count for e in prof.key_averages() if e.key == op)
+        records = sorted((str(r.key), r.bits, r.reason, r.original_bytes, r.packed_bytes) for r in controller.records)
+        return ops, records, controller.memory_stats(), g
 
 
+# The C++ ops of CPU tensors (a kept save's op logs it), and the torch ops with their Python tick (the path of
+# every other device: a kept save's tick calls the controller).
+@pytest.mark.parametrize("backend, op", [("auto", "gactx_cpu::keep_saved"), ("torch", "gactx::tick")])
 @pytest.mark.parametrize("level", ["L0", "L1"])
-def test_a_graphs_kept_saves_share_one_op_and_are_recorded_as_with_one_each(monkeypatch, level):
+def test_a_graphs_kept_saves_share_one_op_and_are_recorded_as_with_one_each(monkeypatch, level, backend, op):
     from gactx.controller import compiled as compiled_module
 
-    seen = {}
-    for follow in (False, True):
-        torch._dynamo.reset()
-        monkeypatch.setattr(compiled_module, "FOLLOW", follow)
-        model, x = Normed(), torch.randn(64, WIDTH)
-        run = torch.compile(model, backend="aot_eager")
-        with gactx.Controller(model, level=level, min_numel=1024) as controller:
-            for _ in range(2):
-                g = grads(run, model, x)
-            ops = _kept_ops(lambda: grads(run, model, x))
-            records = sorted((str(r.key), r.bits, r.reason, r.original_bytes, r.packed_bytes) for r in controller.records)
-            seen[follow] = (ops, records, controller.memory_stats(), g)
-    (ops_each, records_each, stats_each, g_each), (ops_one, records_one, stats_one, g_one) = seen[False], seen[True]
+    monkeypatch.setattr(compiled_module, "FOLLOW", False)
+    ops_each, records_each, stats_each, g_each = _compiled_step(level, backend, op)
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled_module, "FOLLOW", True)
+    ops_one, records_one, stats_one, g_one = _compiled_step(level, backend, op)
+
     kept = sum(1 for r in records_each if r[2])
-    assert kept >= 6 and ops_each == kept, "one op each: the LayerNorms' statistics (and at L0 every save)"
-    assert ops_one == 1, "one op for the graph's kept saves"
-    # The same records, less the one-byte marker that each kept save but the first held beside its tensor.
+    ticked = len(records_each) - kept if backend == "torch" else 0  # a compressed save's tick seeds its noise
+    assert kept >= 6 and ops_each == kept + ticked, "one op each: the LayerNorms' statistics (and at L0 every save)"
+    assert ops_one == 1 + ticked, "one op for the graph's kept saves"
+    # The same records, less what each kept save but the first held beside its tensor: the C++ op's one-byte marker,
+    # the tick's 8-byte count.
     assert [r[:4] for r in records_one] == [r[:4] for r in records_each]
-    assert [e[4] - o[4] for e, o in zip(records_each, records_one)].count(1) == kept - 1
-    assert [e[4] - o[4] for e, o in zip(records_each, records_one)].count(0) == len(records_each) - kept + 1
-    markers = dataclasses.replace(stats_one, packed_bytes=stats_one.packed_bytes + kept - 1,
-                                  kept_bytes=stats_one.kept_bytes + kept - 1, kept_by_reason={})  # fmt: skip
+    marker = 1 if backend == "auto" else 8
+    less = sorted(e[4] - o[4] for e, o in zip(records_each, records_one, strict=True))
+    assert less == [0] * (len(records_each) - kept + 1) + [marker] * (kept - 1)
+    held = marker * (kept - 1)
+    markers = dataclasses.replace(stats_one, packed_bytes=stats_one.packed_bytes + held,
+                                  kept_bytes=stats_one.kept_bytes + held, kept_by_reason={})  # fmt: skip
     assert markers == dataclasses.replace(stats_each, kept_by_reason={})
     assert stats_one.kept_by_reason.keys() == stats_each.kept_by_reason.keys()
     if level == "L0":
