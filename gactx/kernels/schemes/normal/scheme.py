@@ -14,13 +14,14 @@ from gactx.kernels.variance import estimated_variances
 
 __all__ = ["NormalScheme"]
 
+_CHOICES = tuple(Choice(b, "normal") for b in NORMAL_BITS)  # what measure keys its widths by, made once
+
 
 class NormalScheme(Scheme):
     name = "normal"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        measured = estimated_variances(flat, NORMAL_BITS, group_size, "normal")
-        return {Choice(b, "normal"): v for b, v in measured.items()}
+        return dict(zip(_CHOICES, estimated_variances(flat, NORMAL_BITS, group_size, "normal").values(), strict=True))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size, scheme="normal")

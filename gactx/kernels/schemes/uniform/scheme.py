@@ -11,13 +11,14 @@ from gactx.kernels.variance import estimated_variances
 
 __all__ = ["UniformScheme"]
 
+_CHOICES = tuple(Choice(b) for b in CODE_WIDTHS)  # what measure keys its widths by, made once
+
 
 class UniformScheme(Scheme):
     name = "uniform"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        measured = estimated_variances(flat, CODE_WIDTHS, group_size, "uniform")
-        return {Choice(b): v for b, v in measured.items()}
+        return dict(zip(_CHOICES, estimated_variances(flat, CODE_WIDTHS, group_size, "uniform").values(), strict=True))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size)
