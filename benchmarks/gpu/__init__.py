@@ -16,7 +16,7 @@ under its own time limit (``--limit ARM=SECONDS``; all of them within ``--budget
 4. ``resnet50``: torchvision's ResNet-50, bf16 autocast, channels_last, batch 256: plain, checkpointing, L1,
    L1.2, L2.2.
 5. ``bert-large``: transformers' BERT-large, sequence 128, batch 64: plain, checkpointing, L1, L2, L2.2.
-6. ``compiled``: BERT-large under ``torch.compile``, plain and L1.
+6. ``compiled``: BERT-large's shape with 6 of its 24 layers under ``torch.compile``, plain and L1.
 
 Within a training arm, each model's methods run in phases, so that a short limit still yields what matters
 most: the fixed methods' warm-ups and peaks, their step times in turns, then the adaptive methods (their first

@@ -16,7 +16,8 @@ TITLES = {
     "llama-lora": "Llama-3.2-1B shape, LoRA r=16 on every linear layer, bf16, SDPA, sequence 4096",
     "resnet50": "ResNet-50 (torchvision), bf16 autocast, channels_last, 224 x 224, batch 256",
     "bert-large": "BERT-large (transformers, SDPA attention), bf16 autocast, sequence 128, batch 64",
-    "compiled": "Compiled (torch.compile of the whole model's forward), bf16 autocast",
+    "compiled": "Compiled (torch.compile of the whole model's forward), bf16 autocast: BERT-large's shape, 6 of its 24 "
+    "layers, sequence 128, batch 64",
     "host": "Host cost a saved tensor: 8 x (Linear(w, w) + GELU), batch w, float32 (benchmarks.host)",
 }
 LABELS = {"fp": "plain", "checkpoint": "checkpointing"}

@@ -59,6 +59,15 @@ def test_build_rejects_unknown_names_and_sizes(name, size):
         workloads.build(name, size)
 
 
+def test_a_models_own_size_is_taken_by_it_alone():
+    """BERT-large's first 6 layers at full width (the GPU evaluation's compiled arm): a size of that model only."""
+    w = workloads.build("bert-large", "6 layers")
+    config = w.model.config
+    assert (config.num_hidden_layers, config.hidden_size, len(w.blocks)) == (6, 1024, 6)
+    with pytest.raises(ValueError, match="^size '6 layers' is not one of"):
+        workloads.build("bert-base", "6 layers")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_forward_backward(name, device):
     w = workloads.build(name, "tiny", device)
