@@ -125,17 +125,17 @@ def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
     assert torch.equal(before["rng"], torch.get_rng_state())
-    # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, one pair
-    # probes the inputs of the convolutions and the linear layer together (each owns its module's one weight), a pair
-    # each other tensor and the sketchable input's calibration pairs; in the second estimate a second pair each
-    # BatchNorm input (rules.curved: the first estimate probes no curve).
+    # The first adaptation estimates twice: ActNN's estimate in one pass, then GACT's around what it allocated. One
+    # pass finds the tensors, one pair probes the inputs of the convolutions and the linear layer together (each owns
+    # its module's one weight), a pair each other tensor and the sketchable input's calibration pairs, and a second
+    # pair each BatchNorm input (rules.curved).
     curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
     sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
     together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
     alone = len(controller.sensitivity) - together
     per_estimate = 1 + 2 + 2 * alone + 2 * CALIBRATION_PAIRS
     assert curved >= 1 and sketchable >= 1 and together >= 2
-    assert adaptation.passes == 2 * per_estimate + 2 * curved
+    assert adaptation.passes == 1 + per_estimate + 2 * curved
     assert adaptation.seconds > 0
     assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
 
@@ -319,16 +319,15 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
     slots = len(controller.sensitivity) - together + (together > 1)  # the tensors probed together log once
     assert together > 1 and slots >= 2
-    assert len(lines) == 2 * slots + 1 and "budget" in lines[-1]  # the first adaptation estimates twice
-    done = []
-    for k in (1, 2):
-        prefix = f"gactx adaptation at step 1, estimate {k} of 2: "
-        rows = lines[(k - 1) * slots : k * slots]
-        assert all(line.startswith(prefix) and " passes of the closure, " in line for line in rows)
-        done.append([tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))) for line in rows])
+    # The first adaptation estimates twice; its first estimate, one pass (estimators.FREE_FIRST), logs no progress.
+    assert len(lines) == slots + 1 and "budget" in lines[-1]
+    prefix = "gactx adaptation at step 1, estimate 2 of 2: "
+    rows = lines[:slots]
+    assert all(line.startswith(prefix) and " passes of the closure, " in line for line in rows)
+    done = [tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))) for line in rows]
     # passes run before each slot: the pass that found them, and the base pass where one runs (sensitivity.BASE)
-    assert all(d[0][0] in (1, 2) for d in done)
-    assert sum(d[0][1] for d in done) == total  # each estimate's total: together, the adaptation's passes
+    assert done[0][0] in (1, 2)
+    assert 1 + done[0][1] == total  # the second estimate's total and the first's one pass: the adaptation's passes
 
 
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
@@ -411,3 +410,31 @@ def test_a_linear_tensor_is_probed_in_one_pass_against_a_base(monkeypatch):
     assert spearman([pairs[s] for s in slots], [based[s] for s in slots]) >= 0.9
     ratios = sorted(based[s] / pairs[s] for s in slots if pairs[s] > 0)
     assert 0.75 <= ratios[len(ratios) // 2] <= 1.33  # no bias (one estimate of each is noisy: 0.3x to 1.2x here)
+
+
+def test_the_first_estimate_is_read_in_one_pass_and_the_allocation_holds(monkeypatch):
+    """The first adaptation's first estimate only places the second around an allocation: read as ActNN's in one pass
+    of the closure (its normalisation inputs, whose curves it cannot see, ranked first), it leaves the second GACT's
+    sensitivities ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (on the zoo
+    transformer layer 43 against 75; 0.0598 against 0.0599, ranks 0.95; ranked below the others, its LayerNorm input
+    took 2 bits and the error rose by 12%)."""
+    from benchmarks.estimators import spearman
+    from benchmarks.zoo import build
+    from gactx.controller.adaptation import estimators
+
+    def loss(run):
+        torch.manual_seed(0)  # the same dropout masks in every pass
+        return run()
+
+    results = {}
+    for free in (False, True):
+        monkeypatch.setattr(estimators, "FREE_FIRST", free)
+        model, run = build("transformer_layer", 1)
+        controller = _adapted(model, lambda run=run: loss(run))
+        error = _gradient_error(model, run, controller, draws=4)
+        results[free] = (controller.sensitivity, controller.last_adaptation.passes, error)
+    (gact, more, before), (free, fewer, after) = results[False], results[True]
+    assert gact.keys() == free.keys() and fewer <= 0.7 * more
+    slots = sorted(gact)
+    assert spearman([gact[s] for s in slots], [free[s] for s in slots]) >= 0.9
+    assert after <= 1.1 * before

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_estimator"]
 
 Progress = Callable[[int, int], None]
+# The first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is ActNN's,
+# read in one pass of the closure; False: GACT's, a pass or two a tensor.
+FREE_FIRST = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
@@ -131,6 +134,7 @@ class GactEstimator(_Measuring):
         self.pending = False
         self._warned = False
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
+        self._collector = FreeCollector(model, tracker, path.observers, config.group_size)  # FREE_FIRST's
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -153,6 +157,8 @@ class GactEstimator(_Measuring):
     def estimate(self, backprop: Callable[[], object] | None, step: int, progress: Progress) -> Estimate:
         if backprop is None:
             raise TypeError("adapt() with estimator='gact' needs a backprop closure")
+        if FREE_FIRST and not self.path.plan.allocation:
+            return self._free(backprop)
         seed = self.config.seed
 
         def seed_of(slot: Slot, k: int) -> int:
@@ -166,6 +172,23 @@ class GactEstimator(_Measuring):
             lambda slot: self._context.get(slot),  # filled by the first pass (_discover), so read at each call
         )  # fmt: skip
         return self._measured(estimate)
+
+    def _free(self, backprop: Callable[[], object]) -> Estimate:
+        """ActNN's estimate from one pass of the closure, the meter measuring it (:data:`FREE_FIRST`): where the first
+        adaptation's second estimate is to measure, for a pass or two a tensor instead of the first's."""
+        if self.meter is not None:
+            self.meter.clear()
+            self.meter.armed = True
+        try:
+            estimate = free_estimate(self.model, self._collector, backprop)
+        finally:
+            if self.meter is not None:
+                self.meter.armed = False
+        sensitivity = estimate.sensitivity
+        top = max(sensitivity.values(), default=0.0)
+        curved = self.path.curved
+        sensitivity = {s: top if curved(s) else c for s, c in sensitivity.items()}
+        return self._measured(dataclasses.replace(estimate, sensitivity=sensitivity))
 
     def _weights_of(self, slot: Slot, modules: dict[str, nn.Module]) -> tuple:
         """The weights whose gradients alone a slot's noise reaches: where the save is the activation operand of
