@@ -1,7 +1,7 @@
 """The demo: train small GNN, transformer and CNN models with and without gactx on the default device, and
 print what was saved and the loss reached.
 
-    python -m benchmarks.demo            # about 75 s on a 2-core CPU; the same models at full size:
+    python -m benchmarks.demo            # about 70 s on a 2-core CPU; the same models at full size:
     python -m benchmarks.demo --compile  # BERT also under torch.compile (the default on a GPU; a minute more on a CPU)
     python -m benchmarks.run             # the benchmark (see --help)
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _expected(cuda: bool, size: str) -> str:
     if size == "small" and not cuda:
-        return "about 75 s on 2 cores, a minute more with --compile; the first time the C++ kernels compile too (40 s)"
+        return "about 70 s on 2 cores, a minute more with --compile; the first time the C++ kernels compile too (40 s)"
     if size == "tiny":
         return "under a minute"
     return "minutes: full-size models" if cuda else "long: full-size models on a CPU"
