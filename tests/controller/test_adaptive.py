@@ -125,17 +125,17 @@ def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
     assert torch.equal(before["rng"], torch.get_rng_state())
-    # The first adaptation estimates twice: ActNN's estimate in one pass, then GACT's around what it allocated. One
-    # pass finds the tensors, one pair probes the inputs of the convolutions and the linear layer together (each owns
-    # its module's one weight), a pair each other tensor and the sketchable input's calibration pairs, and a second
-    # pair each BatchNorm input (rules.curved).
+    # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, one pair
+    # probes the inputs of the convolutions and the linear layer together (each owns its module's one weight), a pair
+    # each other tensor and the sketchable input's calibration pairs; in the second estimate a second pair each
+    # BatchNorm input (rules.curved: the first estimate probes no curve).
     curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
     sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
     together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
     alone = len(controller.sensitivity) - together
     per_estimate = 1 + 2 + 2 * alone + 2 * CALIBRATION_PAIRS
     assert curved >= 1 and sketchable >= 1 and together >= 2
-    assert adaptation.passes == 1 + per_estimate + 2 * curved
+    assert adaptation.passes == 2 * per_estimate + 2 * curved
     assert adaptation.seconds > 0
     assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
 
@@ -319,15 +319,16 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
     slots = len(controller.sensitivity) - together + (together > 1)  # the tensors probed together log once
     assert together > 1 and slots >= 2
-    # The first adaptation estimates twice; its first estimate, one pass (estimators.FREE_FIRST), logs no progress.
-    assert len(lines) == slots + 1 and "budget" in lines[-1]
-    prefix = "gactx adaptation at step 1, estimate 2 of 2: "
-    rows = lines[:slots]
-    assert all(line.startswith(prefix) and " passes of the closure, " in line for line in rows)
-    done = [tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))) for line in rows]
+    assert len(lines) == 2 * slots + 1 and "budget" in lines[-1]  # the first adaptation estimates twice
+    done = []
+    for k in (1, 2):
+        prefix = f"gactx adaptation at step 1, estimate {k} of 2: "
+        rows = lines[(k - 1) * slots : k * slots]
+        assert all(line.startswith(prefix) and " passes of the closure, " in line for line in rows)
+        done.append([tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))) for line in rows])
     # passes run before each slot: the pass that found them, and the base pass where one runs (sensitivity.BASE)
-    assert done[0][0] in (1, 2)
-    assert 1 + done[0][1] == total  # the second estimate's total and the first's one pass: the adaptation's passes
+    assert all(d[0][0] in (1, 2) for d in done)
+    assert sum(d[0][1] for d in done) == total  # each estimate's total: together, the adaptation's passes
 
 
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
@@ -363,7 +364,11 @@ class Normalised(nn.Module):
         return self.b(torch.tanh(self.norm(self.a(x))))
 
 
-def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept():
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(monkeypatch, keep):
+    from gactx.controller.adaptation import estimators
+
+    monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
     torch.manual_seed(0)
     model, x = Normalised(), torch.randn(256, 32)
     controller = _adapted(model, lambda: model(x).square().mean(), min_numel=0)
@@ -372,15 +377,15 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     assert [records[("norm", 1, i)].cls for i in (1, 2)] == ["statistics", "statistics"]  # mean, 1/deviation: kept
     assert all(not isinstance(records[("norm", 1, i)].bits, int) for i in (1, 2))
     # One pass finds the tensors, a pair probes the two linear layers' inputs together, a pair each other tensor, a
-    # second pair the normalisation's input, and the sketchable inputs' calibration pairs, together (an adaptation
-    # after the first: one estimate).
+    # second pair the normalisation's input unless the curve the first adaptation fitted is kept (KEEP_CURVES), and
+    # the sketchable inputs' calibration pairs, together (an adaptation after the first: one estimate).
     with controller:
         model(x).square().mean().backward()
         adaptation = controller.adapt(lambda: model(x).square().mean().backward())
     assert {s.module for s in controller.sensitivity if controller.weight_only(s)} == {"a", "b"}
     assert all(controller.weight_only(s) for s in controller.sensitivity if controller.sketchable(s))
     alone = len(controller.sensitivity) - 2
-    assert adaptation.passes == 1 + 2 + 2 * alone + 2 + 2 * CALIBRATION_PAIRS
+    assert adaptation.passes == 1 + 2 + 2 * alone + (0 if keep else 2) + 2 * CALIBRATION_PAIRS
 
 
 def test_a_linear_tensor_is_probed_in_one_pass_against_a_base(monkeypatch):
@@ -412,12 +417,13 @@ def test_a_linear_tensor_is_probed_in_one_pass_against_a_base(monkeypatch):
     assert 0.75 <= ratios[len(ratios) // 2] <= 1.33  # no bias (one estimate of each is noisy: 0.3x to 1.2x here)
 
 
-def test_the_first_estimate_is_read_in_one_pass_and_the_allocation_holds(monkeypatch):
-    """The first adaptation's first estimate only places the second around an allocation: read as ActNN's in one pass
-    of the closure (its normalisation inputs, whose curves it cannot see, ranked first), it leaves the second GACT's
-    sensitivities ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (on the zoo
-    transformer layer 43 against 75; 0.0598 against 0.0599, ranks 0.95; ranked below the others, its LayerNorm input
-    took 2 bits and the error rose by 12%)."""
+def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer_layer(monkeypatch):
+    """``estimators.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the second
+    around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside the linear
+    class or with a curve, ranked first). On the zoo transformer layer it leaves the second estimate's sensitivities
+    ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (43 against 75; 0.0598
+    against 0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error rose by 12%).
+    Why it is off: test_choices' MLP of skewed samples, where it raises the error 15 times."""
     from benchmarks.estimators import spearman
     from benchmarks.zoo import build
     from gactx.controller.adaptation import estimators
@@ -438,3 +444,36 @@ def test_the_first_estimate_is_read_in_one_pass_and_the_allocation_holds(monkeyp
     slots = sorted(gact)
     assert spearman([gact[s] for s in slots], [free[s] for s in slots]) >= 0.9
     assert after <= 1.1 * before
+
+
+def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
+    """An adaptation after the first probes a normalisation input by one pair at the probe width and keeps the shape
+    of its curve from the last fit: two passes fewer for each, the sensitivities ranked as when the curves are fitted
+    again (on ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99)."""
+    from benchmarks.estimators import spearman
+    from benchmarks.zoo import build
+    from gactx.controller.adaptation import estimators
+
+    def loss(run):
+        torch.manual_seed(0)  # the same dropout masks in every pass
+        return run()
+
+    results = {}
+    for keep in (False, True):
+        monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
+        model, run = build("transformer_layer", 1)
+        controller = _adapted(model, lambda run=run: loss(run))
+        with torch.no_grad():  # the weights move, as training moves them between adaptations
+            for p in model.parameters():
+                p.mul_(1.05)
+        with controller:
+            loss(run).backward()
+            later = controller.adapt(lambda run=run: loss(run).backward())
+        curved = {r.key.slot for r in controller.records if r.op.endswith("layer_norm:input")} & set(
+            controller.sensitivity
+        )
+        results[keep] = (controller.sensitivity, later.passes, len(curved))
+    (fitted, more, curved), (kept, fewer, _) = results[False], results[True]
+    assert curved >= 1 and fewer == more - 2 * curved
+    slots = sorted(fitted)
+    assert slots == sorted(kept) and spearman([fitted[s] for s in slots], [kept[s] for s in slots]) >= 0.9

@@ -42,9 +42,16 @@ if TYPE_CHECKING:
 __all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_estimator"]
 
 Progress = Callable[[int, int], None]
-# The first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is ActNN's,
-# read in one pass of the closure; False: GACT's, a pass or two a tensor.
-FREE_FIRST = True
+# True: the first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is
+# ActNN's, read in one pass of the closure, instead of GACT's, a pass or two a tensor. Off: on the 15 models of
+# benchmarks.schemes it cut the first adaptation's passes by 22% to 45% at the same gradient error (within 5%), but
+# on an MLP of tanh layers whose inputs differ by 100x between samples, with per-sample widths offered, the second
+# estimate, measured around the first's allocation, gave a tanh input 1 bit and the gradient error rose from 0.74 to
+# 11 times the gradient's squared norm (docs/adaptive.md).
+FREE_FIRST = False
+# An adaptation after the first probes a normalisation input at the probe width alone (a pair) and keeps the shape of
+# the curve it last fitted through two widths (GactEstimator); False: two pairs each time.
+KEEP_CURVES = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
@@ -135,6 +142,7 @@ class GactEstimator(_Measuring):
         self._warned = False
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
         self._collector = FreeCollector(model, tracker, path.observers, config.group_size)  # FREE_FIRST's
+        self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -165,12 +173,25 @@ class GactEstimator(_Measuring):
             return mix(seed, step, zlib.crc32(repr(slot).encode()), k)
 
         modules = dict(self.model.named_modules())
+        kept = self._curves if KEEP_CURVES else {}
+        curved = self.path.curved
+
+        def fitted(slot: Slot) -> bool:  # a curve to fit now: two widths
+            return curved(slot) and slot not in kept
+
         estimate = estimate_sensitivities(
             self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
-            self._probed_choices, self.path.curved if self.path.plan.allocation else _straight,
+            self._probed_choices, fitted if self.path.plan.allocation else _straight,
             lambda slot: self._weights_of(slot, modules),
-            lambda slot: self._context.get(slot),  # filled by the first pass (_discover), so read at each call
+            # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
+            # scaled by S(b) (a pair at the probe width instead: the kept curve is the variance there times S)
+            lambda slot: None if slot in kept and curved(slot) else self._context.get(slot),
         )  # fmt: skip
+        if self.path.plan.allocation:
+            # A kept curve's shape with the sensitivity measured now at the probe width: the curve's value there.
+            reused = {s: kept[s] for s in estimate.sensitivity if s in kept and s not in estimate.curves}
+            self._curves = {**reused, **estimate.curves}
+            estimate = dataclasses.replace(estimate, curves=self._curves)
         return self._measured(estimate)
 
     def _free(self, backprop: Callable[[], object]) -> Estimate:
@@ -187,7 +208,8 @@ class GactEstimator(_Measuring):
         sensitivity = estimate.sensitivity
         top = max(sensitivity.values(), default=0.0)
         curved = self.path.curved
-        sensitivity = {s: top if curved(s) else c for s, c in sensitivity.items()}
+        linear = {r.key.slot for r in self.path.stats.records if r.cls == "linear"}
+        sensitivity = {s: c if s in linear and not curved(s) else top for s, c in sensitivity.items()}
         return self._measured(dataclasses.replace(estimate, sensitivity=sensitivity))
 
     def _weights_of(self, slot: Slot, modules: dict[str, nn.Module]) -> tuple:
