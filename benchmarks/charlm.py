@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ class CharLMRun:
     seconds: float
     memory: gactx.MemoryStats
     controller: gactx.Controller
+    closure: Callable[[], object]  # what iterate was given: the estimator's closure over 8 sequences
 
     @property
     def final_loss(self) -> float:
@@ -81,6 +83,10 @@ def train_charlm(
     probe_x, probe_y = batch(data, 8, context, torch.Generator().manual_seed(seed + 1))
     controller = gactx.Controller(model, level=level or "L0", **options).install_hook()
     losses = []
+
+    def closure() -> None:
+        lm_loss(model, probe_x, probe_y).backward()
+
     start = time.perf_counter()
     try:
         for _ in range(steps):
@@ -90,7 +96,7 @@ def train_charlm(
             loss.backward()
             opt.step()
             losses.append(loss.item())
-            controller.iterate(lambda: lm_loss(model, probe_x, probe_y).backward())
+            controller.iterate(closure)
     finally:
         controller.uninstall_hook()
-    return CharLMRun(level, losses, time.perf_counter() - start, controller.memory_stats(), controller)
+    return CharLMRun(level, losses, time.perf_counter() - start, controller.memory_stats(), controller, closure)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class DigitsRun:
     steps: int
     memory: gactx.MemoryStats  # saved activations of the last step (level L0 when run without compression)
     controller: gactx.Controller
+    closure: Callable[[], object]  # what iterate was given: the estimator's closure over 16 training images
 
 
 def train_digits(level: str | None, epochs: int = 8, batch: int = 64, seed: int = 0) -> DigitsRun:
@@ -52,6 +54,10 @@ def train_digits(level: str | None, epochs: int = 8, batch: int = 64, seed: int 
     model = digits_cnn()
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     controller = gactx.Controller(model, level=level or "L0").install_hook()
+
+    def closure() -> None:
+        F.cross_entropy(model(xtr[:16]), ytr[:16]).backward()
+
     start = time.perf_counter()
     try:
         for epoch in range(epochs):
@@ -62,11 +68,13 @@ def train_digits(level: str | None, epochs: int = 8, batch: int = 64, seed: int 
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                controller.iterate(lambda: F.cross_entropy(model(xtr[:16]), ytr[:16]).backward())
+                controller.iterate(closure)
     finally:
         controller.uninstall_hook()
     seconds = time.perf_counter() - start
     model.eval()
     with torch.no_grad():
         accuracy = (model(xte).argmax(1) == yte).float().mean().item()
-    return DigitsRun(level, accuracy, loss.item(), seconds, controller.step, controller.memory_stats(), controller)
+    return DigitsRun(
+        level, accuracy, loss.item(), seconds, controller.step, controller.memory_stats(), controller, closure
+    )
