@@ -11,4 +11,6 @@ def test_quick_adaptation_benchmark(tmp_path):
         # layers together and 2 for each other tensor at least (more for normalisation inputs and calibration pairs)
         assert r["passes"] >= 2 * 3 and r["tensors_measured"] > 3
         assert 0 < r["share_at_interval"] < 1 and r["adaptation_s"] > 0
-    assert "share of training" in (tmp_path / "adaptation.md").read_text()
+        # a later adaptation: one estimate
+        assert 3 <= r["later_passes"] < r["passes"] and 0 < r["later_share_at_interval"] < r["share_at_interval"]
+    assert "share at interval" in (tmp_path / "adaptation.md").read_text()
