@@ -417,6 +417,19 @@ def test_a_linear_tensor_is_probed_in_one_pass_against_a_base(monkeypatch):
     assert 0.75 <= ratios[len(ratios) // 2] <= 1.33  # no bias (one estimate of each is noisy: 0.3x to 1.2x here)
 
 
+def _transformer_layer():
+    """The zoo's transformer layer, its closure, and its loss with the same dropout masks in every pass."""
+    from benchmarks.zoo import build
+
+    model, run = build("transformer_layer", 1)
+
+    def loss():
+        torch.manual_seed(0)
+        return run()
+
+    return model, run, loss
+
+
 def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer_layer(monkeypatch):
     """``estimators.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the second
     around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside the linear
@@ -425,18 +438,13 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
     against 0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error rose by 12%).
     Why it is off: test_choices' MLP of skewed samples, where it raises the error 15 times."""
     from benchmarks.estimators import spearman
-    from benchmarks.zoo import build
     from gactx.controller.adaptation import estimators
-
-    def loss(run):
-        torch.manual_seed(0)  # the same dropout masks in every pass
-        return run()
 
     results = {}
     for free in (False, True):
         monkeypatch.setattr(estimators, "FREE_FIRST", free)
-        model, run = build("transformer_layer", 1)
-        controller = _adapted(model, lambda run=run: loss(run))
+        model, run, loss = _transformer_layer()
+        controller = _adapted(model, loss)
         error = _gradient_error(model, run, controller, draws=4)
         results[free] = (controller.sensitivity, controller.last_adaptation.passes, error)
     (gact, more, before), (free, fewer, after) = results[False], results[True]
@@ -451,24 +459,19 @@ def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     of its curve from the last fit: two passes fewer for each, the sensitivities ranked as when the curves are fitted
     again (on ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99)."""
     from benchmarks.estimators import spearman
-    from benchmarks.zoo import build
     from gactx.controller.adaptation import estimators
-
-    def loss(run):
-        torch.manual_seed(0)  # the same dropout masks in every pass
-        return run()
 
     results = {}
     for keep in (False, True):
         monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
-        model, run = build("transformer_layer", 1)
-        controller = _adapted(model, lambda run=run: loss(run))
+        model, _, loss = _transformer_layer()
+        controller = _adapted(model, loss)
         with torch.no_grad():  # the weights move, as training moves them between adaptations
             for p in model.parameters():
                 p.mul_(1.05)
         with controller:
-            loss(run).backward()
-            later = controller.adapt(lambda run=run: loss(run).backward())
+            loss().backward()
+            later = controller.adapt(lambda loss=loss: loss().backward())
         curved = {r.key.slot for r in controller.records if r.op.endswith("layer_norm:input")} & set(
             controller.sensitivity
         )
