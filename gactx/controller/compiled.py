@@ -211,7 +211,7 @@ class CompiledPath:
         self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
         self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first kept save
         self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
-        self._follower_of: dict[int, int] = {}  # a follower's token -> its lead's
+        self._following: set[int] = set()  # the followers' tokens
 
     # -- tracing ------------------------------------------------------------------------------------------
 
@@ -260,11 +260,11 @@ class CompiledPath:
         lead = self._leads.setdefault(fw_graph, token)
         if lead == token:
             return False
-        if token in self._follower_of:
+        if token in self._following:
             return True
         if not all(isinstance(s, int) for s in t.shape):
             return False
-        self._follower_of[token] = lead
+        self._following.add(token)
         self._followers.setdefault(lead, []).append((token, tuple(t.shape)))
         self.saves[token].extra = 0
         return True

@@ -94,8 +94,7 @@ def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size:
     flat = flat.detach().reshape(-1)
     if flat.numel() and _on_cpu_kernels(flat):
         stride, scale = _sample_stride(flat.numel(), group_size)
-        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, stride, scale).unbind(), strict=True))
+        return _closed_form(flat, widths, group_size, scheme, scale, stride)
     sample, scale = group_sample(flat, group_size)
     return _closed_form(sample, widths, group_size, scheme, scale)
 

@@ -141,7 +141,6 @@ class GactEstimator(_Measuring):
         self.pending = False
         self._warned = False
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
-        self._collector = FreeCollector(model, tracker, path.observers, config.group_size)  # FREE_FIRST's
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
 
     def rounds(self, allocated: bool) -> int:
@@ -185,11 +184,11 @@ class GactEstimator(_Measuring):
             lambda slot: self._weights_of(slot, modules),
             # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
             # scaled by S(b) (a pair at the probe width instead: the kept curve is the variance there times S)
-            lambda slot: None if slot in kept and curved(slot) else self._context.get(slot),
+            lambda slot: None if slot in kept else self._context.get(slot),
         )  # fmt: skip
         if self.path.plan.allocation:
             # A kept curve's shape with the sensitivity measured now at the probe width: the curve's value there.
-            reused = {s: kept[s] for s in estimate.sensitivity if s in kept and s not in estimate.curves}
+            reused = {s: c for s, c in kept.items() if s in estimate.sensitivity}
             self._curves = {**reused, **estimate.curves}
             estimate = dataclasses.replace(estimate, curves=self._curves)
         return self._measured(estimate)
@@ -200,8 +199,9 @@ class GactEstimator(_Measuring):
         if self.meter is not None:
             self.meter.clear()
             self.meter.armed = True
+        collector = FreeCollector(self.model, self.tracker, self.path.observers, self.config.group_size)
         try:
-            estimate = free_estimate(self.model, self._collector, backprop)
+            estimate = free_estimate(self.model, collector, backprop)
         finally:
             if self.meter is not None:
                 self.meter.armed = False
