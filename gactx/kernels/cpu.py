@@ -151,6 +151,14 @@ def available() -> bool:
     return extension() is not None
 
 
+_TAKEN = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the kernels read
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether the C++ kernels take ``t``: a CPU tensor of float32, bfloat16 or float16, and the extension built."""
+    return t.device.type == "cpu" and t.dtype in _TAKEN and available()
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):
     """``(codes, meta)`` of a contiguous CPU tensor (any shape: its elements in order), in the format of
     ``format.py``."""
@@ -206,6 +214,21 @@ def normal_variances(
 ) -> torch.Tensor:
     """``variance.normal_variances`` of a contiguous CPU tensor, as :func:`uniform_variances` gives them."""
     return built.normal_variances(flat, group_size, *_normal_factors_of(tuple(widths)), stride, scale)
+
+
+def row_variances(flat: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
+    """``variance.row_variances`` of a contiguous CPU tensor: float32, one a row (each row's sum in float64)."""
+    return built.row_variances(flat, group_size, rows)
+
+
+def add_weighted_norms(total: torch.Tensor, g: torch.Tensor, weights: torch.Tensor) -> None:
+    """``variance.add_weighted_norms`` of contiguous CPU tensors."""
+    built.add_weighted_norms(total, g, weights)
+
+
+def inverse_variance(x: torch.Tensor, outer: int, channels: int, inner: int, eps: float) -> torch.Tensor:
+    """``free.mean_inverse_variance`` of a contiguous CPU tensor seen as ``[outer, channels, inner]``."""
+    return built.inverse_variance(x, outer, channels, inner, eps)
 
 
 @functools.cache

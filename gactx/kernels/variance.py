@@ -87,16 +87,17 @@ def _sample_stride(numel: int, group_size: int, budget: int = SAMPLED_ELEMENTS) 
     return stride, numel / (-(-groups // stride) * group_size)
 
 
-def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int, scheme: str):
+def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int, scheme: str) -> torch.Tensor:
     """:func:`uniform_variances` or :func:`normal_variances` (``scheme``) of a :func:`group_sample` of ``flat``,
-    scaled to the whole tensor: what ``ChoiceMeter`` measures of each scheme. The C++ kernels read the sampled groups
-    where they lie (no copy, no view)."""
+    scaled to the whole tensor, as one float32 tensor, a sum a width in ``widths``' order: what ``ChoiceMeter``
+    measures of each scheme. The C++ kernels read the sampled groups where they lie (no copy, no view), in one call."""
     flat = flat.detach().reshape(-1)
     if flat.numel() and _on_cpu_kernels(flat):
         stride, scale = _sample_stride(flat.numel(), group_size)
-        return _closed_form(flat, widths, group_size, scheme, scale, stride)
+        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
+        return kernel(flat.contiguous(), widths, group_size, stride, scale)
     sample, scale = group_sample(flat, group_size)
-    return _closed_form(sample, widths, group_size, scheme, scale)
+    return _closed_sums(sample, widths, group_size, scheme, scale)
 
 
 def uniform_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: int) -> dict[int, torch.Tensor]:
@@ -118,27 +119,28 @@ def normal_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size: in
     return _closed_form(flat, widths, group_size, "normal")
 
 
-def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0, stride: int = 1):
-    """Each width's summed error (float64), times ``scale``, as a 0-d float32 tensor a width: the C++ kernels where
-    they take the tensor (of every ``stride``-th whole group from ``stride`` 2: :func:`group_sample`'s, in place), else
-    the torch form (of every group)."""
+def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str) -> dict[int, torch.Tensor]:
+    """:func:`_closed_sums` of every group, as a 0-d float32 tensor a width."""
+    return dict(zip(widths, _closed_sums(flat, widths, group_size, scheme).unbind(), strict=True))
+
+
+def _closed_sums(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0) -> torch.Tensor:
+    """Each width's summed error (float64), times ``scale``, as float32, one a width: the C++ kernels where they take
+    the tensor, else the torch form."""
     flat = flat.detach().reshape(-1)
     if flat.numel() == 0:
-        sums = torch.zeros(len(widths), dtype=torch.float64, device=flat.device)
-    elif _on_cpu_kernels(flat):
+        return torch.zeros(len(widths), dtype=torch.float32, device=flat.device)
+    if _on_cpu_kernels(flat):
         kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return dict(zip(widths, kernel(flat.contiguous(), widths, group_size, stride, scale).unbind(), strict=True))
-    else:
-        padded, valid = _padded(flat, group_size)
-        form = _uniform_sums if scheme == "uniform" else _normal_sums
-        sums = torch.stack(form(padded, valid, widths, group_size))
-    return dict(zip(widths, (sums * scale).float().unbind(), strict=True))
+        return kernel(flat.contiguous(), widths, group_size, 1, scale)
+    padded, valid = _padded(flat, group_size)
+    form = _uniform_sums if scheme == "uniform" else _normal_sums
+    return (torch.stack(form(padded, valid, widths, group_size)) * scale).float()
 
 
 def _on_cpu_kernels(flat: torch.Tensor) -> bool:
     """Whether the C++ kernels compute the closed forms here (a CPU tensor of a dtype they take, and built)."""
-    taken = (torch.float32, torch.bfloat16, torch.float16)
-    return flat.device.type == "cpu" and flat.dtype in taken and cpu.available()
+    return cpu.takes(flat)
 
 
 def _uniform_sums(x: torch.Tensor, valid: torch.Tensor, widths: tuple[int, ...], group_size: int) -> list:

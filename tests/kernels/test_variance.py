@@ -167,6 +167,7 @@ def test_the_meters_estimate_reads_the_sampled_groups_where_they_lie(numel):
     for scheme, widths, whole in schemes:
         got = estimated_variances(x, widths, 256, scheme)
         copied = whole(sample, widths, 256)
-        for bits in widths:
+        assert got.shape == (len(widths),)
+        for i, bits in enumerate(widths):
             expected = (copied[bits].double() * scale).float()  # the sample's float32 sum, scaled
-            assert abs(float(got[bits]) - float(expected)) <= 1e-6 * float(expected), (scheme, bits)
+            assert abs(float(got[i]) - float(expected)) <= 1e-6 * float(expected), (scheme, bits)

@@ -199,7 +199,9 @@ class GactEstimator(_Measuring):
         if self.meter is not None:
             self.meter.clear()
             self.meter.armed = True
-        collector = FreeCollector(self.model, self.tracker, self.path.observers, self.config.group_size)
+        collector = FreeCollector(
+            self.model, self.tracker, self.path.observers, self.config.group_size, watching=lambda: self.path.watching
+        )
         try:
             estimate = free_estimate(self.model, collector, backprop)
         finally:
@@ -286,7 +288,9 @@ class ActnnEstimator(_Measuring):
     after its forward began), the next step does, or one ordinary pass of a closure given to ``adapt()``."""
 
     def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
-        self.collector = FreeCollector(model, tracker, path.observers, config.group_size)
+        self.collector = FreeCollector(
+            model, tracker, path.observers, config.group_size, watching=lambda: path.watching
+        )
         super().__init__(config, model, path, tracker)
         self.pending = False  # an adaptation waits for a step that collects
 

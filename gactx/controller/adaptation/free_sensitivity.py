@@ -53,6 +53,7 @@ from torch import nn
 from gactx.controller.adaptation.sensitivity import Estimate, ModelSnapshot, cap
 from gactx.controller.identity import BACKWARD, OUTSIDE, Key, ModuleTracker
 from gactx.controller.rules import Rule
+from gactx.kernels.free import add_weighted_norms, mean_inverse_variance, row_variances
 
 __all__ = ["FreeCollector", "free_estimate", "range_variance"]
 
@@ -61,37 +62,8 @@ _WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd)  # modules whose saved input me
 
 def range_variance(t: torch.Tensor, group_size: int) -> torch.Tensor:
     """``sum_groups n_group * R_group^2 / 6`` over groups of ``group_size`` consecutive elements: the variance
-    stochastic rounding adds to ``t``, per unit of ``S(b)``. A 0-dim float32 device tensor (no host read)."""
-    flat = t.detach().reshape(-1)
-    full = flat.numel() // group_size * group_size
-    total = flat.new_zeros((), dtype=torch.float32)
-    if full:
-        groups = flat[:full].view(-1, group_size)
-        lo, hi = groups.amin(1), groups.amax(1)  # not torch.aminmax(dim=1): ten times slower on a CPU
-        total = total + (hi.float() - lo.float()).square().sum() * group_size
-    if full < flat.numel():
-        lo, hi = torch.aminmax(flat[full:])
-        total = total + (hi.float() - lo.float()).square() * (flat.numel() - full)
-    return total / 6
-
-
-def _row_variance(t: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
-    """Per row of ``t`` (``rows`` equal rows of the flattened tensor): the variance rounding adds to its
-    elements, each element taking its group's ``R^2 / 6``."""
-    flat = t.detach().reshape(-1)
-    n = flat.numel()
-    pad = -n % group_size
-    padded = torch.cat([flat, flat[-1:].expand(pad)]) if pad else flat  # the tail's own range, no host read
-    groups = padded.view(-1, group_size)
-    lo, hi = groups.amin(1), groups.amax(1)  # not torch.aminmax(dim=1): ten times slower on a CPU
-    group = (hi.float() - lo.float()).square() / 6
-    row = n // rows
-    if not pad and row % group_size == 0:  # whole groups a row: no tensor of an element's share
-        return group.view(rows, -1).sum(1) * group_size
-    if not pad and group_size % row == 0:  # whole rows a group: each of its rows takes ``row`` elements' shares
-        return group.repeat_interleave(group_size // row) * row
-    per_element = group[:, None].expand(-1, group_size).reshape(-1)[:n]
-    return per_element.view(rows, -1).sum(1)
+    stochastic rounding adds to ``t``, per unit of ``S(b)``. A float32 device tensor of one element (no host read)."""
+    return row_variances(t, group_size)
 
 
 def _fan_in(module: nn.Module | None, t: torch.Tensor) -> int:
@@ -102,7 +74,7 @@ def _fan_in(module: nn.Module | None, t: torch.Tensor) -> int:
         w = module.weight
         channels = t.shape[-1] if isinstance(module, nn.Linear) else (t.shape[1] if t.dim() >= 2 else -1)
         if channels == w.shape[1] * getattr(module, "groups", 1):
-            return w[0].numel()
+            return math.prod(w.shape[1:])
     if module is not None and not any(True for _ in module.children()) and getattr(module, "weight", None) is None:
         return 1
     return t.shape[-1] if t.dim() else 1
@@ -118,12 +90,7 @@ def _inverse_variance(module: nn.Module | None, t: torch.Tensor) -> torch.Tensor
         dims = (0, *range(2, t.dim()))
     else:
         return None
-    x = t.detach().float()
-    # The variance as the squared norm of the centred values: torch's var over the last dimension took 2.2 ms of a
-    # 16 x 64 x 768 LayerNorm input on a CPU, this 0.12 ms (a BatchNorm input's, over three dimensions, 2.3 times less).
-    count = math.prod(x.shape[d] for d in dims)
-    var = torch.linalg.vector_norm(x - x.mean(dims, keepdim=True), dim=dims).square() / max(count, 1)
-    return (1 / (var + module.eps)).mean()
+    return mean_inverse_variance(t, dims, module.eps)
 
 
 def _tensors(output) -> list[torch.Tensor]:
@@ -144,6 +111,8 @@ class FreeCollector:
     hook to the tracker; ``take()`` reads the accumulated estimate once, removes
     every hook and returns ``(sensitivity by slot, seconds)``: seconds of host time spent in its hooks and
     in the read (on a CPU the whole of its cost; on a GPU the launches, the reductions run on the stream).
+    ``watching()``: whether the pack path's pass is watched, where a save may be resolved after its module's call
+    returns; in an unwatched pass a call that saved nothing gets no gradient hook.
     """
 
     def __init__(
@@ -154,12 +123,14 @@ class FreeCollector:
         group_size: int,
         per_row: bool = True,
         normalized: bool = True,
+        watching: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.model, self.tracker, self.observers = model, tracker, observers
+        self.model, self.tracker, self.observers, self.watching = model, tracker, observers, watching
         self.group_size, self.per_row, self.normalized = group_size, per_row, normalized
         self.armed = False
         self._modules: dict[str, nn.Module] = {}
-        self._frames: dict[tuple[str, int], list] = {}  # (module, call) -> [(slot, range term, rows)]
+        self._fans: dict[tuple, int] = {}  # (module, shape) -> _fan_in, while armed
+        self._frames: dict[tuple[str, int], list] = {}  # (module, call) -> [(slot, range term a row, save, version)]
         self._sums: dict[tuple, torch.Tensor] = {}  # slot -> accumulated C (device)
         self._ratios: dict[tuple, torch.Tensor] = {}  # LayerNorm input's slot -> rho, the largest seen (device)
         self._seconds = 0.0
@@ -174,7 +145,7 @@ class FreeCollector:
         self._frames = {}  # the tensor hooks of an earlier pass hold their own frames' lists
         if not self.armed:
             self.armed = True
-            self._modules = dict(self.model.named_modules())
+            self._modules, self._fans = dict(self.model.named_modules()), {}
             self.observers.append(self._observe)
             self.tracker.output_hooks.append(self._on_output)
 
@@ -191,8 +162,8 @@ class FreeCollector:
         start = time.perf_counter()
         self.disarm()
         slots, normalized = list(self._sums), list(self._ratios)  # a slot with a ratio has a sum
-        tensors = [self._sums[s].double() for s in slots] + [self._ratios[s].double() for s in normalized]
-        values = torch.stack(tensors).tolist() if tensors else []
+        tensors = [self._sums[s] for s in slots] + [self._ratios[s] for s in normalized]
+        values = torch.cat(tensors).tolist() if tensors else []  # float32 values, as Python floats exactly
         seconds = self._seconds + time.perf_counter() - start
         self._sums, self._ratios, self._seconds = {}, {}, 0.0
         ratios = dict(zip(normalized, values[len(slots) :], strict=True))
@@ -206,12 +177,14 @@ class FreeCollector:
         start = time.perf_counter()
         module = self._modules.get(key.module)
         inverse = _inverse_variance(module, t) if self.normalized else None
-        fan = 1 if inverse is not None else _fan_in(module, t)
+        fan = 1 if inverse is not None else self._fans.get((key.module, t.shape))
+        if fan is None:
+            fan = self._fans[(key.module, t.shape)] = _fan_in(module, t)
         rows = t.numel() // max(fan, 1)
         if self.per_row and inverse is None and t.dim() >= 2 and rows * fan == t.numel():
-            term = _row_variance(t, self.group_size, rows)  # sum_n ||g_n||^2 v_n: no 1 / rows
+            term = row_variances(t, self.group_size, rows)  # sum_n ||g_n||^2 v_n: no 1 / rows
         else:
-            term, rows = range_variance(t, self.group_size) * (fan / t.numel()), None
+            term = range_variance(t, self.group_size) * (fan / t.numel())  # one row
         slot = key.slot
         if inverse is not None:
             term = term * inverse
@@ -219,17 +192,21 @@ class FreeCollector:
                 seen = self._ratios.get(slot)
                 self._ratios[slot] = term if seen is None else torch.maximum(seen, term)
         if slot not in self._sums:
-            self._sums[slot] = term.new_zeros(())  # observed: 0 unless a gradient reaches it
+            self._sums[slot] = term.new_zeros(1)  # observed: 0 unless a gradient reaches it
         # A tensor still alive and unchanged when backward needs it is read from where it lives, not decoded
         # (store.Packed): its rounding never reaches the gradient.
-        entry = (slot, term, rows, weakref.ref(t), t._version)
+        entry = (slot, term, weakref.ref(t), t._version)
         self._frames.setdefault((key.module, key.call), []).append(entry)
         self._seconds += time.perf_counter() - start
 
     def _on_output(self, name: str, call: int, module: nn.Module, output) -> None:
         if not torch.is_grad_enabled():
             return
-        frame = self._frames.setdefault((name, call), [])  # saves resolved after the call returns join it
+        frame = self._frames.get((name, call))
+        if frame is None:
+            if not self.watching():
+                return  # an unwatched pass observes each save as it is made: none will join this call's
+            frame = self._frames[(name, call)] = []  # a watched pass's saves resolved after the call returns join it
         for out in _tensors(output):
             out.register_hook(lambda g, frame=frame: self._gradient(frame, g))
 
@@ -237,19 +214,13 @@ class FreeCollector:
         if not frame or g is None:
             return
         start = time.perf_counter()
-        g = g.detach()
-        total = None
-        for slot, term, rows, ref, version in frame:
+        for slot, term, ref, version in frame:
             live = ref()
             if live is not None and live._version == version:
                 continue
-            if rows is not None and g.numel() % rows == 0:
-                c = (g.reshape(rows, -1).float().square().sum(1) * term).sum()
-            else:
-                if total is None:
-                    total = g.float().square().sum()
-                c = total * (term.sum() if term.dim() else term)
-            self._sums[slot] = self._sums[slot] + c
+            if g.numel() % term.numel():  # rows that do not match the gradient's: one product of the whole
+                term = term.sum().reshape(1)
+            add_weighted_norms(self._sums[slot], g, term)
         self._seconds += time.perf_counter() - start
 
 

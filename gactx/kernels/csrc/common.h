@@ -150,9 +150,18 @@ inline int64_t sampled_groups(int64_t n, int64_t G, int64_t stride) {
   return stride == 1 ? (n + G - 1) / G : (n / G + stride - 1) / stride;
 }
 
-// A variance kernel's per-group sums [groups, widths] (float64): summed over the groups, times scale, as float32.
-inline at::Tensor scaled_sums(const at::Tensor& partial, double scale) {
-  return partial.sum(0).mul_(scale).to(at::kFloat);
+// A variance kernel's per-group sums (float64, ``nw`` a group, group-major): summed over the groups in order, times
+// scale, as float32. A loop, not ATen's sum, mul and cast: those three ops cost more than a small tensor's kernel.
+inline at::Tensor scaled_sums(const std::vector<double>& partial, int64_t nw, double scale) {
+  at::Tensor out = at::empty({nw}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t groups = nw ? int64_t(partial.size()) / nw : 0;
+  for (int64_t w = 0; w < nw; ++w) {
+    double sum = 0.0;
+    for (int64_t g = 0; g < groups; ++g) sum += partial[g * nw + w];
+    o[w] = float(sum * scale);
+  }
+  return out;
 }
 
 #define GACTX_DISPATCH(DTYPE, FN, ...)                                                    \

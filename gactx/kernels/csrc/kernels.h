@@ -34,6 +34,15 @@ at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> wi
                             std::vector<std::vector<double>> factors, std::vector<int64_t> tails, int64_t stride,
                             double scale);
 
+// free.cpp: the free estimator's reductions (variance.py's row_variances and add_weighted_norms).
+// Per row of x's ``rows`` equal rows (flattened), the sum of its elements' group terms (hi - lo)^2 / 6, float32.
+at::Tensor row_variances(at::Tensor x, int64_t group, int64_t rows);
+// total[0] += sum_r weights[r] * ||g_r||^2 over g's weights.numel() equal rows (summed in float64).
+void add_weighted_norms(at::Tensor total, at::Tensor g, at::Tensor weights);
+// The mean over channels of 1 / (var + eps), each channel's variance over x's outer and inner dimensions (x as
+// [outer, channels, inner]), as one float32 element.
+at::Tensor inverse_variance(at::Tensor x, int64_t outer, int64_t channels, int64_t inner, double eps);
+
 // codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
 // The packed codes (``8 / bits`` a byte) of each element's bin among the sorted ``edges``; ``table`` looked up by
 // codes, contiguous of ``shape`` in the table's dtype.

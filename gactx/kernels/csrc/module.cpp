@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("normal_dequantize", &gactx::normal_dequantize);
   m.def("uniform_variances", &gactx::uniform_variances);
   m.def("normal_variances", &gactx::normal_variances);
+  m.def("row_variances", &gactx::row_variances);
+  m.def("add_weighted_norms", &gactx::add_weighted_norms);
+  m.def("inverse_variance", &gactx::inverse_variance);
   m.def("encode_bins", &gactx::encode_bins);
   m.def("decode_table", &gactx::decode_table);
   m.def("pack_bool", &gactx::pack_bool);

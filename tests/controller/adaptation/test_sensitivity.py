@@ -163,6 +163,34 @@ def test_adapt_uses_the_collected_step_or_runs_one_closure_pass():
             controller.adapt()
 
 
+@pytest.mark.parametrize("build", ["scaled mlp", "token stack"])
+def test_an_unwatched_collecting_step_hooks_only_the_calls_that_saved_and_reads_the_same(build, monkeypatch):
+    """In an unwatched pass every save is observed as it is made, so a module call that saved nothing gets no gradient
+    hook (a watched pass may resolve a save after its call returns: there every call gets one). Read both ways in the
+    same step, the estimate is the same."""
+    model, x = _scaled_mlp() if build == "scaled mlp" else _token_stack()
+    containers = sum(isinstance(m, nn.Sequential) for m in model.modules())  # calls that save nothing themselves
+    hooks = []
+    register = torch.Tensor.register_hook
+    monkeypatch.setattr(torch.Tensor, "register_hook", lambda t, hook: hooks.append(1) or register(t, hook))
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn")
+    collector, readings, counts = controller.estimator.collector, [], []
+    with controller:
+        model(x).square().mean().backward()
+        controller.iterate()  # step 1 (watched) collected; the passes after it are not watched
+        for watching in (collector.watching, lambda: True):
+            collector.watching = watching
+            controller.estimator.pending = True  # the next forward collects, as in the step before an adaptation
+            model.zero_grad()
+            hooks.clear()
+            model(x).square().mean().backward()
+            counts.append(len(hooks))
+            readings.append(collector.take()[0])
+            controller.estimator.pending = False
+    assert counts[1] - counts[0] == containers
+    assert readings[0] == readings[1] and any(c > 0 for c in readings[0].values())
+
+
 def test_gact_adapt_still_needs_a_closure():
     model, x = _scaled_mlp()
     controller = gactx.Controller(model, level="L2.2")

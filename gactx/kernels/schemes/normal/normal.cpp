@@ -286,12 +286,12 @@ at::Tensor normal_variances(at::Tensor x, int64_t group, std::vector<int64_t> wi
   std::vector<NormalShape> shapes;
   for (size_t w = 0; w < widths.size(); ++w) shapes.push_back(normal_shape(factors[w], tails[w]));
   const int64_t n = x.numel(), groups = sampled_groups(n, group, stride), nw = int64_t(widths.size());
-  at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
+  std::vector<double> partial(static_cast<size_t>(groups * nw));  // every entry written
   if (n) {
     GACTX_DISPATCH(x.scalar_type(), normal_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, stride, widths,
-                   shapes, partial.data_ptr<double>()));
+                   shapes, partial.data()));
   }
-  return scaled_sums(partial, scale);
+  return scaled_sums(partial, nw, scale);
 }
 
 void normal_dequantize(at::Tensor codes, at::Tensor meta, at::Tensor out, int64_t bits, int64_t group,

@@ -21,7 +21,7 @@ class NormalScheme(Scheme):
     name = "normal"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        return dict(zip(_CHOICES, estimated_variances(flat, NORMAL_BITS, group_size, "normal").values(), strict=True))
+        return dict(zip(_CHOICES, estimated_variances(flat, NORMAL_BITS, group_size, "normal").unbind(), strict=True))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size, scheme="normal")

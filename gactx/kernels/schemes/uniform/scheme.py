@@ -18,7 +18,7 @@ class UniformScheme(Scheme):
     name = "uniform"
 
     def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        return dict(zip(_CHOICES, estimated_variances(flat, CODE_WIDTHS, group_size, "uniform").values(), strict=True))
+        return dict(zip(_CHOICES, estimated_variances(flat, CODE_WIDTHS, group_size, "uniform").unbind(), strict=True))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size)

@@ -196,12 +196,12 @@ at::Tensor uniform_variances(at::Tensor x, int64_t group, std::vector<int64_t> w
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && widths.size() == factors.size() &&
               widths.size() == special_factors.size() && stride >= 1);
   const int64_t n = x.numel(), groups = sampled_groups(n, group, stride), nw = int64_t(widths.size());
-  at::Tensor partial = at::empty({groups, nw}, at::TensorOptions().dtype(at::kDouble));  // every entry written
+  std::vector<double> partial(static_cast<size_t>(groups * nw));  // every entry written
   if (n) {
     GACTX_DISPATCH(x.scalar_type(), uniform_variances_impl<scalar>(x.data_ptr<scalar>(), n, group, stride, widths,
-                   factors, special_factors, partial.data_ptr<double>()));
+                   factors, special_factors, partial.data()));
   }
-  return scaled_sums(partial, scale);
+  return scaled_sums(partial, nw, scale);
 }
 
 }  // namespace gactx
