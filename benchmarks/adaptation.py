@@ -7,7 +7,11 @@
 Each model trains at level L2.2 with a sub-batch closure for the estimator (16 images; 8 sequences of 64
 characters); one adaptation runs after the first step, and a later one (one estimate) after training. The step
 time excludes the first adaptation, and the
-share of training time is ``adaptation / (interval * step + adaptation)`` at the default interval (1000).
+share of training time is ``adaptation / (interval * step + adaptation)`` at the default interval (1000), and for the
+later one also at the longest interval the schedule backs off to while allocations hold (``adapt_backoff`` times the
+interval: gactx/controller/adaptation/schedule.py). The schedule itself is shown on the character-level transformer
+trained for 400 steps at ``adapt_interval=25``: the steps it adapted at, and its adaptations' share of that run's
+time against a fixed interval's count.
 Writes adaptation.json and adaptation.md under ``benchmarks/runs/<device>/`` (git-ignored), or with
 ``--update-results`` under ``benchmarks/results/<device>/`` (the committed results).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+import gactx
 from benchmarks.charlm import train_charlm
 from benchmarks.digits import train_digits
 from benchmarks.harness import Bench, where
@@ -23,6 +28,8 @@ from benchmarks.table import markdown_table
 from gactx.config import Config
 
 INTERVAL = Config.adapt_interval  # the default
+BACKOFF = Config.adapt_backoff  # the default: the longest interval is this many times INTERVAL
+SCHEDULE_STEPS, SCHEDULE_INTERVAL = 400, 25  # the run that shows the schedule
 
 
 def measure(name: str, quick: bool) -> dict:
@@ -47,29 +54,71 @@ def measure(name: str, quick: bool) -> dict:
         "later_passes": later.passes,
         "later_s": round(later.seconds, 3),
         "later_share_at_interval": round(later.seconds / (INTERVAL * step_s + later.seconds), 4),
+        "later_share_backed_off": round(later.seconds / (BACKOFF * INTERVAL * step_s + later.seconds), 4),
     }
 
 
-def render(rows: list[dict], env: dict) -> str:
+def schedule(quick: bool) -> dict:
+    """The character-level transformer trained with a short interval: when it adapted, and what that cost."""
+    steps, interval = (12, 3) if quick else (SCHEDULE_STEPS, SCHEDULE_INTERVAL)
+    adaptations = []
+    adapt = gactx.Controller.adapt
+
+    def recorded(controller, backprop=None):
+        a = adapt(controller, backprop)
+        adaptations.append(a)
+        return a
+
+    gactx.Controller.adapt = recorded
+    try:
+        run = train_charlm("L2.2", steps=steps, adapt_interval=interval)
+    finally:
+        gactx.Controller.adapt = adapt
+    seconds = sum(a.seconds for a in adaptations)
+    return {
+        "steps": steps,
+        "adapt_interval": interval,
+        "adapted_at": [a.step for a in adaptations],
+        "stable": [a.stable for a in adaptations],
+        "fixed_interval_adaptations": 1 + steps // interval,
+        "adaptation_s": round(seconds, 3),
+        "run_s": round(run.seconds, 3),
+        "share": round(seconds / run.seconds, 4),
+    }
+
+
+def render(rows: list[dict], env: dict, plan: dict) -> str:
     lines = [
         f"# gactx adaptation cost on {env['device_name']}",
         "",
         f"- torch {env['torch']}; run {env['date']}; level L2.2, default interval {INTERVAL} steps",
         "- share = adaptation / (interval x step + adaptation); step time at L2.2 without the adaptation",
         "- first: the adaptation after step 1 (two estimates); later: one after training, on the trained model "
-        "(one estimate, the normalisation inputs' curves kept)",
+        "(one estimate, the normalisation inputs' curves kept); backed off: at the longest interval the schedule "
+        f"reaches while allocations hold ({BACKOFF} x {INTERVAL} steps)",
         "",
     ]
     lines += markdown_table(
         ("model", "tensors measured", "first: passes", "s", "share at interval", "later: passes", "s",
-         "share at interval", "step s (L2.2)", "step s (full precision)", "steps the first costs"),
+         "share at interval", "share backed off", "step s (L2.2)", "step s (full precision)", "steps the first costs"),
         [
             (r["model"], r["tensors_measured"], r["passes"], r["adaptation_s"], f"{r['share_at_interval']:.2%}",
-             r["later_passes"], r["later_s"], f"{r['later_share_at_interval']:.2%}", r["step_s"],
-             r["full_precision_step_s"], r["steps_one_adaptation_costs"])
+             r["later_passes"], r["later_s"], f"{r['later_share_at_interval']:.2%}",
+             f"{r['later_share_backed_off']:.2%}", r["step_s"], r["full_precision_step_s"],
+             r["steps_one_adaptation_costs"])
             for r in rows
         ],
     )  # fmt: skip
+    held = list(zip(plan["adapted_at"], plan["stable"], strict=True))
+    marks = ", ".join(f"{step}{'' if kept or i == 0 else ' (moved)'}" for i, (step, kept) in enumerate(held))
+    lines += [
+        "",
+        f"Schedule: char_transformer, {plan['steps']} steps at adapt_interval={plan['adapt_interval']} (adapt_backoff "
+        f"{BACKOFF}; moved: the allocation before it was more than 10% worse): adapted at steps {marks}; "
+        f"{len(plan['adapted_at'])} adaptations where a fixed interval makes "
+        f"{plan['fixed_interval_adaptations']}; {plan['adaptation_s']} s of the run's {plan['run_s']} s "
+        f"({plan['share']:.1%}).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -79,9 +128,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = bench.environment(device)
     rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
-    table = render(rows, env)
+    plan = schedule(args.quick)
+    table = render(rows, env, plan)
     folder = bench.folder(args, device)
-    bench.write(folder, env, rows, table)
+    bench.write(folder, env, rows, table, schedule=plan)
     print(table)
     print(where(folder))
     return rows

@@ -56,6 +56,10 @@ class Config:
             metadata and tensors kept as they are included (an int, or a string such as ``"1.5GiB"``);
             it replaces the average-bits budget.
         adapt_interval: adaptive only: re-estimate sensitivities after the first step and every this many.
+        adapt_backoff: adaptive only: while an adaptation finds that the allocation it replaces was within 10% of the
+            new one's predicted gradient variance, the interval to the next doubles, up to this many times
+            ``adapt_interval`` (an adaptation that gains more brings it back; see docs/adaptive.md). 1: a fixed
+            interval.
         estimator: adaptive only: how sensitivities are measured (see docs/adaptive.md). ``"gact"`` runs the
             ``backprop`` closure ``1 + 2 L`` times for ``L`` compressed tensors (GACT's estimator); ``"actnn"``
             reads each tensor's group ranges and the gradient reaching its module during the ordinary step
@@ -100,6 +104,7 @@ class Config:
     adaptive: bool = False
     budget: int | str | None = None
     adapt_interval: int = 1000
+    adapt_backoff: int = 8
     estimator: str = "gact"
     probe_bits: int = 2
     schemes: tuple[str, ...] | None = None  # None: DEFAULT_SCHEMES[estimator]
@@ -140,6 +145,8 @@ class Config:
                 raise ValueError(f"budget={self.budget!r} needs an adaptive level (L2, L2.1, L2.2, L3)")
         if isinstance(self.adapt_interval, bool) or not isinstance(self.adapt_interval, int) or self.adapt_interval < 1:
             raise ValueError(f"adapt_interval={self.adapt_interval!r} must be an int >= 1")
+        if isinstance(self.adapt_backoff, bool) or not isinstance(self.adapt_backoff, int) or self.adapt_backoff < 1:
+            raise ValueError(f"adapt_backoff={self.adapt_backoff!r} must be an int >= 1 (1: a fixed interval)")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator={self.estimator!r} is not allowed; allowed values are {ESTIMATORS}")
         if isinstance(self.schemes, list):  # a list reads as well; the frozen field keeps a tuple

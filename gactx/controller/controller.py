@@ -20,6 +20,7 @@ from gactx.controller import checkpoint
 from gactx.controller.adaptation import Adaptation, allocate_estimate, cost
 from gactx.controller.adaptation.choices import Choice
 from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_estimator
+from gactx.controller.adaptation.schedule import Schedule, stable
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.offload import Offloader
@@ -75,6 +76,7 @@ class Controller:
         self.sensitivity: dict[Slot, float] = {}  # the last estimate, by slot
         self.last_adaptation: Adaptation | None = None
         self._clock = cost.StepClock()  # training steps' wall time: what an adaptation's share is read against
+        self._schedule = Schedule(self.config.adapt_interval, self.config.adapt_backoff)  # when adaptations run
         self._offloader = Offloader(self.config.prefetch) if self.config.offload else None
         self._path = PackPath(
             self.config,
@@ -198,21 +200,28 @@ class Controller:
             )
         if not self._pass.records:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
-        rounds = self.estimator.rounds(bool(self.plan.allocation))
+        plan = self.plan
+        before = {slot: plan.choices.get(slot, Choice(bits)) for slot, bits in plan.allocation.items()}
+        rounds = self.estimator.rounds(bool(before))
         progress, estimates = ProgressLog(self.step, rounds), []
         for progress.round in range(1, rounds + 1):
-            estimates.append(self._adapt_once(backprop, progress))
-        seconds, step_seconds = sum(e.seconds for e in estimates), self._clock.seconds
+            estimates.append(self._adapt_once(backprop, progress, before))
+        self._schedule.adapted(self.step, estimates[-1].stable)
+        seconds, step_seconds, interval = (
+            sum(e.seconds for e in estimates),
+            self._clock.seconds,
+            self._schedule.interval,
+        )
         self.last_adaptation = a = dataclasses.replace(
             estimates[-1], passes=sum(e.passes for e in estimates), seconds=seconds, step_seconds=step_seconds,
-            share=cost.share(seconds, step_seconds, cfg.adapt_interval),
+            share=cost.share(seconds, step_seconds, interval), interval=interval,
         )  # fmt: skip
         self._clock.resume()
-        cost.announce(a, cfg.adapt_interval, self._clock.first_only)  # logged; a warning where it took long
+        cost.announce(a, interval, self._clock.first_only)  # logged; a warning where it took long
         return a
 
-    def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog) -> Adaptation:
-        """One estimate and one allocation (:meth:`adapt`)."""
+    def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog, before: dict) -> Adaptation:
+        """One estimate and one allocation (:meth:`adapt`); ``before``: the allocation the adaptation began with."""
         cfg = self.config
         training_pass, was_installed = self._pass, self.installed
         if not was_installed:
@@ -229,7 +238,7 @@ class Controller:
         # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
         # compiled saves take widths from it by module, shape and dtype (plan.compiled_width).
         eager = training_pass if not training_pass.graph_runs else discovered
-        self.sensitivity, allocation, budget = allocate_estimate(cfg, estimate, eager, discovered)
+        self.sensitivity, allocation, budget = allocate_estimate(cfg, estimate, eager, discovered, before)
         choices = {k: c for k, c in (allocation.choices or {}).items() if c.scheme != "uniform"}
         old = self.plan
         if (allocation.bits != old.allocation or choices != old.choices) and self._compiled.saves:
@@ -244,6 +253,7 @@ class Controller:
             allocated_bytes=allocation.nbytes,
             predicted_variance=allocation.variance,
             feasible=allocation.feasible,
+            stable=stable(allocation.variance, allocation.kept_variance),
         )
         return self.last_adaptation
 
@@ -256,14 +266,20 @@ class Controller:
         module name, call, index), and the level they belong to. Plain Python values: ``torch.save`` or
         JSON both take it."""
         return write_state(
-            self.config.level, self.step, self.sensitivity, dict(self.plan.allocation), dict(self.plan.choices)
+            self.config.level,
+            self.step,
+            self.sensitivity,
+            dict(self.plan.allocation),
+            dict(self.plan.choices),
+            self._schedule.state(),
         )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output. A state from another level is refused: its bits answer another
         budget."""
-        step, self.sensitivity, bits, choices = read_state(state, self.config.level)
+        step, self.sensitivity, bits, choices, schedule = read_state(state, self.config.level)
         self.step = step
+        self._schedule.load(schedule)
         self._allocate(bits, choices)
 
     def _allocate(self, bits: dict[tuple, int], choices: dict[tuple, Choice]) -> None:
@@ -368,8 +384,8 @@ class Controller:
     # -- adaptation helpers -------------------------------------------------------------------------------
 
     def _due(self, step: int) -> bool:
-        """Whether an adaptation is due when ``iterate()`` ends step ``step``."""
-        return step == 1 or step % self.config.adapt_interval == 0
+        """Whether an adaptation is due when ``iterate()`` ends step ``step`` (``schedule.py``)."""
+        return self._schedule.due(step)
 
     # -- accounting -------------------------------------------------------------------------------------------
 
@@ -390,7 +406,7 @@ class Controller:
             )
         a = self.last_adaptation
         if a is not None:
-            share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at adapt_interval)"
+            share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at one every {a.interval} steps)"
             cfg = self.config
             basis = (f"budget={cfg.budget!r}, less what is kept or stored at a fixed width" if cfg.budget is not None
                      else f"{cfg.bits:g} bits an element of what plain PyTorch saves, each storage once, and the "

@@ -14,9 +14,9 @@ __all__ = ["STATE_VERSION", "write_state", "read_state"]
 STATE_VERSION = 1
 
 
-def write_state(level: str, step: int, sensitivity: dict, bits: dict, choices: dict) -> dict:
+def write_state(level: str, step: int, sensitivity: dict, bits: dict, choices: dict, schedule: list[int]) -> dict:
     """The state: the step, the sensitivities, bits and storage choices by slot (module name, call, index) as rows,
-    and the level they belong to."""
+    the adaptation schedule (``[interval, next step]``, adaptation/schedule.py) and the level they belong to."""
     return {
         "version": STATE_VERSION,
         "level": level,
@@ -24,12 +24,14 @@ def write_state(level: str, step: int, sensitivity: dict, bits: dict, choices: d
         "sensitivity": [[*slot, c] for slot, c in sensitivity.items()],
         "bits": [[*slot, b] for slot, b in bits.items()],
         "choices": [[*slot, c.scheme, c.fraction, c.high] for slot, c in choices.items()],
+        "schedule": list(schedule),
     }
 
 
-def read_state(state: dict, level: str) -> tuple[int, dict, dict, dict]:
-    """``(step, sensitivity, bits, choices)`` of a :func:`write_state` state, or a ValueError naming what is wrong.
-    A state from another level is refused: its bits answer another budget."""
+def read_state(state: dict, level: str) -> tuple[int, dict, dict, dict, list[int] | None]:
+    """``(step, sensitivity, bits, choices, schedule)`` of a :func:`write_state` state, or a ValueError naming what is
+    wrong (``schedule`` None where the state has none: one written before it was kept). A state from another level is
+    refused: its bits answer another budget."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise ValueError(f"not a gactx Controller state (version {STATE_VERSION}): {type(state).__name__}")
     missing = [f for f in ("level", "step", "sensitivity", "bits") if f not in state]
@@ -42,7 +44,16 @@ def read_state(state: dict, level: str) -> tuple[int, dict, dict, dict]:
         raise ValueError(f"gactx Controller state: 'step' must be an int >= 0, got {step!r}")
     sensitivity = _slots(state, "sensitivity", float)
     bits = _slots(state, "bits", int)
-    return step, sensitivity, bits, _choices(state.get("choices", []), bits)
+    schedule = state.get("schedule")
+    if schedule is not None and not (
+        isinstance(schedule, (list, tuple))
+        and len(schedule) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in schedule)
+    ):
+        raise ValueError(
+            f"gactx Controller state: 'schedule' must be [interval, next step], ints >= 1, got {schedule!r}"
+        )
+    return step, sensitivity, bits, _choices(state.get("choices", []), bits), schedule
 
 
 def _slots(state: dict, field: str, kind: type) -> dict:

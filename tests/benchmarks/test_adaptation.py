@@ -1,5 +1,7 @@
 """benchmarks/adaptation.py runs at tiny sizes and writes its table, so that it cannot rot."""
 
+import json
+
 from benchmarks.adaptation import run
 
 
@@ -13,4 +15,9 @@ def test_quick_adaptation_benchmark(tmp_path):
         assert 0 < r["share_at_interval"] < 1 and r["adaptation_s"] > 0
         # a later adaptation: one estimate
         assert 3 <= r["later_passes"] < r["passes"] and 0 < r["later_share_at_interval"] < 1
-    assert "share at interval" in (tmp_path / "adaptation.md").read_text()
+        assert 0 < r["later_share_backed_off"] < r["later_share_at_interval"]
+    table = (tmp_path / "adaptation.md").read_text()
+    assert "share at interval" in table and "Schedule: char_transformer, 12 steps at adapt_interval=3" in table
+    schedule = json.loads((tmp_path / "adaptation.json").read_text())["schedule"]
+    assert schedule["adapted_at"][0] == 1 and len(schedule["adapted_at"]) == len(schedule["stable"])
+    assert all(step % 3 == 0 for step in schedule["adapted_at"][1:]) and 0 < schedule["share"] < 1

@@ -198,7 +198,7 @@ def test_fixed_levels_refuse_adapt_and_adapt_needs_a_pass():
 def test_adaptation_follows_the_interval():
     model = TwoBranches()
     x = torch.randn(256, 32)
-    controller = gactx.Controller(model, level="L2.2", adapt_interval=3)
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=3, adapt_backoff=1)  # a fixed interval
     steps = []
     with controller:
         for _ in range(7):

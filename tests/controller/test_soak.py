@@ -16,7 +16,7 @@ def test_two_thousand_steps_with_adaptation_every_hundred():
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    controller = gactx.Controller(model, level="L2.2", adapt_interval=100)
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=100, adapt_backoff=1)  # a fixed interval
     sizes = {}
 
     def held():

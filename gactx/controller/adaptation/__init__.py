@@ -1,7 +1,8 @@
 """Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, and ActNN's,
 ``free_sensitivity.py``, behind one protocol), the storage choices a tensor may be offered and their measured errors
 (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
-one adaptation's plan from an estimate (``budget.py``), and what an adaptation costs against training (``cost.py``).
+one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against training (``cost.py``) and
+when adaptations run (``schedule.py``).
 
 The controller imports ``estimators`` itself: it reads the pack path's plan, which reads this package's widths.
 """

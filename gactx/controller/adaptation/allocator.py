@@ -36,7 +36,7 @@ from gactx.controller.adaptation.widths import WIDTHS, variance_factor, widths_f
 from gactx.kernels.codes import coded_nbytes
 from gactx.kernels.format import as_is_width, expected_nbytes
 
-__all__ = ["WIDTHS", "Item", "Allocation", "variance_factor", "widths_for", "allocate"]
+__all__ = ["WIDTHS", "Item", "Allocation", "variance_factor", "widths_for", "allocate", "cost_of"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class Allocation:
     variance: float
     feasible: bool  # False: even the narrowest widths exceed the budget (they were chosen anyway)
     choices: dict | None = None  # key -> Choice (its width, scheme and fraction of rows)
+    # The variance the allocation made before would have under this estimate (cost_of), where it still offers every
+    # item's choice within the budget; else None. Near ``variance``: the allocation had not moved (schedule.py).
+    kept_variance: float | None = None
 
 
 def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_frontier: int = 20_000) -> Allocation:
@@ -111,6 +114,20 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
         point = int(parents[point])
     chosen = dict(reversed(chosen.items()))
     return Allocation({k: c.bits for k, c in chosen.items()}, total_bytes, total_var, True, chosen)
+
+
+def cost_of(items: Sequence[Item], chosen: dict, group_size: int = 256) -> tuple[int, float] | None:
+    """The bytes and variance of storing each item as ``chosen`` says (key -> Choice), priced as :func:`allocate`
+    prices its options; ``None`` where an item has no choice in ``chosen`` or its choice is not among its options."""
+    nbytes, variance = 0, 0.0
+    for item in items:
+        choice = chosen.get(item.key)
+        choices, item_bytes, item_var = _options(item, group_size)
+        if choice not in choices:
+            return None
+        i = choices.index(choice)
+        nbytes, variance = nbytes + int(item_bytes[i]), variance + float(item_var[i])
+    return nbytes, variance
 
 
 def _options(item: Item, group_size: int) -> tuple[tuple[Choice, ...], np.ndarray, np.ndarray]:

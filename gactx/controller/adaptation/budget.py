@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 import zlib
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gactx.config import Config, parse_bytes
-from gactx.controller.adaptation.allocator import Allocation, Item, allocate
+from gactx.controller.adaptation.allocator import Allocation, Item, allocate, cost_of
 from gactx.controller.adaptation.choices import calibration, choice_options
 from gactx.controller.adaptation.widths import WIDTHS, variance_factor
 from gactx.controller.rules import ATTENTION_BITS
@@ -48,7 +49,9 @@ class Adaptation:
     predicted_variance: float  # sum C_l S(b_l) of the allocation
     feasible: bool
     step_seconds: float | None = None  # a training step's wall time when it ran (``cost.StepClock``)
-    share: float | None = None  # the share of training it takes at one adaptation every ``adapt_interval`` steps
+    share: float | None = None  # the share of training it takes at one adaptation every ``interval`` steps
+    interval: int | None = None  # steps from this adaptation's interval start to the next one (schedule.py)
+    stable: bool = False  # the allocation before it was within STABLE_VARIANCE of the new one's variance
 
 
 def default_width(average_bits: float) -> int:
@@ -99,6 +102,7 @@ def plan(
     probed: dict | None = None,
     curves: dict | None = None,
     ratios: dict | None = None,
+    previous: dict | None = None,
 ) -> tuple[Allocation, int]:
     """Allocate widths to the tensors compressed in ``last_pass`` (the training forward), by slot.
     ``settled``: slots the estimator's passes stored with a fixed width or not at all (a mask, a pooling
@@ -107,8 +111,10 @@ def plan(
     widths under the ``S(b)`` model. ``probed``: by slot, the gradient variance a choice was measured to add
     (``Estimate.probed``), which calibrates that choice's prediction. ``curves``: by slot, the shape of a curved
     tensor's variance (``Estimate.curves``). ``ratios``: by slot, a LayerNorm input's normalized noise at
-    ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered. Returns
-    the allocation and the bytes it was allowed for compressed tensors."""
+    ``S(b) = 1`` (``Estimate.ratios``): the widths at which it passes :data:`NOISE_CEILING` are not offered.
+    ``previous``: by slot, the Choice an earlier allocation made, priced under this estimate as
+    ``Allocation.kept_variance`` where it fits the budget. Returns the allocation and the bytes it was allowed for
+    compressed tensors."""
     measured, probed, curves, ratios = measured or {}, probed or {}, curves or {}, ratios or {}
     items, metadata, storages = [], 0, {}
     known = list(sensitivity.values())
@@ -150,6 +156,9 @@ def plan(
     average = metadata + sum(int(numel * width / 8) for numel, width in storages.values())
     budget = parse_bytes(config.budget) - fixed if config.budget is not None else average
     allocation = allocate(items, budget, config.group_size)
+    kept = cost_of(items, previous, config.group_size) if previous else None
+    if kept is not None and kept[0] <= budget:
+        allocation = dataclasses.replace(allocation, kept_variance=kept[1])
     if not allocation.feasible:
         message = (
             f"gactx: the budget ({budget} bytes for compressed tensors) is below what 1-bit codes need "
@@ -162,12 +171,12 @@ def plan(
 
 
 def allocate_estimate(
-    config: Config, estimate, eager: PassStats, discovered: PassStats
+    config: Config, estimate, eager: PassStats, discovered: PassStats, previous: dict | None = None
 ) -> tuple[dict, Allocation, int]:
     """One adaptation's allocation from an estimate (``sensitivity.Estimate``): agreed across ranks, then :func:`plan`
     for the saves of ``eager`` (the training pass, or the estimator's first pass where training ran compiled graphs).
-    ``discovered``: the estimator's first pass. Returns the sensitivities (averaged over the ranks), the allocation
-    and its budget."""
+    ``discovered``: the estimator's first pass; ``previous``: the allocation before, by slot (:func:`plan`). Returns
+    the sensitivities (averaged over the ranks), the allocation and its budget."""
     # Every rank allocates alike: what the allocation reads is averaged over the ranks (a curve as its two parts).
     absolute = {s: {"a": estimate.sensitivity[s] * a, "q": estimate.sensitivity[s] * q} for s, (a, q) in
                 estimate.curves.items()}  # fmt: skip
@@ -182,6 +191,6 @@ def allocate_estimate(
     settled = frozenset(r.key.slot for r in discovered.records if not r.allocated)
     allocation, budget = plan(
         config, eager, sensitivity, settled - set(sensitivity), measured, probed, curves,
-        {s: r["rho"] for s, r in ratios.items()},
+        {s: r["rho"] for s, r in ratios.items()}, previous,
     )  # fmt: skip
     return sensitivity, allocation, budget

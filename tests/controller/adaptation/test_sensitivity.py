@@ -128,7 +128,7 @@ def test_collecting_does_not_change_the_gradient():
 
 def test_iterate_without_a_closure_adapts_with_actnn_and_does_not_warn():
     model, x = _scaled_mlp()
-    controller = gactx.Controller(model, level="L2.2", estimator="actnn", adapt_interval=3)
+    controller = gactx.Controller(model, level="L2.2", estimator="actnn", adapt_interval=3, adapt_backoff=1)
     steps = []
     with controller, warnings.catch_warnings():
         warnings.simplefilter("error")
