@@ -178,7 +178,7 @@ class Controller:
         self._clock.tick()
         self._compiled.drain()  # what compiled graphs logged this step: read once a step, it does not pile up
         cfg = self.config
-        if not cfg.adaptive or not (self._due(self.step) or self.estimator.pending):
+        if not cfg.adaptive or not (self._schedule.due(self.step) or self.estimator.pending):
             return
         if self.estimator.ready(backprop):
             self.adapt(backprop)
@@ -381,12 +381,6 @@ class Controller:
     def _pass(self, stats: PassStats) -> None:
         self._path.stats = stats
 
-    # -- adaptation helpers -------------------------------------------------------------------------------
-
-    def _due(self, step: int) -> bool:
-        """Whether an adaptation is due when ``iterate()`` ends step ``step`` (``schedule.py``)."""
-        return self._schedule.due(step)
-
     # -- accounting -------------------------------------------------------------------------------------------
 
     def memory_stats(self, backward: bool = False) -> MemoryStats:
@@ -404,18 +398,8 @@ class Controller:
                 f"saved while backward ran (recomputation), not in the pass above: {b.tensors} tensors, "
                 f"{format_bytes(b.original_bytes)} -> {format_bytes(b.packed_bytes)}"
             )
-        a = self.last_adaptation
-        if a is not None:
-            share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at one every {a.interval} steps)"
-            cfg = self.config
-            basis = (f"budget={cfg.budget!r}, less what is kept or stored at a fixed width" if cfg.budget is not None
-                     else f"{cfg.bits:g} bits an element of what plain PyTorch saves, each storage once, and the "
-                     "groups' metadata")  # fmt: skip
-            lines.append(
-                f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s{share}; "
-                f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
-                + ("" if a.feasible else " (budget not met: narrowest widths)")
-            )
+        if self.last_adaptation is not None:
+            lines.append(cost.report_line(self.last_adaptation, self.config))
         return "\n".join(lines)
 
     # -- hooks ----------------------------------------------------------------------------------------------
@@ -429,7 +413,7 @@ class Controller:
         if top is None or top[0] is self._graph_hooks[0]:
             self._path.begin_forward()
             if self.config.adaptive:
-                self.estimator.forward_begins(self._due(self.step + 1))
+                self.estimator.forward_begins(self._schedule.due(self.step + 1))
 
     def _pass_end(self) -> None:
         self._path.end_forward()

@@ -17,7 +17,7 @@ import warnings
 
 from gactx.controller.stats import format_bytes
 
-__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "announce", "share"]
+__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "announce", "report_line", "share"]
 
 SLOW_SECONDS = 5.0  # an adaptation that takes longer warns (a Python warning: seen without configuring logging)
 WINDOW = 100  # steps whose median is the step time
@@ -82,6 +82,21 @@ def describe(adaptation, interval: int, first_only: bool) -> str:
             f"({base})"
         )
     return text
+
+
+def report_line(adaptation, config) -> str:
+    """``Controller.report()``'s line on the last adaptation: its cost and share, and the bytes it allocated against
+    the budget ``config`` sets."""
+    a = adaptation
+    share = "" if a.share is None else f" ({100 * a.share:.1f}% of training at one every {a.interval} steps)"
+    basis = (f"budget={config.budget!r}, less what is kept or stored at a fixed width" if config.budget is not None
+             else f"{config.bits:g} bits an element of what plain PyTorch saves, each storage once, and the groups' "
+             "metadata")  # fmt: skip
+    return (
+        f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s{share}; "
+        f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
+        + ("" if a.feasible else " (budget not met: narrowest widths)")
+    )
 
 
 def announce(adaptation, interval: int, first_only: bool) -> None:
