@@ -156,7 +156,7 @@ _TAKEN = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the kernel
 
 def takes(t: torch.Tensor) -> bool:
     """Whether the C++ kernels take ``t``: a CPU tensor of float32, bfloat16 or float16, and the extension built."""
-    return t.device.type == "cpu" and t.dtype in _TAKEN and available()
+    return t.dtype in _TAKEN and t.device.type == "cpu" and (built is not None if _tried else available())
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int):

@@ -44,7 +44,7 @@ import torch
 
 from gactx.controller.adaptation.widths import variance_factor
 from gactx.kernels.format import expected_nbytes, memory_order
-from gactx.kernels.schemes import CODE_WIDTHS, Choice, scheme
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, Measured, scheme
 from gactx.kernels.schemes.sketch import SKETCH_FRACTIONS
 
 __all__ = [
@@ -89,7 +89,7 @@ class ChoiceMeter:
         self.sketchable = sketchable
         self.also_armed = also_armed
         self.armed = False
-        self._values: dict[Hashable, dict[Choice, torch.Tensor]] = {}
+        self._values: dict[Hashable, list] = {}  # slot -> each scheme's measure()
 
     def __call__(self, key, t: torch.Tensor, rule) -> None:
         slot = key.slot
@@ -100,10 +100,9 @@ class ChoiceMeter:
 
         x = t.detach()
         flat = memory_order(x)[0].contiguous()
-        values = {}
-        for name in self.schemes:  # the storage schemes' registry (gactx/kernels/schemes)
-            values |= scheme(name).measure(x, flat, self.group_size, lambda: self.sketchable(slot))
-        self._values[slot] = values
+        sketchable = lambda: self.sketchable(slot)  # noqa: E731
+        # the storage schemes' registry (gactx/kernels/schemes); read as one piece each by read()
+        self._values[slot] = [scheme(name).measure(x, flat, self.group_size, sketchable) for name in self.schemes]
 
     def clear(self) -> None:
         """Forget what was measured (no host read): a new measured pass begins."""
@@ -112,12 +111,22 @@ class ChoiceMeter:
     def read(self) -> dict[Hashable, dict[Choice, float]]:
         """What was measured since the last read, as floats (one host read), and forget it."""
         measured, self._values = self._values, {}
-        if not measured:
+        keys, parts = [], []
+        for slot, results in measured.items():
+            for result in results:
+                if isinstance(result, Measured):
+                    keys += [(slot, choice) for choice in result.choices]
+                    parts.append(result.errors.reshape(-1))
+                else:
+                    for choice, v in result.items():
+                        keys.append((slot, choice))
+                        parts.append(v.reshape(1))
+        if not parts:
             return {}
-        flat = [(slot, choice, v) for slot, values in measured.items() for choice, v in values.items()]
-        numbers = torch.stack([v.reshape(()).to(torch.float64).cpu() for _, _, v in flat]).tolist()
+        one_device = len({p.device for p in parts}) == 1
+        numbers = torch.cat([p.to(torch.float64) if one_device else p.to("cpu", torch.float64) for p in parts]).tolist()
         out: dict[Hashable, dict[Choice, float]] = {}
-        for (slot, choice, _), value in zip(flat, numbers, strict=True):
+        for (slot, choice), value in zip(keys, numbers, strict=True):
             out.setdefault(slot, {})[choice] = value
         return out
 

@@ -4,7 +4,9 @@ A :class:`Choice` is a width and a scheme (and the scheme's parameters: a sketch
 fraction and high width). A :class:`Scheme` answers everything the rest of gactx asks of one:
 
 - ``measure(x, flat, group_size, sketchable)``: the expected squared error of storing ``x`` under each choice it
-  offers, as device tensors (no host read: it runs inside the pack hook while an estimator measures);
+  offers, as device tensors (no host read: it runs inside the pack hook while an estimator measures): a mapping from
+  choice to a 0-d tensor, or a :class:`Measured` (the choices and one tensor of their errors, which the choices'
+  meter reads whole);
 - ``options(choice, error, measured, scale)``: the allocator's options a measured choice stands for (a sketch's
   sampling error stands for its kept rows at every code width);
 - ``nbytes(shape, dtype, choice, group_size)``: the bytes it stores;
@@ -23,13 +25,14 @@ Adding a scheme is a module (or a folder: ``uniform/``, ``normal/``) with a :cla
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
 import torch
 
-__all__ = ["CODE_WIDTHS", "Choice", "Scheme", "Stored", "names", "register", "scheme", "unregister"]
+__all__ = ["CODE_WIDTHS", "Choice", "Measured", "Scheme", "Stored", "names", "register", "scheme", "unregister"]
 
 CODE_WIDTHS = (1, 2, 4, 8)  # the widths of codes on a grid (16: bfloat16, 32: as is)
 
@@ -75,6 +78,29 @@ class Choice:
         return scheme(self.scheme).fallback_bits(self)
 
 
+class Measured(Mapping):
+    """What a scheme measured in one piece: its ``choices`` and a 1-D tensor of their ``errors``, in that order. A
+    mapping from choice to a 0-d tensor like any ``measure`` result; the choices' meter reads ``errors`` whole, with no
+    view a choice (eight views cost a small tensor's measurement again)."""
+
+    __slots__ = ("choices", "errors")
+
+    def __init__(self, choices: tuple[Choice, ...], errors: torch.Tensor) -> None:
+        self.choices, self.errors = choices, errors
+
+    def __getitem__(self, choice: Choice) -> torch.Tensor:
+        try:
+            return self.errors[self.choices.index(choice)]
+        except ValueError:
+            raise KeyError(choice) from None
+
+    def __iter__(self) -> Iterator[Choice]:
+        return iter(self.choices)
+
+    def __len__(self) -> int:
+        return len(self.choices)
+
+
 class Scheme:
     """One storage scheme (the module docstring); the defaults suit a scheme that stores every element at the
     choice's width."""
@@ -82,9 +108,12 @@ class Scheme:
     name: str = ""
     derived: bool = False  # its options are made from other schemes' measurements (listed after theirs)
 
-    def measure(self, x: torch.Tensor, flat: torch.Tensor, group_size: int, sketchable) -> dict[Choice, torch.Tensor]:
+    def measure(
+        self, x: torch.Tensor, flat: torch.Tensor, group_size: int, sketchable
+    ) -> Mapping[Choice, torch.Tensor]:
         """The expected squared error of storing ``x`` (``flat``: its values in memory order, contiguous) under each
-        choice this scheme offers; ``sketchable()``: whether the save feeds only a weight's gradient."""
+        choice this scheme offers (a dict, or a :class:`Measured`); ``sketchable()``: whether the save feeds only a
+        weight's gradient."""
         raise NotImplementedError
 
     def options(self, choice: Choice, error: float, measured: dict[Choice, float], scale: float) -> dict[Choice, float]:

@@ -127,3 +127,13 @@ def test_the_ahead_of_time_tool_collects_each_schemes_kernel_specs():
     assert "half_quantize" not in aot.families()
     with pytest.raises(ValueError, match="families="):
         aot.specs(["half_quantize"])
+
+
+def test_a_measurement_in_one_piece_reads_as_a_mapping():
+    choices = (Choice(1), Choice(2), Choice(4, "normal"))
+    measured = schemes.Measured(choices, torch.tensor([3.0, 1.0, 0.25]))
+    assert list(measured) == list(choices) and len(measured) == 3
+    assert float(measured[Choice(4, "normal")]) == 0.25 and dict(measured).keys() == set(choices)
+    assert Choice(8) not in measured
+    with pytest.raises(KeyError):
+        measured[Choice(8)]

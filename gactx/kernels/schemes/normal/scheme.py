@@ -8,7 +8,7 @@ import torch
 
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.functional import quantize
-from gactx.kernels.schemes import Choice, Scheme
+from gactx.kernels.schemes import Choice, Measured, Scheme
 from gactx.kernels.schemes.normal.format import NORMAL_BITS
 from gactx.kernels.variance import estimated_variances
 
@@ -20,8 +20,8 @@ _CHOICES = tuple(Choice(b, "normal") for b in NORMAL_BITS)  # what measure keys 
 class NormalScheme(Scheme):
     name = "normal"
 
-    def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        return dict(zip(_CHOICES, estimated_variances(flat, NORMAL_BITS, group_size, "normal").unbind(), strict=True))
+    def measure(self, x, flat, group_size, sketchable) -> Measured:
+        return Measured(_CHOICES, estimated_variances(flat, NORMAL_BITS, group_size, "normal"))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size, scheme="normal")

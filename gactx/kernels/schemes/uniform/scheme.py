@@ -6,7 +6,7 @@ import torch
 
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.functional import quantize
-from gactx.kernels.schemes import CODE_WIDTHS, Choice, Scheme
+from gactx.kernels.schemes import CODE_WIDTHS, Choice, Measured, Scheme
 from gactx.kernels.variance import estimated_variances
 
 __all__ = ["UniformScheme"]
@@ -17,8 +17,8 @@ _CHOICES = tuple(Choice(b) for b in CODE_WIDTHS)  # what measure keys its widths
 class UniformScheme(Scheme):
     name = "uniform"
 
-    def measure(self, x, flat, group_size, sketchable) -> dict[Choice, torch.Tensor]:
-        return dict(zip(_CHOICES, estimated_variances(flat, CODE_WIDTHS, group_size, "uniform").unbind(), strict=True))
+    def measure(self, x, flat, group_size, sketchable) -> Measured:
+        return Measured(_CHOICES, estimated_variances(flat, CODE_WIDTHS, group_size, "uniform"))
 
     def nbytes(self, shape, dtype, choice, group_size) -> int:
         return expected_nbytes(torch.Size(shape).numel(), dtype, choice.bits, group_size)
