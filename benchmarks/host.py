@@ -1,7 +1,8 @@
 """Host cost of gactx a saved tensor: where a step is short, what a step pays is Python, not kernels.
 
 The model is 8 x (``Linear(w, w)`` + GELU) on a batch of ``w`` rows, whose step saves 16 tensors of ``w x w``
-that gactx compresses (the linear layers' inputs as codes, the GELUs' as FewBit codes). Plain PyTorch and
+that gactx compresses (the linear layers' inputs as codes, the GELUs' as FewBit codes). A gactx step ends with
+``controller.iterate()``, as a training loop's does (compiled graphs' saves are read there). Plain PyTorch and
 each method are timed in turns, round after round, in one process (one torch thread by default), and their
 median steps compared. Methods: gactx L0 (hooks installed, nothing compressed), L1 and L1.1, eagerly, and
 plain, L0 and L1 under ``torch.compile`` (of the whole model; against compiled plain), and plain and L1 compiled with
@@ -79,6 +80,8 @@ class Case:
     def step(self) -> None:
         self.forward(self.x).sum().backward()
         self.model.zero_grad(set_to_none=True)
+        if self.controller is not None:
+            self.controller.iterate()  # as a training loop calls it: compiled graphs' saves are read there
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:

@@ -65,8 +65,9 @@ __all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 # backward graph). CPP_*: the C++ ops of CPU tensors (``gactx_cpu::*_saved``), which the graph calls with no Python.
 KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL, CPP_KEPT, CPP, CPP_BOOL = range(8)
 _MASK32 = 0xFFFFFFFF
-# A graph's kept saves of static shapes are recorded with its first kept save, by no op of their own
-# (CompiledPath._follows); False: an op each.
+_RECORDS_KEPT = 64  # records a save keeps for runs like an earlier one (GraphSave.record)
+# A graph's saves of static shapes (kept, or stored by the C++ ops) are recorded with its first one, by no log entry
+# of their own (CompiledPath._follows); False: an entry each.
 FOLLOW = True
 
 
@@ -160,6 +161,8 @@ class GraphSave:
     group_size: int
     op: str
     extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's marker)
+    # (frame, call, shape, extra) -> the record made for them: a graph runs again with the same ones step after step
+    _records: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def bits(self) -> int | None:
@@ -171,7 +174,11 @@ class GraphSave:
 
     def record(self, frame: tuple[str, int] | None, call: int, shape: tuple[int, ...]) -> KeyRecord:
         """The record of one run, ``shape`` the saved tensor's (known at run time, dynamic or not). Under an eager
-        module (``frame``: its name and call; a compiled block), the module is named from it, as eager saves are."""
+        module (``frame``: its name and call; a compiled block), the module is named from it, as eager saves are.
+        The record of a run like an earlier one is that one's (records are not changed once made)."""
+        made = self._records.get((frame, call, shape, self.extra))
+        if made is not None:
+            return made
         numel = math.prod(shape)
         nbytes = numel * self.dtype.itemsize
         stored = expected_nbytes(numel, self.dtype, self.bits, self.group_size) if self.compressed else nbytes
@@ -179,7 +186,11 @@ class GraphSave:
         if frame is not None:
             module, call = ".".join(p for p in (frame[0], self.module) if p), frame[1]
         key, d = Key(module, call, self.index, shape), self.decision
-        return KeyRecord(key, self.dtype, d.bits, nbytes, self.extra + stored, nbytes, self.op, d.cls, "", d.reason)
+        made = KeyRecord(key, self.dtype, d.bits, nbytes, self.extra + stored, nbytes, self.op, d.cls, "", d.reason)
+        if len(self._records) >= _RECORDS_KEPT:  # shapes that keep changing: the newest kept
+            self._records.clear()
+        self._records[(frame, call, shape, self.extra)] = made
+        return made
 
 
 @dataclass
@@ -209,6 +220,7 @@ class CompiledPath:
         self.logging = False  # graphs call the C++ ops, which log their runs: read by drain()
         self._held: dict[int, int] = {}  # token -> its logged saves that graphs still hold
         self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
+        self._holding = 0  # how many of them graphs still hold a save of (_held above 0): kept as events come
         self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first kept save
         self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
         self._following: set[int] = set()  # the followers' tokens
@@ -219,11 +231,13 @@ class CompiledPath:
         ctx = _hook_context()
         self._sink_pending(ctx["_bw_graph"])
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
-        if not save.compressed and self._follows(token, t, ctx["_fw_graph"]):
-            return t  # recorded with its graph's first kept save (_follows): no op, nothing beside it
         cfg = self.config
-        if t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available():
-            return self._pack_cpp(t, token, save)
+        cpp = t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available()
+        follows = (cpp or not save.compressed) and self._follows(token, t, ctx["_fw_graph"])
+        if follows and not save.compressed:
+            return t  # recorded with its graph's first save (_follows): no op, nothing beside it
+        if cpp:
+            return self._pack_cpp(t, -1 if follows else token, save, token)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
         if not save.compressed:
@@ -249,12 +263,13 @@ class CompiledPath:
         return (QUANTIZED, count, codes, meta, save.bits, cfg.group_size, t.numel(), shape, dtype)
 
     def _follows(self, token: int, t: torch.Tensor, fw_graph) -> bool:
-        """Whether a kept save of ``fw_graph`` is recorded with the graph's first kept save, its lead, instead of by
-        an op of its own: every node of a graph runs when the graph runs, so the lead's op tells that this save ran
-        too, and the lead's marker (freed with the backward graph's inputs, at its end, as this save's own marker
-        would be) that it was released. A save of a dynamic shape has an op of its own: its record needs the shape
-        it runs with. Each op a save saves costs the graph's code a call, its size checks and one more saved
-        tensor: on a CPU about 4 us a kept save a step."""
+        """Whether a save of ``fw_graph`` (kept, or stored by the C++ ops) is recorded with the graph's first such
+        save, its lead, instead of by a log entry of its own: every node of a graph runs when the graph runs, so the
+        lead's entry tells that this save ran too, and the release of what the lead returned that the graph's
+        backward ran (graphs are released whole; the pass boundaries read no more). A kept follower has no op; a
+        compressed one's op logs nothing. A save of a dynamic shape is logged: its record needs the shape it runs
+        with. What a follower saves: on a CPU a kept save's op cost the graph's code a call, its size checks and one
+        more saved tensor, about 4 us a step; a compressed save's log entry, read once a step, about 3 us."""
         if not FOLLOW:
             return False
         lead = self._leads.setdefault(fw_graph, token)
@@ -269,10 +284,11 @@ class CompiledPath:
         self.saves[token].extra = 0
         return True
 
-    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave):
+    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, salted: int):
         """A CPU tensor's save by the C++ ops, which the graph calls with no Python: each returns one tensor, and logs
-        that it ran and when the graph released it; the controller reads the log when it next looks at its passes
-        (:meth:`drain`)."""
+        that it ran and when the graph released it (``token``; -1: a follower, logged by its lead); the controller
+        reads the log when it next looks at its passes (:meth:`drain`). ``salted``: the save's own token, which its
+        noise is salted with."""
         if not self.logging:
             self.logging = True
             self.path.before_save = self.tracker.on_boundary = self.drain
@@ -284,7 +300,7 @@ class CompiledPath:
         save.extra = 0
         if t.dtype == torch.bool:
             return (CPP_BOOL, ops.pack_bool_saved(t, token), shape)
-        salt = _salt(cfg.seed, token)
+        salt = _salt(cfg.seed, salted)
         stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
                                     *cpu.step_factors(save.bits))  # fmt: skip
         return (CPP, stored, save.bits, cfg.group_size, shape, FLOAT_DTYPES.index(t.dtype))
@@ -374,13 +390,19 @@ class CompiledPath:
         if not self.logging:
             return
         log, i = cpu.drain_log(), 0
+        held, tokens = self._held, self._tokens
         while i < len(log):
             kind, token, rank = log[i], log[i + 1], log[i + 2]
             if kind == 2:
-                self._held[token] = self._held.get(token, 1) - 1
+                before = held.get(token, 1)
+                after = held[token] = before - 1
             else:
                 self._record(token, tuple(log[i + 3 : i + 3 + rank]), None)
-                self._held[token] = self._held.get(token, 0) + 1
+                tokens = self._tokens  # a new pass replaces the set
+                before = held.get(token, 0)
+                after = held[token] = before + 1
+            if (before > 0) != (after > 0) and token in tokens:
+                self._holding += 1 if after > 0 else -1
             i += 3 + rank
 
     def _record(self, token: int, shape: tuple[int, ...], alive: weakref.ref | None) -> None:
@@ -397,16 +419,15 @@ class CompiledPath:
         run = stats.graph_runs.get(save.graph)
         if not self.tracker.inside and (stats.graph_runs or stats.records):
             rerun = run is not None and token in run.seen
-            gone = not any(ref() is not None for ref in self._alive) and not any(
-                self._held.get(t, 0) > 0 for t in self._tokens
-            )
-            if rerun or not stats.graph_runs or gone:
+            if rerun or not stats.graph_runs or self._gone():
                 path.fresh = True
                 stats, run = path.begin_pass_if_fresh(), None
         if not stats.graph_runs:
-            self._alive, self._tokens = [], set()
+            self._alive, self._tokens, self._holding = [], set(), 0
         if alive is None:
-            self._tokens.add(token)
+            if token not in self._tokens:
+                self._tokens.add(token)
+                self._holding += 1 if self._held.get(token, 0) > 0 else 0
         else:
             self._alive.append(alive)
         if run is None or token in run.seen:
@@ -416,7 +437,13 @@ class CompiledPath:
         stats.add_compiled(save.record(frame, run.call, shape), save.compressed)
         for follower, static in self._followers.get(token, ()):
             run.seen.add(follower)
-            stats.add_compiled(self.saves[follower].record(frame, run.call, static), False)
+            save = self.saves[follower]
+            stats.add_compiled(save.record(frame, run.call, static), save.compressed)
+
+    def _gone(self) -> bool:
+        """Whether the graphs of the pass under way hold none of its saves any more (their backward ran, or they were
+        dropped): no count a Python op's save returned is alive, and no logged save is unreleased."""
+        return self._holding == 0 and not any(ref() is not None for ref in self._alive)
 
 
 def _hint(shape) -> tuple[int, ...]:

@@ -99,7 +99,7 @@ class PackPath:
         self.watching = False
         self._eager = None
         self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
-        self._ptrs: frozenset[int] = frozenset()
+        self._ptrs: frozenset[int] | None = None  # the model's storages, read at the pass's first eager save
         # Called as observe(key, tensor, rule) for each tensor of an allocated class before it is stored (not for
         # a tensor shared through dedupe): what the estimators measure on the values themselves. Device work
         # only, never a host read (a hook must not synchronize).
@@ -152,7 +152,7 @@ class PackPath:
             self.stats, self.backward_stats = PassStats(), PassStats()
             self.dedupe = {}
             self._claimed = set()
-            self._ptrs = model_storages(self.model)
+            self._ptrs = None  # a pass of compiled graphs alone never needs them
             self.fresh = False
             if self.offloader is not None:
                 self.offloader.begin_pass()
@@ -184,7 +184,10 @@ class PackPath:
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
         ptr = storage_ptr(t)
-        reason = keep_reason(t, ptr, cfg.min_numel, self._ptrs)
+        ptrs = self._ptrs
+        if ptrs is None:
+            ptrs = self._ptrs = model_storages(self.model)
+        reason = keep_reason(t, ptr, cfg.min_numel, ptrs)
         if reason == KEEP_PARAMETER:
             # Kept with its history: a parameter, a view of one or a cast copy of one (the node that saves it is never
             # the node that made it, so no node holds its own output; store.as_is)

@@ -81,7 +81,14 @@ class Plan:
         return cls(bits, adaptive, seed_base=mix(seed, 0))
 
     def at_step(self, step: int, seed: int) -> Plan:
-        return dataclasses.replace(self, step=step, seed_base=mix(seed, step))
+        """This plan at training step ``step`` (a copy with its step and seed base; once a step, so no
+        ``dataclasses.replace``, which runs ``__init__`` and ``__post_init__`` again)."""
+        plan = object.__new__(Plan)
+        for name in Plan.__slots__:
+            object.__setattr__(plan, name, getattr(self, name))
+        object.__setattr__(plan, "step", step)
+        object.__setattr__(plan, "seed_base", mix(seed, step))
+        return plan
 
     def allocated(self, bits: Mapping[Slot, int], choices: Mapping[Slot, Choice], compiled=None) -> Plan:
         """This plan with a new allocation (copied: the plan's own, read-only)."""

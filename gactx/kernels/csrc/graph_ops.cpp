@@ -1,7 +1,8 @@
 // Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them through the dispatcher, with no Python.
 // Each logs that a save ran (its token and shape) and returns one tensor, what it stores, from a buffer of torch's CPU
 // allocator (what torch's memory accounting sees) whose release logs that too (its backward ran, or the graph was
-// dropped); a save kept as it is returns a one-byte marker alike. The controller reads the log when it next looks at
+// dropped); a save kept as it is returns a one-byte marker alike. A save of a static shape after its graph's first
+// one passes a negative token and logs nothing: the first one's entry records the graph's saves (compiled.py). The controller reads the log when it next looks at
 // its passes (compiled.py). One output a save: each output costs the graph's code a Python tensor, a size check and
 // a saved tensor of AOTAutograd's. Seeds of stochastic rounding come from a counter here: a new one at every call,
 // mixed with the caller's salt.
@@ -46,9 +47,10 @@ void release_logged(void* context) {
 }
 
 // ``nbytes`` bytes (at least one) for the save of ``t`` under ``token``: the save is logged now, its release when the
-// buffer is freed.
+// buffer is freed. A negative token: a save recorded with its graph's first (compiled.py's followers), not logged.
 at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
   nbytes = std::max<int64_t>(nbytes, 1);
+  if (token < 0) return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
   c10::DataPtr inner = c10::GetCPUAllocator()->allocate(nbytes);
   void* data = inner.get();
   auto* logged = new Logged{std::move(inner), token};
