@@ -223,6 +223,8 @@ class CompiledPath:
         self._holding = 0  # how many of them graphs still hold a save of (_held above 0): kept as events come
         self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first kept save
         self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
+        self._following_tokens: dict[int, tuple[int, ...]] = {}  # a lead's token -> its followers' tokens
+        self._runs: dict[tuple, list] = {}  # (lead, frame, call) -> its followers' records (_followed)
         self._following: set[int] = set()  # the followers' tokens
 
     # -- tracing ------------------------------------------------------------------------------------------
@@ -281,6 +283,8 @@ class CompiledPath:
             return False
         self._following.add(token)
         self._followers.setdefault(lead, []).append((token, tuple(t.shape)))
+        self._following_tokens[lead] = tuple(f for f, _ in self._followers[lead])
+        self._runs.clear()  # a run's records were made for the followers known then
         self.saves[token].extra = 0
         return True
 
@@ -434,11 +438,23 @@ class CompiledPath:
             run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
         run.seen.add(token)
         frame = self.tracker.frame()
-        stats.add_compiled(save.record(frame, run.call, shape), save.compressed)
-        for follower, static in self._followers.get(token, ()):
-            run.seen.add(follower)
-            save = self.saves[follower]
-            stats.add_compiled(save.record(frame, run.call, static), save.compressed)
+        stats.add_compiled([(save.record(frame, run.call, shape), save.compressed)])
+        followers = self._followers.get(token)
+        if followers:
+            run.seen.update(self._following_tokens[token])
+            stats.add_compiled(self._followed(token, frame, run.call))
+
+    def _followed(self, lead: int, frame: tuple[str, int] | None, call: int) -> list[tuple[KeyRecord, bool]]:
+        """The records of a run of the lead's followers under ``frame`` and ``call``, each with whether it was
+        compressed: made once for runs like an earlier one."""
+        made = self._runs.get((lead, frame, call))
+        if made is None:
+            saves = [(self.saves[f], static) for f, static in self._followers[lead]]
+            made = [(save.record(frame, call, static), save.compressed) for save, static in saves]
+            if len(self._runs) >= _RECORDS_KEPT:
+                self._runs.clear()
+            self._runs[(lead, frame, call)] = made
+        return made
 
     def _gone(self) -> bool:
         """Whether the graphs of the pass under way hold none of its saves any more (their backward ran, or they were

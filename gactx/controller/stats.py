@@ -186,11 +186,13 @@ class PassStats:
         self.original_bytes += cover(self.live[ptr][1], start, end)
         return cover(self.kept_ranges.setdefault(ptr, []), start, end) if kept else 0
 
-    def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
-        """A save of a compiled graph: a value the graph made, its own storage (no other save shares it, and it
-        has no address: a key of its own among the kept storages)."""
-        self.original_bytes += record.original_bytes
-        self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
+    def add_compiled(self, saves: list[tuple[KeyRecord, bool]]) -> None:
+        """Saves of a compiled graph, ``(record, compressed)`` each: values the graph made, each its own storage (no
+        other save shares it, and it has no address: a key of its own among the kept storages). One call for a graph
+        run's saves."""
+        for record, compressed in saves:
+            self.original_bytes += record.original_bytes
+            self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
 
     def _count(self, record: KeyRecord, compressed: bool, offloaded: bool, storage: int, kept_bytes: int) -> None:
         self.records.append(record)
