@@ -3,12 +3,12 @@ interval doubling while an adaptation finds the allocation it replaces as good, 
 
 import pytest
 import torch
-from torch import nn
 
 import gactx
 from gactx.controller.adaptation.allocator import Item, allocate, cost_of
 from gactx.controller.adaptation.choices import Choice
 from gactx.controller.adaptation.schedule import STABLE_VARIANCE, Schedule, stable
+from tests.controller.adaptation.models import scaled_mlp as _mlp
 
 
 def _adapted_at(schedule: Schedule, steps: int, is_stable) -> list[int]:
@@ -45,18 +45,6 @@ def test_cost_of_prices_a_given_allocation_as_allocate_does():
     assert cost_of(items, swapped)[1] >= best.variance
     assert cost_of(items, {("a", 1, 0): Choice(2)}) is None  # no choice for b
     assert cost_of(items, {("a", 1, 0): Choice(3), ("b", 1, 0): Choice(2)}) is None  # 3 bits: not an option
-
-
-def _mlp() -> tuple[nn.Module, torch.Tensor]:
-    """Layers whose inputs differ in scale by orders of magnitude: so do their sensitivities, and their widths."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)
-    )  # fmt: skip
-    with torch.no_grad():
-        for i, scale in zip((2, 4, 6), (0.01, 1.0, 30.0), strict=True):
-            model[i].weight.mul_(scale)
-    return model, torch.randn(64, 64) * 3
 
 
 def _train(controller, model, x, steps: int, between=None) -> list:

@@ -11,18 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gactx
 from benchmarks.estimators import spearman
 from gactx.controller.adaptation.free_sensitivity import range_variance
-
-
-def _scaled_mlp() -> tuple[nn.Module, torch.Tensor]:
-    """Layers whose inputs differ in scale by orders of magnitude: their sensitivities do too."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 4)
-    )  # fmt: skip
-    with torch.no_grad():
-        for i, scale in zip((2, 4, 6), (0.01, 1.0, 30.0), strict=True):
-            model[i].weight.mul_(scale)
-    return model, torch.randn(64, 64) * 3
+from tests.controller.adaptation.models import scaled_mlp as _scaled_mlp
 
 
 def _free(model, run, **options) -> gactx.Controller:
