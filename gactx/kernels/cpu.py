@@ -231,6 +231,11 @@ def inverse_variance(x: torch.Tensor, outer: int, channels: int, inner: int, eps
     return built.inverse_variance(x, outer, channels, inner, eps)
 
 
+def kept_rows(n_rows: int, n_kept: int, seed: int, complement: bool) -> torch.Tensor:
+    """``schemes.sketch.kept_rows`` on a CPU (``seed`` in ``[0, 2**63)``)."""
+    return built.kept_rows(n_rows, n_kept, seed, complement)
+
+
 @functools.cache
 def _uniform_factors(widths: tuple[int, ...]) -> tuple[list[int], list[float], list[float]]:
     """The widths, and the step factors :func:`uniform_variances` passes for them (of all levels, of one fewer)."""

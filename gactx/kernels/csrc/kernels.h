@@ -43,6 +43,10 @@ void add_weighted_norms(at::Tensor total, at::Tensor g, at::Tensor weights);
 // [outer, channels, inner]), as one float32 element.
 at::Tensor inverse_variance(at::Tensor x, int64_t outer, int64_t channels, int64_t inner, double eps);
 
+// sketch.cpp: the row sketch's rows (schemes/sketch.py's kept_rows): the n_kept rows of n_rows that seed chooses, or
+// (complement) the others, int64 in increasing order.
+at::Tensor kept_rows(int64_t n_rows, int64_t n_kept, int64_t seed, bool complement);
+
 // codes.cpp: table codes, FewBit's bins (codes.py, fewbit.py).
 // The packed codes (``8 / bits`` a byte) of each element's bin among the sorted ``edges``; ``table`` looked up by
 // codes, contiguous of ``shape`` in the table's dtype.

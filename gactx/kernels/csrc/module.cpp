@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_variances", &gactx::row_variances);
   m.def("add_weighted_norms", &gactx::add_weighted_norms);
   m.def("inverse_variance", &gactx::inverse_variance);
+  m.def("kept_rows", &gactx::kept_rows);
   m.def("encode_bins", &gactx::encode_bins);
   m.def("decode_table", &gactx::decode_table);
   m.def("pack_bool", &gactx::pack_bool);

@@ -42,6 +42,7 @@ from fractions import Fraction
 
 import torch
 
+from gactx.kernels import cpu
 from gactx.kernels.format import (
     ALLOWED_BITS,
     FLOAT_DTYPES,
@@ -170,7 +171,19 @@ def kept_rows(
 ) -> torch.Tensor:
     """The ``n_kept`` rows of ``n_rows`` that ``seed`` chooses, uniformly without replacement: int64 indices in
     increasing order on ``device`` (see the module docstring). No host read, no data-dependent shape. With
-    ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none)."""
+    ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none). One C++ call on a CPU (the
+    torch form below took 0.3 ms of a 512-row choice: twenty-odd small ops), the same rows."""
+    if _on_cpu(device) and 0 <= n_kept <= n_rows and 0 <= seed < 1 << 63:
+        return cpu.kept_rows(n_rows, n_kept, seed, complement)
+    return _kept_rows(n_rows, n_kept, seed, device, complement)
+
+
+def _on_cpu(device: torch.device | str) -> bool:
+    return (device == "cpu" if isinstance(device, str) else device.type == "cpu") and cpu.available()
+
+
+def _kept_rows(n_rows: int, n_kept: int, seed: int, device: torch.device | str, complement: bool) -> torch.Tensor:
+    """:func:`kept_rows` in torch ops (every device; the C++ kernel's oracle)."""
     row = torch.arange(n_rows, dtype=torch.int64, device=device)
     k0, k1 = seed & _MASK, (seed >> 32) & _MASK
     h = fmix32(mul32(row & _MASK, 0x9E3779B9) ^ k0 ^ HASH_OFFSET)

@@ -68,6 +68,22 @@ def test_every_row_is_kept_k_times_in_n(n, fraction):
     assert z.max() < Z
 
 
+@pytest.mark.parametrize("complement", [False, True])
+def test_the_cpu_kernels_rows_are_the_torch_forms(complement, monkeypatch):
+    """kept_rows on a CPU is one C++ call; the torch form (every other device) is its oracle: the same rows."""
+    from gactx.kernels import cpu
+    from gactx.kernels.schemes import sketch
+
+    if not cpu.available():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    cases = [(n, k, seed) for n in (1, 2, 7, 64, 513, 4096) for k in {0, 1, n // 3, n - 1, n} if 0 <= k <= n
+             for seed in (0, 1, 2**31 + 5, 2**62 - 1)]  # fmt: skip
+    fast = [kept_rows(n, k, seed, "cpu", complement) for n, k, seed in cases]
+    monkeypatch.setattr(sketch, "_on_cpu", lambda device: False)
+    for (n, k, seed), rows in zip(cases, fast, strict=True):
+        assert torch.equal(rows, kept_rows(n, k, seed, torch.device("cpu"), complement)), (n, k, seed)
+
+
 def test_row_zero_is_not_always_kept_under_seed_zero():
     # Without the hash's offset, row 0's key under seed 0 had 32 zero high bits: the smallest of any row, always kept.
     assert [int(kept_rows(1 << 12, 1, seed, "cpu")) for seed in range(4)].count(0) == 0
