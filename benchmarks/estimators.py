@@ -193,6 +193,7 @@ def pooled(rows: list[dict]) -> dict:
         ),  # fmt: skip
         "models_at_0_8": sum(r["spearman"] >= 0.8 for r in valid),
         "free_extra_share_of_step": round(statistics.median(r["free_extra_share_of_step"] for r in rows), 4),
+        "free_extra_share_of_step_max": round(max(r["free_extra_share_of_step"] for r in rows), 4),
     }
 
 
@@ -224,7 +225,8 @@ def render(rows: list[dict], pool: dict, env: dict) -> str:
         f"rho {pool['spearman']:.3f} (raw norm inputs {pool['spearman_raw_norm_inputs']:.3f}, per tensor "
         f"{pool['spearman_per_tensor']:.3f}), GACT self {pool['gact_self_spearman']:.3f}; "
         f"{pool['models_at_0_8']} of {pool['models']} models at rho >= 0.8; "
-        f"median free extra {pool['free_extra_share_of_step']:.1%} of a step.",
+        f"median free extra {pool['free_extra_share_of_step']:.1%} of a step, at most "
+        f"{pool['free_extra_share_of_step_max']:.1%}.",
     ]
     return "\n".join(lines) + "\n"
 
