@@ -5,7 +5,9 @@
     python -m benchmarks.adaptation --quick          # a few steps each, to check that it runs
 
 Each model trains at level L2.2 with a sub-batch closure for the estimator (16 images; 8 sequences of 64
-characters); one adaptation runs after the first step, and a later one (one estimate) after training. The step
+characters; 8 samples of the benchmark workloads' ResNet-50, BERT-base and LoRA Llama-style decoder at their small
+sizes, 1 sequence of the decoder's 4); one adaptation runs after the first step, and a later one (one estimate) after
+training. The step
 time excludes the first adaptation, and the
 share of training time is ``adaptation / (interval * step + adaptation)`` at the default interval (1000), and for the
 later one also at the longest interval the schedule backs off to while allocations hold (``adapt_backoff`` times the
@@ -18,13 +20,20 @@ Writes adaptation.json and adaptation.md under ``benchmarks/runs/<device>/`` (gi
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
 import torch
 
 import gactx
 from benchmarks.charlm import train_charlm
 from benchmarks.digits import train_digits
 from benchmarks.harness import Bench, where
+from benchmarks.methods import sub_batch
 from benchmarks.table import markdown_table
+from benchmarks.workloads import build
 from gactx.config import Config
 
 INTERVAL = Config.adapt_interval  # the default
@@ -32,16 +41,62 @@ BACKOFF = Config.adapt_backoff  # the default: the longest interval is this many
 SCHEDULE_STEPS, SCHEDULE_INTERVAL = 400, 25  # the run that shows the schedule
 
 
+WORKLOADS = ("resnet50", "bert-base", "llama-lora")  # benchmarks/workloads.py's, at size small (--quick: tiny)
+WORKLOAD_STEPS = 6  # training steps of each: the first adapts; the step time is the median of the others
+
+
+@dataclasses.dataclass
+class WorkloadRun:
+    seconds: float  # the training steps', the first adaptation included
+    step_s: float  # the median step after the first (the op watcher's pass, and the first adaptation)
+    controller: gactx.Controller
+    closure: Callable[[], object]
+
+
+def train_workload(name: str, level: str | None, quick: bool) -> WorkloadRun:
+    """A benchmark workload trained a few steps on one batch at ``level`` (``None``: plain PyTorch, counted by a
+    controller at L0), ``iterate`` given a closure over the workload's probe sub-batch."""
+    w = build(name, "tiny" if quick else "small")
+    inputs, target = w.make_batch(w.default_batch, torch.Generator().manual_seed(0))
+    probe_inputs, probe_target = sub_batch(w, inputs, target)
+    optimizer = torch.optim.Adam([p for p in w.model.parameters() if p.requires_grad], lr=w.lr)
+    controller = gactx.Controller(w.model, level=level or "L0")
+
+    def closure() -> None:
+        w.loss(w.model, probe_inputs, probe_target).backward()
+
+    steps = []
+    with controller:
+        for _ in range(3 if quick else WORKLOAD_STEPS):
+            start = time.perf_counter()
+            loss = w.loss(w.model, inputs, target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            controller.iterate(closure)
+            steps.append(time.perf_counter() - start)
+    return WorkloadRun(sum(steps), statistics.median(steps[1:]), controller, closure)
+
+
 def measure(name: str, quick: bool) -> dict:
     if name == "digits_cnn":
         full, run = train_digits(None, epochs=1 if quick else 8), train_digits("L2.2", epochs=1 if quick else 8)
+    elif name in WORKLOADS:
+        full, run = train_workload(name, None, quick), train_workload(name, "L2.2", quick)
     else:
         steps = 5 if quick else 150
         full, run = train_charlm(None, steps=steps), train_charlm("L2.2", steps=steps)
     a = run.controller.last_adaptation
-    step_s = (run.seconds - a.seconds) / run.controller.step
-    full_step_s = full.seconds / full.controller.step
-    later = run.controller.adapt(run.closure)  # an adaptation after the first, on the trained model: one estimate
+    if isinstance(run, WorkloadRun):
+        step_s, full_step_s = run.step_s, full.step_s
+    else:
+        step_s = (run.seconds - a.seconds) / run.controller.step
+        full_step_s = full.seconds / full.controller.step
+    run.controller.install_hook()
+    try:
+        later = run.controller.adapt(run.closure)  # an adaptation after the first, on the trained model: one estimate
+    finally:
+        run.controller.uninstall_hook()
     return {
         "model": name,
         "tensors_measured": len(run.controller.sensitivity),
@@ -127,7 +182,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     args = bench.parse(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = bench.environment(device)
-    rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer")]
+    rows = [measure(name, args.quick) for name in ("digits_cnn", "char_transformer", *WORKLOADS)]
     plan = schedule(args.quick)
     table = render(rows, env, plan)
     folder = bench.folder(args, device)

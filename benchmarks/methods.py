@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gactx
 
-__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method", "method_names"]
+__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method", "method_names", "sub_batch"]
 
 GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2", "L3")
 METHODS = ("fp", *GACTX_LEVELS, "checkpoint", "save_on_cpu")
@@ -131,7 +131,7 @@ class Method:
         """After the optimizer step: gactx counts the step and, at adaptive levels, adapts on a sub-batch."""
         if self.controller is None:
             return
-        probe_inputs, probe_target = _sub_batch(self.workload, inputs, target)
+        probe_inputs, probe_target = sub_batch(self.workload, inputs, target)
 
         def backprop():
             with self.forward():
@@ -141,7 +141,7 @@ class Method:
         self.controller.iterate(backprop)
 
 
-def _sub_batch(workload, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+def sub_batch(workload, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:
     """The workload's probe batch where it names one, else the first few samples of a batch (a graph is trained
     whole: GNNs get the whole batch)."""
     if getattr(workload, "sub_batch", None) is not None:

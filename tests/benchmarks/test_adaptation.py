@@ -7,7 +7,7 @@ from benchmarks.adaptation import run
 
 def test_quick_adaptation_benchmark(tmp_path):
     rows = run(["--quick", "--out", str(tmp_path)])
-    assert [r["model"] for r in rows] == ["digits_cnn", "char_transformer"]
+    assert [r["model"] for r in rows] == ["digits_cnn", "char_transformer", "resnet50", "bert-base", "llama-lora"]
     for r in rows:
         # the first adaptation estimates twice, each time 1 pass, then 2 for the inputs of linear and convolution
         # layers together and 2 for each other tensor at least (more for normalisation inputs and calibration pairs)
