@@ -221,7 +221,7 @@ class CompiledPath:
         self._held: dict[int, int] = {}  # token -> its logged saves that graphs still hold
         self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
         self._holding = 0  # how many of them graphs still hold a save of (_held above 0): kept as events come
-        self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first kept save
+        self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first save that may lead
         self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
         self._following_tokens: dict[int, tuple[int, ...]] = {}  # a lead's token -> its followers' tokens
         self._runs: dict[tuple, list] = {}  # (lead, frame, call) -> its followers' records (_followed)
