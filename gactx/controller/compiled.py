@@ -51,6 +51,7 @@ import torch
 from gactx.config import Config
 from gactx.controller.decide import BOOL_MASK, Decision, decide, kept, node_rule
 from gactx.controller.graph_nodes import hoist, modules_of, op_name, sink, source
+from gactx.controller.graph_runs import RECORDS_KEPT, GraphRuns
 from gactx.controller.identity import Key, ModuleTracker
 from gactx.controller.plan import GraphSlot
 from gactx.controller.policy import value_reason
@@ -65,7 +66,6 @@ __all__ = ["HookGraph", "CompiledPath", "GraphSave"]
 # backward graph). CPP_*: the C++ ops of CPU tensors (``gactx_cpu::*_saved``), which the graph calls with no Python.
 KEPT, QUANTIZED, BOOL, KERNEL, BOOL_KERNEL, CPP_KEPT, CPP, CPP_BOOL = range(8)
 _MASK32 = 0xFFFFFFFF
-_RECORDS_KEPT = 64  # records a save keeps for runs like an earlier one (GraphSave.record)
 # A graph's saves of static shapes (kept, or stored by the C++ ops) are recorded with its first one, by no log entry
 # of their own (CompiledPath._follows); False: an entry each.
 FOLLOW = True
@@ -187,16 +187,10 @@ class GraphSave:
             module, call = ".".join(p for p in (frame[0], self.module) if p), frame[1]
         key, d = Key(module, call, self.index, shape), self.decision
         made = KeyRecord(key, self.dtype, d.bits, nbytes, self.extra + stored, nbytes, self.op, d.cls, "", d.reason)
-        if len(self._records) >= _RECORDS_KEPT:  # shapes that keep changing: the newest kept
+        if len(self._records) >= RECORDS_KEPT:  # shapes that keep changing: the newest kept
             self._records.clear()
         self._records[(frame, call, shape, self.extra)] = made
         return made
-
-
-@dataclass
-class _Run:
-    call: int
-    seen: set = field(default_factory=set)
 
 
 class CompiledPath:
@@ -216,16 +210,11 @@ class CompiledPath:
         self._indices: dict[tuple, int] = {}  # (graph, module) -> saves so far
         self._starts: dict[tuple, int] = {}  # (graph, node name) -> the forward graph's output position
         self._pending: list[tuple] = []  # (backward graph, saved node name) whose unpack nodes are to sink
-        self._alive: list[weakref.ref] = []  # the counts that the graphs of the pass under way hold
-        self.logging = False  # graphs call the C++ ops, which log their runs: read by drain()
-        self._held: dict[int, int] = {}  # token -> its logged saves that graphs still hold
-        self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
-        self._holding = 0  # how many of them graphs still hold a save of (_held above 0): kept as events come
         self._leads = weakref.WeakKeyDictionary()  # a forward graph -> the token of its first save that may lead
         self._followers: dict[int, list[tuple[int, tuple]]] = {}  # a lead's token -> (token, shape) of its followers
-        self._following_tokens: dict[int, tuple[int, ...]] = {}  # a lead's token -> its followers' tokens
-        self._runs: dict[tuple, list] = {}  # (lead, frame, call) -> its followers' records (_followed)
         self._following: set[int] = set()  # the followers' tokens
+        self.runs = GraphRuns(self.saves, self._followers, tracker, path)  # which saves ran (graph_runs.py)
+        self.drain = self.runs.drain
 
     # -- tracing ------------------------------------------------------------------------------------------
 
@@ -283,8 +272,7 @@ class CompiledPath:
             return False
         self._following.add(token)
         self._followers.setdefault(lead, []).append((token, tuple(t.shape)))
-        self._following_tokens[lead] = tuple(f for f, _ in self._followers[lead])
-        self._runs.clear()  # a run's records were made for the followers known then
+        self.runs.followed_anew(lead)
         self.saves[token].extra = 0
         return True
 
@@ -293,8 +281,8 @@ class CompiledPath:
         that it ran and when the graph released it (``token``; -1: a follower, logged by its lead); the controller
         reads the log when it next looks at its passes (:meth:`drain`). ``salted``: the save's own token, which its
         noise is salted with."""
-        if not self.logging:
-            self.logging = True
+        if not self.runs.logging:
+            self.runs.logging = True
             self.path.before_save = self.tracker.on_boundary = self.drain
         ops, cfg = torch.ops.gactx_cpu, self.config
         shape = tuple(t.shape)
@@ -350,7 +338,7 @@ class CompiledPath:
         index = self._indices[(graph, module)] = self._indices.get((graph, module), -1) + 1
         decision = self._rule(t, node, bw_graph, modules)
         save = GraphSave(graph, module, index, t.dtype, decision, self.config.group_size, op_name(source(node)))
-        token = traced.new_token(self.ran)
+        token = traced.new_token(self.runs.ran)
         self.saves[token] = save
         self._decided[(id(fw_graph), node.name)] = (token, save)
         return token, save
@@ -377,89 +365,6 @@ class CompiledPath:
                 sink(graph, name)
             else:
                 self._pending.append((graph, name))
-
-    # -- running ------------------------------------------------------------------------------------------
-
-    def ran(self, token: int, t: torch.Tensor, count: torch.Tensor) -> None:
-        """A compiled graph ran the save of ``token`` (``t`` the tensor, ``count`` what the graph saves with
-        it), through a Python op: record it in the pass under way."""
-        self.drain()  # the C++ ops' saves before it, if any
-        self._record(token, tuple(t.shape), weakref.ref(count))
-
-    def drain(self) -> None:
-        """Record the saves the C++ ops logged since the last call, in order, and the releases of what they returned
-        (what tells that a pass's graphs are gone, see :meth:`_record`). Called before the controller reads its
-        passes, at module calls and eager saves (so that records keep the order and the module of their saves), and
-        once a step; nothing to do until a graph calls the ops."""
-        if not self.logging:
-            return
-        log, i = cpu.drain_log(), 0
-        held, tokens = self._held, self._tokens
-        while i < len(log):
-            kind, token, rank = log[i], log[i + 1], log[i + 2]
-            if kind == 2:
-                before = held.get(token, 1)
-                after = held[token] = before - 1
-            else:
-                self._record(token, tuple(log[i + 3 : i + 3 + rank]), None)
-                tokens = self._tokens  # a new pass replaces the set
-                before = held.get(token, 0)
-                after = held[token] = before + 1
-            if (before > 0) != (after > 0) and token in tokens:
-                self._holding += 1 if after > 0 else -1
-            i += 3 + rank
-
-    def _record(self, token: int, shape: tuple[int, ...], alive: weakref.ref | None) -> None:
-        """Record a run of the save of ``token``. Under an eager model (compiled blocks) the model's forward pre-hook
-        begins passes, and a region run again is its next call. With no eager module of the model running (the
-        whole model compiled), a save begins a new pass when the graphs of the pass under way are gone (their
-        backward has run, or they were dropped: what the graphs hold, ``alive`` or a logged save's marker, is
-        freed) or when its region runs a second time."""
-        save = self.saves.get(token)
-        if save is None:
-            return
-        path = self.path
-        stats = path.begin_pass_if_fresh()
-        run = stats.graph_runs.get(save.graph)
-        if not self.tracker.inside and (stats.graph_runs or stats.records):
-            rerun = run is not None and token in run.seen
-            if rerun or not stats.graph_runs or self._gone():
-                path.fresh = True
-                stats, run = path.begin_pass_if_fresh(), None
-        if not stats.graph_runs:
-            self._alive, self._tokens, self._holding = [], set(), 0
-        if alive is None:
-            if token not in self._tokens:
-                self._tokens.add(token)
-                self._holding += 1 if self._held.get(token, 0) > 0 else 0
-        else:
-            self._alive.append(alive)
-        if run is None or token in run.seen:
-            run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
-        run.seen.add(token)
-        frame = self.tracker.frame()
-        stats.add_compiled([(save.record(frame, run.call, shape), save.compressed)])
-        followers = self._followers.get(token)
-        if followers:
-            run.seen.update(self._following_tokens[token])
-            stats.add_compiled(self._followed(token, frame, run.call))
-
-    def _followed(self, lead: int, frame: tuple[str, int] | None, call: int) -> list[tuple[KeyRecord, bool]]:
-        """The records of a run of the lead's followers under ``frame`` and ``call``, each with whether it was
-        compressed: made once for runs like an earlier one."""
-        made = self._runs.get((lead, frame, call))
-        if made is None:
-            saves = [(self.saves[f], static) for f, static in self._followers[lead]]
-            made = [(save.record(frame, call, static), save.compressed) for save, static in saves]
-            if len(self._runs) >= _RECORDS_KEPT:
-                self._runs.clear()
-            self._runs[(lead, frame, call)] = made
-        return made
-
-    def _gone(self) -> bool:
-        """Whether the graphs of the pass under way hold none of its saves any more (their backward ran, or they were
-        dropped): no count a Python op's save returned is alive, and no logged save is unreleased."""
-        return self._holding == 0 and not any(ref() is not None for ref in self._alive)
 
 
 def _hint(shape) -> tuple[int, ...]:
