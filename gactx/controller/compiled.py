@@ -31,9 +31,9 @@ of GELU inputs, pooling inputs stored as nothing) are eager-only: a compiled gra
 ops, and one saved node serves every backward use of the value.
 
 Every save the hook handles ticks in the forward graph (``traced.tick``, or inside the kernel's op,
-``uniform.kernel_quantize_saved``, so that one op reads the value; a graph's kept saves of static shapes by the
-first one's op, :meth:`CompiledPath._follows`): at run time it tells the controller which saves ran (the records
-of ``memory_stats()`` and ``report()``), and with ``backend="torch"`` its count, a
+``uniform.kernel_quantize_saved``, so that one op reads the value; a graph's kept saves of static shapes, and those
+the C++ ops store, by its first save's, :meth:`CompiledPath._follows`): at run time it tells the controller which
+saves ran (the records of ``memory_stats()`` and ``report()``), and with ``backend="torch"`` its count, a
 counter on the device, seeds the noise (the C++ kernels' hash of (seed, index)). Either way a graph draws
 new noise every step without recompiling.
 """

@@ -207,11 +207,8 @@ class Controller:
         for progress.round in range(1, rounds + 1):
             estimates.append(self._adapt_once(backprop, progress, before))
         self._schedule.adapted(self.step, estimates[-1].stable)
-        seconds, step_seconds, interval = (
-            sum(e.seconds for e in estimates),
-            self._clock.seconds,
-            self._schedule.interval,
-        )
+        seconds, step_seconds = sum(e.seconds for e in estimates), self._clock.seconds
+        interval = self._schedule.interval  # the steps this adaptation's cost is spread over
         self.last_adaptation = a = dataclasses.replace(
             estimates[-1], passes=sum(e.passes for e in estimates), seconds=seconds, step_seconds=step_seconds,
             share=cost.share(seconds, step_seconds, interval), interval=interval,

@@ -189,20 +189,10 @@ class PassStats:
     def add_compiled(self, saves: list[tuple[KeyRecord, bool]]) -> None:
         """Saves of a compiled graph, ``(record, compressed)`` each: values the graph made, each its own storage (no
         other save shares it, and it has no address: a key of its own among the kept storages). One call for a graph
-        run's saves, with no call a save (``_count``'s, inlined)."""
-        records, kept_storages = self.records, self.kept_storages
+        run's saves."""
         for record, compressed in saves:
             self.original_bytes += record.original_bytes
-            storage = -len(records) - 1
-            records.append(record)
-            if compressed:
-                self.compressed += 1
-                self.packed_bytes += record.packed_bytes
-            else:
-                self.kept += 1
-                why = record.cls if record.reason == "kept" else record.label
-                held, why = kept_storages.get(storage, (0, why))
-                kept_storages[storage] = (held + record.packed_bytes, why)
+            self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
 
     def _count(self, record: KeyRecord, compressed: bool, offloaded: bool, storage: int, kept_bytes: int) -> None:
         self.records.append(record)

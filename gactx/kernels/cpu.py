@@ -217,12 +217,12 @@ def normal_variances(
 
 
 def row_variances(flat: torch.Tensor, group_size: int, rows: int) -> torch.Tensor:
-    """``variance.row_variances`` of a contiguous CPU tensor: float32, one a row (each row's sum in float64)."""
+    """``free.row_variances`` of a contiguous CPU tensor: float32, one a row (each row's sum in float64)."""
     return built.row_variances(flat, group_size, rows)
 
 
 def add_weighted_norms(total: torch.Tensor, g: torch.Tensor, weights: torch.Tensor) -> None:
-    """``variance.add_weighted_norms`` of contiguous CPU tensors."""
+    """``free.add_weighted_norms`` of contiguous CPU tensors."""
     built.add_weighted_norms(total, g, weights)
 
 

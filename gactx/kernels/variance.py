@@ -94,8 +94,7 @@ def estimated_variances(flat: torch.Tensor, widths: tuple[int, ...], group_size:
     flat = flat.detach().reshape(-1)
     if flat.numel() and _on_cpu_kernels(flat):
         stride, scale = _sample_stride(flat.numel(), group_size)
-        kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return kernel(flat.contiguous(), widths, group_size, stride, scale)
+        return _closed_sums(flat, widths, group_size, scheme, scale, stride)
     sample, scale = group_sample(flat, group_size)
     return _closed_sums(sample, widths, group_size, scheme, scale)
 
@@ -124,15 +123,18 @@ def _closed_form(flat, widths: tuple[int, ...], group_size: int, scheme: str) ->
     return dict(zip(widths, _closed_sums(flat, widths, group_size, scheme).unbind(), strict=True))
 
 
-def _closed_sums(flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0) -> torch.Tensor:
+def _closed_sums(
+    flat, widths: tuple[int, ...], group_size: int, scheme: str, scale: float = 1.0, stride: int = 1
+) -> torch.Tensor:
     """Each width's summed error (float64), times ``scale``, as float32, one a width: the C++ kernels where they take
-    the tensor, else the torch form."""
+    the tensor (of every ``stride``-th whole group from ``stride`` 2: :func:`group_sample`'s, read in place), else the
+    torch form (of every group)."""
     flat = flat.detach().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros(len(widths), dtype=torch.float32, device=flat.device)
     if _on_cpu_kernels(flat):
         kernel = cpu.uniform_variances if scheme == "uniform" else cpu.normal_variances
-        return kernel(flat.contiguous(), widths, group_size, 1, scale)
+        return kernel(flat.contiguous(), widths, group_size, stride, scale)
     padded, valid = _padded(flat, group_size)
     form = _uniform_sums if scheme == "uniform" else _normal_sums
     return (torch.stack(form(padded, valid, widths, group_size)) * scale).float()
