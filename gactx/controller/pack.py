@@ -33,7 +33,7 @@ from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
 from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
-from gactx.controller.policy import KEEP_PARAMETER, keep_reason, model_storages, storage_ptr
+from gactx.controller.policy import KEEP_PARAMETER, ModelStorages, keep_reason, storage_ptr
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
@@ -100,6 +100,7 @@ class PackPath:
         self._eager = None
         self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
         self._ptrs: frozenset[int] | None = None  # the model's storages, read at the pass's first eager save
+        self._model_storages = ModelStorages(model)
         # Called as observe(key, tensor, rule) for each tensor of an allocated class before it is stored (not for
         # a tensor shared through dedupe): what the estimators measure on the values themselves. Device work
         # only, never a host read (a hook must not synchronize).
@@ -183,10 +184,13 @@ class PackPath:
 
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
-        ptr = storage_ptr(t)
+        try:
+            ptr = t.untyped_storage().data_ptr()  # storage_ptr(t), without its call: every save
+        except (RuntimeError, NotImplementedError, TypeError):
+            ptr = None
         ptrs = self._ptrs
         if ptrs is None:
-            ptrs = self._ptrs = model_storages(self.model)
+            ptrs = self._ptrs = self._model_storages()
         reason = keep_reason(t, ptr, cfg.min_numel, ptrs)
         if reason == KEEP_PARAMETER:
             # Kept with its history: a parameter, a view of one or a cast copy of one (the node that saves it is never
@@ -229,7 +233,7 @@ class PackPath:
         handle = replay.pack(t, key, ptr, stats, self._plan)
         if replay.claims:
             self._claimed.add(node_id(t.grad_fn))
-        if self.config.dedupe:
+        if replay.shared and self.config.dedupe:
             self.dedupe[_view(t, key, ptr, replay.form)] = _entry(handle, t, replay.decision)
         return handle
 
@@ -319,6 +323,9 @@ class PackPath:
         if hit is not None and may_share(entry[2], decision, site):
             self.stats.deduplicated += 1
             self.sharers.setdefault(hit.key.slot, {})[slot] = site
+            first = self.replays.get(hit.key)
+            if first is not None:
+                first.shared = True  # its replays register their handles for this save to find
             if handle is None:
                 return hit
             handle.stored = hit.stored

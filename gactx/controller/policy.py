@@ -16,7 +16,8 @@ import torch
 from gactx.kernels.format import FLOAT_DTYPES
 
 __all__ = [
-    "KEEP_PARAMETER", "is_weight_copy", "keep_reason", "model_storages", "storage_owner", "storage_ptr", "value_reason"
+    "KEEP_PARAMETER", "ModelStorages", "is_weight_copy", "keep_reason", "storage_owner", "storage_ptr",
+    "value_reason",
 ]  # fmt: skip
 
 KEEP_PARAMETER = "parameter"
@@ -73,7 +74,12 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):
         return KEEP_PARAMETER
+    if t.dtype in _PACKED and t.numel() >= min_numel:  # value_reason's None, without its call: most saves
+        return None
     return value_reason(t, min_numel)
+
+
+_PACKED = frozenset((*FLOAT_DTYPES, torch.bool))  # what value_reason lets through, whatever its size
 
 
 def value_reason(t: torch.Tensor, min_numel: int) -> str | None:
@@ -95,19 +101,52 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter)
 
 
-def model_storages(model: torch.nn.Module) -> frozenset[int]:
-    """The storages of the model's parameters and buffers, read once a pass (one walk of the modules' own tables:
-    ``model.modules()`` names each module on the way, a third of the walk's time)."""
-    ptrs, seen, stack = set(), set(), [model]
+class ModelStorages:
+    """The storages of a model's parameters and buffers, read when asked (once a pass: a parameter's storage may be
+    swapped, ``model.to()`` replaces buffers). The tables that hold them, each module's ``_parameters`` and
+    ``_buffers``, are found by one walk of the modules, walked again only after a module was added somewhere (the
+    walk is four fifths of the time)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        _watch_modules()
+        self.model = model
+        self._tables: list[dict] = []
+        self._walked = -1  # the count of added modules the tables were found at
+
+    def __call__(self) -> frozenset[int]:
+        if self._walked != _ADDED[0]:
+            self._tables, self._walked = _tables(self.model), _ADDED[0]
+        return _storages(self._tables)
+
+
+_ADDED = [0]  # modules added to a module anywhere (a global registration hook counts them), once one is watched
+
+
+def _watch_modules() -> None:
+    if not _ADDED[0]:
+        _ADDED[0] = 1
+        torch.nn.modules.module.register_module_module_registration_hook(_added)
+
+
+def _added(module: torch.nn.Module, name: str, submodule) -> None:
+    _ADDED[0] += 1
+
+
+def _tables(model: torch.nn.Module) -> list[dict]:
+    """Each module's ``_parameters`` and ``_buffers``: one walk of the modules' own tables (``model.modules()``
+    names each module on the way, a third of the walk's time)."""
+    tables, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
         if module is None or id(module) in seen:
             continue
         seen.add(id(module))
-        for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
-                if t is not None:
-                    ptrs.add(storage_ptr(t))
+        tables += (module._parameters, module._buffers)
         stack.extend(module._modules.values())
+    return tables
+
+
+def _storages(tables: list[dict]) -> frozenset[int]:
+    ptrs = {storage_ptr(t) for table in tables for t in table.values() if t is not None}
     ptrs.discard(None)
     return frozenset(ptrs)

@@ -9,6 +9,10 @@ the same key (slot and shape) with the same dtype, device and ``grad_fn`` node, 
 pass holds, is encoded, recorded and handed back by :meth:`Replay.pack` without the rest: what the whole path would
 do, in fewer steps.
 
+A replayed save registers its handle for later saves of the same tensor (the pack path's dedupe table) only where a
+later save shared what the whole path stored for it: the entry and its weak reference to the storage cost more than
+the rest of the replay's bookkeeping, and a pass that repeats has no other save to find it.
+
 What a replay must not outlive, the pack path drops: every replay when the plan's widths, schemes or probe change
 (only the step's seed changes from one step to the next) or a watched pass learns the model's ops again.
 """
@@ -53,7 +57,7 @@ class Replay:
 
     __slots__ = (
         "dtype", "node", "device", "encode", "decode", "weyl", "claims", "observed", "record", "form", "decision",
-        "backend",
+        "backend", "shared",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +73,9 @@ class Replay:
         self.observed = decision.rule.cls in ALLOCATED  # what the pack path's observers are shown
         self.record = record  # the last record of the save: what the next one repeats, storage aside
         self.form, self.decision, self.backend = decision.rule.form, decision, config.backend
+        # Whether a later save of the pass shared what this one stored (the pack path's dedupe): only then does a
+        # replayed save register its handle for later saves to find.
+        self.shared = False
 
     def matches(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device."""

@@ -153,17 +153,26 @@ def _cpp_encode_bins(t: torch.Tensor, edges: torch.Tensor, bits: int, table: tor
 
 
 def _cpp_decode(ct: CodedTensor) -> torch.Tensor:
-    """The C++ kernel's lookup of the table from the codes (no bool mask between at 1 bit)."""
+    """The C++ kernel's lookup of the table from the codes (no bool mask between at 1 bit; its own call: every replayed
+    save's unpack)."""
     packed = ct.codes.data if ct.bits == 1 else ct.codes  # 1 bit: a QuantizedTensor of the bool mask
-    return restore_perm(cpu.decode_table(packed, ct.table, ct.dense_shape, ct.bits), ct.perm)
+    out = cpu.built.decode_table(packed, ct.table, ct.dense_shape, ct.bits)
+    return out if ct.perm is None else restore_perm(out, ct.perm)
 
 
 def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
     """:func:`encode_bins` of tensors like ``like`` (its device and dtype) with these ``edges`` and ``table``, the
     backend chosen once, called as ``fn(x, seed)`` (the seed unused: bins draw no noise): what a save replayed at every
-    step calls (on a CPU, the C++ kernel's own call)."""
+    step calls (on a CPU, the C++ kernel's own call: one Python call a save)."""
     if bits > 1 and choose_backend(like, backend) == "cpp":
-        return lambda x, seed: _cpp_encode_bins(x, edges, bits, table, backend)
+
+        def encode(x: torch.Tensor, seed: int) -> CodedTensor:
+            if not x.is_contiguous():
+                return _cpp_encode_bins(x, edges, bits, table, backend)
+            return CodedTensor(cpu.built.encode_bins(x, edges, bits), table, bits, x.shape, table.dtype, x.shape, None,
+                               backend)  # fmt: skip
+
+        return encode
     return lambda x, seed: encode_bins(x, edges, bits, table, backend)
 
 

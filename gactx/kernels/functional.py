@@ -164,16 +164,26 @@ def _cpp_quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
 
 
 def _cpp_dequantize(q: QuantizedTensor) -> torch.Tensor:
-    """The C++ kernel's decoding of the uniform scheme's codes."""
-    return restore_perm(cpu.dequantize(q.data, q.meta, q.bits, q.group_size, q.dense_shape, q.dtype), q.perm)
+    """The C++ kernel's decoding of the uniform scheme's codes (its own call: every replayed save's unpack)."""
+    out = cpu.built.dequantize(q.data, q.meta, q.dense_shape, q.dtype, q.bits, q.group_size)
+    return out if q.perm is None else restore_perm(out, q.perm)
 
 
 def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
     """:func:`quantize_checked` of tensors like ``like`` (its device; a float dtype), the backend chosen once, called
-    as ``fn(x, seed)``: what a save replayed at every step calls (on a CPU, the C++ kernel's own call)."""
+    as ``fn(x, seed)``: what a save replayed at every step calls (on a CPU, the C++ kernel's own call, its step factors
+    bound: one Python call a save)."""
     chosen = choose_backend(like, backend)
     if chosen == "cpp" and 1 <= bits <= 8:
-        return lambda x, seed: _cpp_quantize(x, bits, group_size, stochastic, seed)
+        full, special = cpu.step_factors(bits)
+
+        def encode(x: torch.Tensor, seed: int) -> QuantizedTensor:
+            if not x.is_contiguous():
+                return _cpp_quantize(x, bits, group_size, stochastic, seed)
+            codes, meta = cpu.built.quantize(x, bits, group_size, stochastic, seed, full, special)
+            return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
+
+        return encode
     return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
 
 

@@ -104,6 +104,19 @@ def test_parameters_views_and_buffers_are_never_compressed():
     loss.backward()
 
 
+def test_buffers_of_modules_added_and_buffers_replaced_after_installation_are_kept():
+    model = nn.Linear(64, 64)
+    x = torch.randn(2048, 64)
+    with gactx.Controller(model, level="L1", min_numel=1) as controller:
+        model(x).sum().backward()  # the model's storages were read: those added since must still be found
+        model.extra = nn.Module()  # a module added after installation, never called
+        model.extra.register_buffer("scale", torch.randn(64, 64))
+        for _ in range(2):
+            model.extra.scale = torch.randn(64, 64)  # a new storage each pass, as model.to() makes one
+            (model(x) * model.extra.scale[0]).sum().backward()
+            assert all(r.key.shape != (64,) for r in controller.records), "a view of a buffer was compressed"
+
+
 def test_autocast_copies_of_weights_are_kept():
     model = _linear_model()
     x = torch.randn(64, 64)
