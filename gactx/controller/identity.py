@@ -57,6 +57,9 @@ class Key(NamedTuple):
         return f"{name}{call}[{self.index}]"
 
 
+_new_key = partial(tuple.__new__, Key)  # Key(...) without its Python __new__: every save makes one
+
+
 class ModuleTracker:
     """Follows module calls of one model with forward pre- and post-hooks and hands out keys.
 
@@ -184,5 +187,6 @@ class ModuleTracker:
             self._outside += 1
             return Key(OUTSIDE, 1, self._outside - 1, tuple(t.shape))
         frame = self._stack[-1]
-        frame[2] += 1
-        return Key(frame[0], frame[1], frame[2] - 1, tuple(t.shape))
+        index = frame[2]
+        frame[2] = index + 1
+        return _new_key((frame[0], frame[1], index, tuple(t.shape)))

@@ -116,7 +116,8 @@ class Packed:
     def __init__(self, stored, key, source: torch.Tensor, backend: str, ptr: int | None = None, decode=None) -> None:
         """``ptr``: the address of ``source``'s storage, where the caller has it already; ``decode``: what decodes
         ``stored`` (a replayed save's, bound once: ``replay.py``), else the stored form's own decoding."""
-        owner = source if source._base is None else source._base  # storage_owner(source), inlined: every save
+        base = source._base
+        owner = source if base is None else base  # storage_owner(source), inlined: every save
         self.stored = stored
         self.key = key
         self.source = weakref.ref(owner)  # dedupe is valid only while the storage lives
@@ -124,7 +125,7 @@ class Packed:
         # Python object lives as long as the tensor does), else from its base if it was a view (a view shares
         # its base's counter); once both are gone nothing can change it.
         self.saved, self.version = weakref.ref(source), source._version
-        self.through_base = source._base is not None
+        self.through_base = base is not None
         self.backend = backend
         self.decode = decode
         ptr = storage_ptr(owner) if ptr is None else ptr
