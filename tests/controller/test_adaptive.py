@@ -457,7 +457,8 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
 def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     """An adaptation after the first probes a normalisation input by one pair at the probe width and keeps the shape
     of its curve from the last fit: two passes fewer for each, the sensitivities ranked as when the curves are fitted
-    again (on ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99)."""
+    again (on ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99). A width a tensor is stored
+    at already is probed in one pass against the base, not a pair: one pass fewer where that is one it is probed at."""
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import estimators
 
@@ -472,11 +473,65 @@ def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
         with controller:
             loss().backward()
             later = controller.adapt(lambda loss=loss: loss().backward())
-        curved = {r.key.slot for r in controller.records if r.op.endswith("layer_norm:input")} & set(
-            controller.sensitivity
-        )
-        results[keep] = (controller.sensitivity, later.passes, len(curved))
-    (fitted, more, curved), (kept, fewer, _) = results[False], results[True]
-    assert curved >= 1 and fewer == more - 2 * curved
+        curved = {r.key.slot: r for r in controller.records if r.op.endswith("layer_norm:input")}
+        widths = [r.bits if not r.form else None for slot, r in curved.items() if slot in controller.sensitivity]
+        results[keep] = (controller.sensitivity, later.passes, widths)
+    (fitted, more, widths), (kept, fewer, _) = results[False], results[True]
+    from gactx.controller.adaptation.sensitivity import CURVE_WIDTHS
+
+    probe = gactx.Config().probe_bits
+    # Two pairs against one pair; a pass fewer in either where a width is the one the tensor is stored at (uniform).
+    saved = sum((4 - (b in CURVE_WIDTHS)) - (2 - (b == probe)) for b in widths)
+    assert widths and fewer == more - saved
     slots = sorted(fitted)
     assert slots == sorted(kept) and spearman([fitted[s] for s in slots], [kept[s] for s in slots]) >= 0.9
+
+
+def test_a_tensor_probed_at_the_width_it_is_stored_at_takes_one_pass_against_the_base(monkeypatch):
+    """Where a tensor is stored as uniform codes at the width it is probed at (here attention's probabilities at
+    ``probe_bits=4``, whose backward is not linear in them), the base pass's draw of it is a pair's second draw: one
+    pass against the base instead of a pair, the pairs' sensitivities within their own noise."""
+    from benchmarks.estimators import spearman
+    from gactx.controller.adaptation import sensitivity
+
+    results = {}
+    for same in (False, True):
+        monkeypatch.setattr(sensitivity, "STORED_BASE", same)
+        model, _, loss = _transformer_layer()
+        controller = _adapted(model, loss, probe_bits=4)
+        with controller:
+            loss().backward()
+            later = controller.adapt(lambda loss=loss: loss().backward())
+        # Stored as uniform codes at the probe width, and not probed against the base already (a linear tensor that
+        # has no curve: its context is known at any width)
+        at_probe = [
+            r for r in controller.records
+            if r.allocated and r.bits == 4 and not r.form and r.key.slot in controller.sensitivity
+            and (r.cls != "linear" or r.op.endswith("norm:input"))
+        ]  # fmt: skip
+        results[same] = (controller.sensitivity, later.passes, len(at_probe), {r.cls for r in at_probe})
+    (pairs, more, _, _), (based, fewer, probed, classes) = results[False], results[True]
+    # at least a pass each (the base pass it needs may let other tensors use it too)
+    assert "attention" in classes and fewer <= more - probed
+    slots = sorted(pairs)
+    assert slots == sorted(based) and spearman([pairs[s] for s in slots], [based[s] for s in slots]) >= 0.9
+    ratios = sorted(based[s] / pairs[s] for s in slots if pairs[s] > 0)
+    assert 0.75 <= ratios[len(ratios) // 2] <= 1.33
+
+
+def test_the_second_estimate_of_a_first_adaptation_reads_the_widths_the_first_allocated(monkeypatch):
+    """The first adaptation's second estimate fits the normalisation inputs' curves at 1 and 4 bits; where the first
+    estimate's allocation stores one at either width as uniform codes, that width takes one pass against the base. The
+    widths are those of the second estimate's own first pass (a table read when its estimate began held the last
+    pass's, the default width everywhere: no pass fewer)."""
+    from benchmarks.workloads import build
+    from gactx.controller.adaptation import sensitivity
+
+    passes = {}
+    for same in (False, True):
+        monkeypatch.setattr(sensitivity, "STORED_BASE", same)
+        torch.manual_seed(0)
+        w = build("resnet50", "tiny")
+        batch = w.make_batch(4, torch.Generator().manual_seed(0))
+        passes[same] = _adapted(w.model, lambda w=w, b=batch: w.loss(w.model, *b)).last_adaptation.passes
+    assert passes[True] < passes[False]

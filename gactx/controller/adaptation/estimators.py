@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_estimator"]
 
 Progress = Callable[[int, int], None]
+QUANTIZED = ("linear", "linear (op unknown)", "attention")  # allocated classes stored as uniform codes (not FewBit)
 # True: the first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is
 # ActNN's, read in one pass of the closure, instead of GACT's, a pass or two a tensor. Off: on the 15 models of
 # benchmarks.schemes it cut the first adaptation's passes by 22% to 45% at the same gradient error (within 5%), but
@@ -141,6 +142,7 @@ class GactEstimator(_Measuring):
         self.pending = False
         self._warned = False
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
+        self._widths: dict[Slot, int | None] = {}  # the width of its uniform codes then, any class (_stored_width)
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
 
     def rounds(self, allocated: bool) -> int:
@@ -185,6 +187,7 @@ class GactEstimator(_Measuring):
             # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
             # scaled by S(b) (a pair at the probe width instead: the kept curve is the variance there times S)
             lambda slot: None if slot in kept else self._context.get(slot),
+            lambda slot: self._widths.get(slot),  # filled by the first pass too
         )  # fmt: skip
         if self.path.plan.allocation:
             # A kept curve's shape with the sensitivity measured now at the probe width: the curve's value there.
@@ -245,6 +248,7 @@ class GactEstimator(_Measuring):
                 self.meter.armed = False
         records = [r for r in path.stats.records if r.allocated]
         self._context = {r.key.slot: _context(r) for r in records}
+        self._widths = {r.key.slot: _stored_width(r) for r in records}
         return [r.key.slot for r in records]
 
     def _set_probe(self, probe: Probe | None) -> None:
@@ -280,6 +284,15 @@ def _context(record: KeyRecord) -> float | None:
     if record.reason or record.form or record.bits is None or record.bits > 8:
         return None
     return variance_factor(record.bits)
+
+
+def _stored_width(record: KeyRecord) -> int | None:
+    """The width of the uniform codes a save is stored as when nothing is probed, whatever its op's backward
+    (``sensitivity.py``'s ``width_of``: a probe at that width against the base pass is a pair's second draw), or
+    ``None``: kept as it is, another scheme, FewBit codes (class ``smooth``), bfloat16 rounding at 16 bits."""
+    if record.cls not in QUANTIZED or record.reason or record.form or record.bits is None or record.bits > 8:
+        return None
+    return record.bits
 
 
 class ActnnEstimator(_Measuring):

@@ -12,8 +12,10 @@ whose effect on the gradient is measured rather than predicted (a row sketch: ``
 op's backward is linear in it and whose stored noise in these passes is known (``context_of``: ``S(b)`` of uniform
 codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, against one base pass with nothing
 probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
-(:data:`BASE`). Tensors whose noise reaches only their own weights' gradients are probed all at once
-(:func:`_probe_together`), by a pair or against the base.
+(:data:`BASE`). Any tensor probed at the width it is stored at already as uniform codes takes one pass against the base
+too, whatever its op's backward: the base's draw of it is a pair's other draw (:data:`STORED_BASE`). Tensors whose
+noise reaches only their own weights' gradients are probed all at once (:func:`_probe_together`), by a pair or against
+the base.
 
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
@@ -51,6 +53,9 @@ CURVE_WIDTHS = (1, 4)
 # Probe a tensor whose stored noise in the pass is known in one pass against a shared base pass, not a pair (see
 # estimate_sensitivities); False: every tensor by pairs.
 BASE = True
+# A width a slot is stored at already when nothing is probed (uniform codes, any class) is probed in one pass against
+# the base, not a pair (estimate_sensitivities' ``width_of``); False: a pair.
+STORED_BASE = True
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ def estimate_sensitivities(
     curved: Callable[[Hashable], bool] | None = None,
     weights_of: Callable[[Hashable], tuple] | None = None,
     context_of: Callable[[Hashable], float | None] | None = None,
+    width_of: Callable[[Hashable], int | None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -134,7 +140,11 @@ def estimate_sensitivities(
     is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`). ``context_of(slot)``: the
     variance, in units of ``S(b)``, of what the slot stores when nothing is probed (``S(b)`` of uniform codes at ``b``
     bits, 0 where it is stored as it is), or ``None`` where that is not known (another scheme): a slot probed at one
-    width whose context is known takes one pass, against a base pass of the context (:data:`BASE`), not a pair."""
+    width whose context is known takes one pass, against a base pass of the context (:data:`BASE`), not a pair.
+    ``width_of(slot)``: the width of the uniform codes the slot stores when nothing is probed (any class), or ``None``:
+    a width it is probed at that is that one takes one pass against the base too, whatever its op's backward (the
+    base's draw of the tensor is the pair's other draw: the same distribution, so the gradient's mean does not move
+    between them and ``||g - g_base||^2`` is twice the variance at that width, as a pair's is)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
@@ -149,17 +159,23 @@ def estimate_sensitivities(
         # A slot probed at one width whose context is known: one pass against the base (BASE), else a pair.
         context = {s: context_of(s) for s in slots} if BASE and context_of is not None else {}
         single = {s for s in slots if plans[s][0] == (probe_bits,) and context.get(s) is not None}
+        # Else a width the slot is stored at when nothing is probed: that width's probe against the base, not a pair.
+        stored = {s: width_of(s) for s in slots if s not in single} if BASE and STORED_BASE and width_of else {}
+        based = {s: w for s, w in stored.items() if w is not None and w in plans[s][0]}
         blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
         together = len(blocks) > 1
         alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
-        if len(single - set(blocks) if together else single) + (together and alone) < 2:
-            single, alone = set(), False  # the base pass would save fewer passes than it costs
-        cost = {s: (1 if s in single else 2) * len(widths) + 2 * len(pairs) for s, (widths, pairs) in plans.items()}
+        if len(single - set(blocks) if together else single) + (together and alone) + len(set(based) - set(blocks)) < 2:
+            single, alone, based = set(), False, {}  # the base pass would save fewer passes than it costs
+        cost = {
+            s: (1 if s in single else 2) * len(widths) - (s in based) + 2 * len(pairs)
+            for s, (widths, pairs) in plans.items()
+        }
         total = 1 + sum(cost[s] for s in plans if not together or s not in blocks)
         if together:
             total += (1 if alone else 2) + 2 * max(len(plans[s][1]) for s in blocks)
         base = None
-        if single:
+        if single or based:
             set_probe(None)
             base = _gradient(model, backprop, snapshot)  # every tensor stored as when nothing is probed
             total += 1
@@ -189,6 +205,11 @@ def estimate_sensitivities(
             else:
                 variance = {}
                 for k, bits in enumerate(widths):
+                    if based.get(slot) == bits:  # the base's draw at this width is the pair's other one
+                        set_probe(Probe(slot, bits, seed_of(slot, 2 * k + 1)))
+                        diff = _gradient(model, backprop, snapshot) - base
+                        variance[bits] = 0.5 * float(diff.dot(diff))
+                        continue
                     grads = []
                     for j in (1, 2):
                         set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
