@@ -127,15 +127,16 @@ def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
     assert torch.equal(before["rng"], torch.get_rng_state())
     # Twice (the first adaptation measures again around what it allocated): one pass finds the tensors, one pair
     # probes the inputs of the convolutions and the linear layer together (each owns its module's one weight), a pair
-    # each other tensor and the sketchable input's calibration pairs; in the second estimate a second pair each
-    # BatchNorm input (rules.curved: the first estimate probes no curve).
+    # each other tensor and the sketchable input's calibration pairs (the second estimate keeps the first's
+    # calibration: estimators.KEEP_CALIBRATION); in the second estimate a second pair each BatchNorm input
+    # (rules.curved: the first estimate probes no curve).
     curved = sum(r.op == "native_batch_norm:input" for r in controller.records if r.key[:3] in controller.sensitivity)
     sketchable = sum(controller.sketchable(slot) for slot in controller.sensitivity)
     together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
     alone = len(controller.sensitivity) - together
     per_estimate = 1 + 2 + 2 * alone + 2 * CALIBRATION_PAIRS
     assert curved >= 1 and sketchable >= 1 and together >= 2
-    assert adaptation.passes == 2 * per_estimate + 2 * curved
+    assert adaptation.passes == 2 * per_estimate - 2 * CALIBRATION_PAIRS + 2 * curved
     assert adaptation.seconds > 0
     assert "last adaptation at step 0" in controller.report() and "sensitivity" in controller.report()
 
@@ -376,16 +377,17 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     assert records[("norm", 1, 0)].op == "native_layer_norm:input"
     assert [records[("norm", 1, i)].cls for i in (1, 2)] == ["statistics", "statistics"]  # mean, 1/deviation: kept
     assert all(not isinstance(records[("norm", 1, i)].bits, int) for i in (1, 2))
-    # One pass finds the tensors, a pair probes the two linear layers' inputs together, a pair each other tensor, a
-    # second pair the normalisation's input unless the curve the first adaptation fitted is kept (KEEP_CURVES), and
-    # the sketchable inputs' calibration pairs, together (an adaptation after the first: one estimate).
+    # One pass finds the tensors, a pair probes the two linear layers' inputs together, a pair each other tensor, and a
+    # second pair the normalisation's input unless the curve the first adaptation fitted is kept (KEEP_CURVES); the
+    # sketchable inputs' calibration was measured by the first adaptation and is kept (an adaptation after the first:
+    # one estimate).
     with controller:
         model(x).square().mean().backward()
         adaptation = controller.adapt(lambda: model(x).square().mean().backward())
     assert {s.module for s in controller.sensitivity if controller.weight_only(s)} == {"a", "b"}
     assert all(controller.weight_only(s) for s in controller.sensitivity if controller.sketchable(s))
     alone = len(controller.sensitivity) - 2
-    assert adaptation.passes == 1 + 2 + 2 * alone + (0 if keep else 2) + 2 * CALIBRATION_PAIRS
+    assert adaptation.passes == 1 + 2 + 2 * alone + (0 if keep else 2)
 
 
 def test_a_linear_tensor_is_probed_in_one_pass_against_a_base(monkeypatch):
@@ -434,8 +436,9 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
     """``estimators.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the second
     around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside the linear
     class or with a curve, ranked first). On the zoo transformer layer it leaves the second estimate's sensitivities
-    ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (43 against 75; 0.0598
-    against 0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error rose by 12%).
+    ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (43 against 75 when every
+    estimate measured the sketches' calibration, 42 against 56 since the first estimate's is kept; 0.0598 against
+    0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error rose by 12%).
     Why it is off: test_choices' MLP of skewed samples, where it raises the error 15 times."""
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import estimators
@@ -448,7 +451,7 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
         error = _gradient_error(model, run, controller, draws=4)
         results[free] = (controller.sensitivity, controller.last_adaptation.passes, error)
     (gact, more, before), (free, fewer, after) = results[False], results[True]
-    assert gact.keys() == free.keys() and fewer <= 0.7 * more
+    assert gact.keys() == free.keys() and fewer <= 0.8 * more
     slots = sorted(gact)
     assert spearman([gact[s] for s in slots], [free[s] for s in slots]) >= 0.9
     assert after <= 1.1 * before
@@ -535,3 +538,24 @@ def test_the_second_estimate_of_a_first_adaptation_reads_the_widths_the_first_al
         batch = w.make_batch(4, torch.Generator().manual_seed(0))
         passes[same] = _adapted(w.model, lambda w=w, b=batch: w.loss(w.model, *b)).last_adaptation.passes
     assert passes[True] < passes[False]
+
+
+def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeypatch):
+    """``estimators.KEEP_CALIBRATION``: a sketchable tensor's calibration (three pairs of passes) is measured by the
+    first estimate and kept as a ratio to the prediction. On the zoo transformer layer the first adaptation takes fewer
+    passes, its sensitivities rank as when every estimate measures it, and the gradient error holds."""
+    from benchmarks.estimators import spearman
+    from gactx.controller.adaptation import estimators
+
+    results = {}
+    for keep in (False, True):
+        monkeypatch.setattr(estimators, "KEEP_CALIBRATION", keep)
+        model, run, loss = _transformer_layer()
+        controller = _adapted(model, loss)
+        error = _gradient_error(model, run, controller, draws=4)
+        results[keep] = (controller.sensitivity, controller.last_adaptation.passes, error)
+    (measured, more, before), (kept, fewer, after) = results[False], results[True]
+    assert measured.keys() == kept.keys() and fewer < more
+    slots = sorted(measured)
+    assert spearman([measured[s] for s in slots], [kept[s] for s in slots]) >= 0.9
+    assert after <= 1.1 * before

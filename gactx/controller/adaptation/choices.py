@@ -57,6 +57,7 @@ __all__ = [
     "ChoiceMeter",
     "calibration",
     "choice_options",
+    "predicted_sketch_variance",
 ]
 
 # What GACT's estimator probes where a sketch may be chosen: half the rows, kept as they are (the sampling alone), and
@@ -131,12 +132,18 @@ class ChoiceMeter:
         return out
 
 
+def predicted_sketch_variance(measured: dict[Choice, float], sensitivity: float, probe_bits: int) -> float:
+    """The gradient variance :data:`CALIBRATION_SKETCH` is predicted to add: ``C * S(probe) * V(sketch) / V(probe)``
+    (0 where the meter measured no reference)."""
+    reference, sampled = measured.get(Choice(probe_bits), 0.0), measured.get(CALIBRATION_SKETCH, 0.0)
+    return sensitivity * variance_factor(probe_bits) * sampled / reference if reference > 0 else 0.0
+
+
 def calibration(measured: dict[Choice, float], probed: dict | None, sensitivity: float, probe_bits: int) -> float:
     """How much more gradient variance a sketch of this tensor adds than predicted: the measured variance of
-    :data:`CALIBRATION_SKETCH` over ``C * S(probe) * V(sketch) / V(probe)``; 1 where nothing was measured."""
+    :data:`CALIBRATION_SKETCH` over :func:`predicted_sketch_variance`; 1 where nothing was measured."""
     got = (probed or {}).get(CALIBRATION_SKETCH)
-    reference, sampled = measured.get(Choice(probe_bits), 0.0), measured.get(CALIBRATION_SKETCH, 0.0)
-    predicted = sensitivity * variance_factor(probe_bits) * sampled / reference if reference > 0 else 0.0
+    predicted = predicted_sketch_variance(measured, sensitivity, probe_bits)
     if got is None or not predicted > 0 or not math.isfinite(got):
         return 1.0
     return min(max(got / predicted, 1e-3), 1e3)  # a blown-up pass must not make a sketch free or forbidden

@@ -28,7 +28,15 @@ from torch import nn
 from gactx.config import Config
 from gactx.controller.adaptation import cost
 from gactx.controller.adaptation.budget import default_width
-from gactx.controller.adaptation.choices import CALIBRATION_PAIR, CALIBRATION_PAIRS, Choice, ChoiceMeter
+from gactx.controller.adaptation.choices import (
+    CALIBRATION_PAIR,
+    CALIBRATION_PAIRS,
+    CALIBRATION_SKETCH,
+    Choice,
+    ChoiceMeter,
+    calibration,
+    predicted_sketch_variance,
+)
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
 from gactx.controller.adaptation.widths import variance_factor
@@ -53,6 +61,10 @@ FREE_FIRST = False
 # An adaptation after the first probes a normalisation input at the probe width alone (a pair) and keeps the shape of
 # the curve it last fitted through two widths (GactEstimator); False: two pairs each time.
 KEEP_CURVES = True
+# A sketchable tensor's calibration (how much more gradient variance a sketch adds than predicted, choices.calibration)
+# is measured once, in the first estimate, and kept as a ratio to the prediction, which later estimates make afresh
+# (GactEstimator); False: three pairs of passes each estimate.
+KEEP_CALIBRATION = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
@@ -144,6 +156,7 @@ class GactEstimator(_Measuring):
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
         self._widths: dict[Slot, int | None] = {}  # the width of its uniform codes then, any class (_stored_width)
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
+        self._calibrations: dict[Slot, float] = {}  # the sketch calibrations last measured (KEEP_CALIBRATION)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -194,7 +207,24 @@ class GactEstimator(_Measuring):
             reused = {s: c for s, c in kept.items() if s in estimate.sensitivity}
             self._curves = {**reused, **estimate.curves}
             estimate = dataclasses.replace(estimate, curves=self._curves)
-        return self._measured(estimate)
+        return self._calibrated(self._measured(estimate))
+
+    def _calibrated(self, estimate: Estimate) -> Estimate:
+        """``estimate`` with each sketch calibration it measured kept (:data:`KEEP_CALIBRATION`), and one kept for each
+        sketchable tensor it did not measure: the variance that ratio gives the prediction made now (what
+        ``choices.calibration`` reads back as the ratio)."""
+        if not KEEP_CALIBRATION or self.meter is None:
+            return estimate
+        bits, probed = self.config.probe_bits, dict(estimate.probed)
+        for slot, c in estimate.sensitivity.items():
+            measured = estimate.measured.get(slot, {})
+            if CALIBRATION_SKETCH in probed.get(slot, {}):
+                self._calibrations[slot] = calibration(measured, probed[slot], c, bits)
+            elif slot in self._calibrations:
+                predicted = predicted_sketch_variance(measured, c, bits)
+                if predicted > 0:
+                    probed[slot] = {**probed.get(slot, {}), CALIBRATION_SKETCH: self._calibrations[slot] * predicted}
+        return dataclasses.replace(estimate, probed=probed)
 
     def _free(self, backprop: Callable[[], object]) -> Estimate:
         """ActNN's estimate from one pass of the closure, the meter measuring it (:data:`FREE_FIRST`): where the first
@@ -259,6 +289,8 @@ class GactEstimator(_Measuring):
         be chosen (its error lands on the rows whose gradient is large or small alike only if the gradient's rows are
         alike; the measurement says by how much they are not, see choices.py)."""
         if self.meter is not None and "sketch" in self.config.schemes and self.path.sketchable(slot):
+            if KEEP_CALIBRATION and slot in self._calibrations:
+                return ()  # measured before: the kept ratio (_calibrated)
             return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS
         return ()
 

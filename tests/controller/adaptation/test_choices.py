@@ -215,11 +215,13 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import sensitivity
+    from gactx.controller.adaptation import estimators, sensitivity
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
-    # Pairs for every tensor (no base pass): the two controllers' passes then differ by the calibration pairs alone.
+    # Pairs for every tensor (no base pass): the two controllers' passes then differ by the calibration pairs alone,
+    # measured by every estimate (else by the first alone: kept, below).
     monkeypatch.setattr(sensitivity, "BASE", False)
+    monkeypatch.setattr(estimators, "KEEP_CALIBRATION", False)
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))
     sketching = gactx.Controller(model, "L2.2", schemes=("uniform", "sketch"))
@@ -236,3 +238,12 @@ def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pair
     alone = [slot for slot in sketchable if slot.module == "self_attn"]
     assert len(sketchable) == 4 and len(alone) == 2
     assert passes["sketching"] == passes["plain"] + 2 * CALIBRATION_PAIRS * (1 + len(alone))
+    # Kept: an adaptation after the first measures no calibration (the sketches priced on the kept ratios).
+    monkeypatch.setattr(estimators, "KEEP_CALIBRATION", True)
+    for name, offered in (("plain", ("uniform",)), ("sketching", ("uniform", "sketch"))):
+        controller = gactx.Controller(model, "L2.2", schemes=offered)
+        with controller:
+            _grad(model, run)
+            controller.iterate(lambda: _grad(model, run))
+            passes[name] = controller.adapt(lambda: _grad(model, run)).passes
+    assert passes["sketching"] == passes["plain"]
