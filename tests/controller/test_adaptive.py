@@ -559,3 +559,29 @@ def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeyp
     slots = sorted(measured)
     assert spearman([measured[s] for s in slots], [kept[s] for s in slots]) >= 0.9
     assert after <= 1.1 * before
+
+
+def test_a_linear_tensor_stored_under_the_normal_scheme_is_probed_in_one_pass_against_the_base(monkeypatch):
+    """A linear tensor the allocation stores under the normal scheme has a known context too: its stored error
+    against uniform codes' at the probe width, as the meter measured it in the estimate's first pass, which is how the
+    allocator prices it (``estimators.NORMAL_CONTEXT``). An adaptation after the first then takes fewer passes, the
+    pairs' sensitivities within their own noise."""
+    from benchmarks.estimators import spearman
+    from gactx.controller.adaptation import estimators
+
+    results = {}
+    for known in (False, True):
+        monkeypatch.setattr(estimators, "NORMAL_CONTEXT", known)
+        model, _, loss = _transformer_layer()
+        controller = _adapted(model, loss)
+        with controller:
+            loss().backward()
+            later = controller.adapt(lambda loss=loss: loss().backward())
+        normal = [r for r in controller.records if r.allocated and r.form == "normal" and r.cls == "linear"]
+        results[known] = (controller.sensitivity, later.passes, len(normal))
+    (pairs, more, _), (based, fewer, normal) = results[False], results[True]
+    assert normal >= 1 and fewer < more
+    slots = sorted(pairs)
+    assert slots == sorted(based) and spearman([pairs[s] for s in slots], [based[s] for s in slots]) >= 0.9
+    ratios = sorted(based[s] / pairs[s] for s in slots if pairs[s] > 0)
+    assert 0.75 <= ratios[len(ratios) // 2] <= 1.33

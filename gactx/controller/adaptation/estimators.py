@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import warnings
 import zlib
@@ -65,6 +66,9 @@ KEEP_CURVES = True
 # is measured once, in the first estimate, and kept as a ratio to the prediction, which later estimates make afresh
 # (GactEstimator); False: three pairs of passes each estimate.
 KEEP_CALIBRATION = True
+# A linear tensor stored under the normal scheme is probed in one pass against the base, its stored noise priced as
+# the allocator prices it (_context); False: by a pair.
+NORMAL_CONTEXT = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
@@ -157,6 +161,7 @@ class GactEstimator(_Measuring):
         self._widths: dict[Slot, int | None] = {}  # the width of its uniform codes then, any class (_stored_width)
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
         self._calibrations: dict[Slot, float] = {}  # the sketch calibrations last measured (KEEP_CALIBRATION)
+        self._read: dict | None = None  # what the meter measured in the estimate's first pass (_discover)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -208,6 +213,11 @@ class GactEstimator(_Measuring):
             self._curves = {**reused, **estimate.curves}
             estimate = dataclasses.replace(estimate, curves=self._curves)
         return self._calibrated(self._measured(estimate))
+
+    def _measured(self, estimate: Estimate) -> Estimate:
+        """``estimate`` with what the meter measured in its first pass, read there (_discover), or read now."""
+        read, self._read = self._read, None
+        return super()._measured(estimate) if read is None else dataclasses.replace(estimate, measured=read)
 
     def _calibrated(self, estimate: Estimate) -> Estimate:
         """``estimate`` with each sketch calibration it measured kept (:data:`KEEP_CALIBRATION`), and one kept for each
@@ -276,8 +286,12 @@ class GactEstimator(_Measuring):
         finally:
             if self.meter is not None:
                 self.meter.armed = False
+        # What the meter measured in this pass (one host read, outside any hook): the estimate's (_measured), and what
+        # prices a save under the normal scheme as the base pass's context (_context).
+        self._read = self.meter.read() if self.meter is not None else {}
         records = [r for r in path.stats.records if r.allocated]
-        self._context = {r.key.slot: _context(r) for r in records}
+        choices, bits = path.plan.choices, self.config.probe_bits
+        self._context = {r.key.slot: _context(r, choices.get(r.key.slot), self._read, bits) for r in records}
         self._widths = {r.key.slot: _stored_width(r) for r in records}
         return [r.key.slot for r in records]
 
@@ -303,19 +317,30 @@ def _straight(slot: Slot) -> bool:
     return False
 
 
-def _context(record: KeyRecord) -> float | None:
+def _context(record: KeyRecord, choice: Choice | None, measured: dict, probe_bits: int) -> float | None:
     """The variance of what a save stores when nothing is probed, in units of ``S(b)`` (``sensitivity.py``'s
     ``context_of``), for a save whose op's backward is linear in it (class ``linear``): 0 where it is stored as it is,
-    ``S(b)`` of uniform codes at ``b`` bits. ``None`` for anything else: another scheme, bfloat16 rounding at 16 bits,
-    and a backward that is not linear in the save (attention's probabilities), where the gradient's mean moves with the
-    width, so that one pass against another width measures that move too, and a pair at one width does not."""
+    ``S(b)`` of uniform codes at ``b`` bits; under the normal scheme (``choice``, the plan's), what the allocator prices
+    it at: ``S(probe) V(choice) / V(uniform at the probe width)``, the stored errors the meter ``measured`` in the same
+    pass (its noise, per group like uniform codes', spreads over the rows alike). ``None`` for anything else: another
+    scheme (a sketch, per-sample widths: rows stored unlike), bfloat16 rounding at 16 bits, and a backward that is not
+    linear in the save (attention's probabilities), where the gradient's mean moves with the width, so that one pass
+    against another width measures that move too, and a pair at one width does not."""
     if record.cls != "linear":
         return None
     if record.reason == AS_IS:
         return 0.0
-    if record.reason or record.form or record.bits is None or record.bits > 8:
+    if record.reason or record.bits is None or record.bits > 8:
         return None
-    return variance_factor(record.bits)
+    if not record.form:
+        return variance_factor(record.bits)
+    if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
+        return None
+    errors = measured.get(record.key.slot, {})
+    reference, stored = errors.get(Choice(probe_bits)), errors.get(choice)
+    if not reference or stored is None or not math.isfinite(stored):
+        return None
+    return variance_factor(probe_bits) * stored / reference
 
 
 def _stored_width(record: KeyRecord) -> int | None:
