@@ -158,7 +158,7 @@ class GactEstimator(_Measuring):
         self.pending = False
         self._warned = False
         self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
-        self._widths: dict[Slot, int | None] = {}  # the width of its uniform codes then, any class (_stored_width)
+        self._stored: dict[Slot, tuple | None] = {}  # its form then, where a probe can store it so (_stored)
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
         self._calibrations: dict[Slot, float] = {}  # the sketch calibrations last measured (KEEP_CALIBRATION)
         self._read: dict | None = None  # what the meter measured in the estimate's first pass (_discover)
@@ -205,7 +205,8 @@ class GactEstimator(_Measuring):
             # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
             # scaled by S(b) (a pair at the probe width instead: the kept curve is the variance there times S)
             lambda slot: None if slot in kept else self._context.get(slot),
-            lambda slot: self._widths.get(slot),  # filled by the first pass too
+            lambda slot: self._stored.get(slot),  # filled by the first pass too
+            kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
         )  # fmt: skip
         if self.path.plan.allocation:
             # A kept curve's shape with the sensitivity measured now at the probe width: the curve's value there.
@@ -292,7 +293,7 @@ class GactEstimator(_Measuring):
         records = [r for r in path.stats.records if r.allocated]
         choices, bits = path.plan.choices, self.config.probe_bits
         self._context = {r.key.slot: _context(r, choices.get(r.key.slot), self._read, bits) for r in records}
-        self._widths = {r.key.slot: _stored_width(r) for r in records}
+        self._stored = {r.key.slot: _stored(r, choices.get(r.key.slot), self._read, bits) for r in records}
         return [r.key.slot for r in records]
 
     def _set_probe(self, probe: Probe | None) -> None:
@@ -336,20 +337,33 @@ def _context(record: KeyRecord, choice: Choice | None, measured: dict, probe_bit
         return variance_factor(record.bits)
     if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
         return None
+    return _normal_noise(record, choice, measured, probe_bits)
+
+
+def _stored(record: KeyRecord, choice: Choice | None, measured: dict, probe_bits: int) -> tuple | None:
+    """How a save is stored when nothing is probed, where a probe can store it so too, whatever its op's backward
+    (``sensitivity.py``'s ``stored_of``: probed in that form against the base pass, a pair's second draw): ``(bits,
+    None, S(b))`` for uniform codes, ``(bits, choice, S(probe) V(choice) / V(uniform at the probe width))`` for the
+    normal scheme's (the stored errors the meter measured in the same pass). ``None``: kept as it is, FewBit codes
+    (class ``smooth``), a sketch or per-sample widths, bfloat16 rounding at 16 bits."""
+    if record.cls not in QUANTIZED or record.reason or record.bits is None or record.bits > 8:
+        return None
+    if not record.form:
+        return record.bits, None, variance_factor(record.bits)
+    if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
+        return None
+    x = _normal_noise(record, choice, measured, probe_bits)
+    return None if x is None else (record.bits, choice, x)
+
+
+def _normal_noise(record: KeyRecord, choice: Choice, measured: dict, probe_bits: int) -> float | None:
+    """The normal scheme's stored noise of a save, in units of ``S(b)``: ``S(probe) V(choice) / V(uniform at the
+    probe width)``, what the allocator prices it at (``None`` where the meter measured no reference)."""
     errors = measured.get(record.key.slot, {})
     reference, stored = errors.get(Choice(probe_bits)), errors.get(choice)
-    if not reference or stored is None or not math.isfinite(stored):
+    if not reference or stored is None or not math.isfinite(stored) or stored <= 0:
         return None
     return variance_factor(probe_bits) * stored / reference
-
-
-def _stored_width(record: KeyRecord) -> int | None:
-    """The width of the uniform codes a save is stored as when nothing is probed, whatever its op's backward
-    (``sensitivity.py``'s ``width_of``: a probe at that width against the base pass is a pair's second draw), or
-    ``None``: kept as it is, another scheme, FewBit codes (class ``smooth``), bfloat16 rounding at 16 bits."""
-    if record.cls not in QUANTIZED or record.reason or record.form or record.bits is None or record.bits > 8:
-        return None
-    return record.bits
 
 
 class ActnnEstimator(_Measuring):

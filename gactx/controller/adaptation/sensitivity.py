@@ -12,8 +12,9 @@ whose effect on the gradient is measured rather than predicted (a row sketch: ``
 op's backward is linear in it and whose stored noise in these passes is known (``context_of``: ``S(b)`` of uniform
 codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, against one base pass with nothing
 probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
-(:data:`BASE`). Any tensor probed at the width it is stored at already as uniform codes takes one pass against the base
-too, whatever its op's backward: the base's draw of it is a pair's other draw (:data:`STORED_BASE`). Tensors whose
+(:data:`BASE`). Any other tensor stored in a form a probe can store too (uniform codes, the normal scheme's) takes one
+pass in that form against the base, whatever its op's backward: the base's draw of it is a pair's other draw
+(:data:`STORED_BASE`). Tensors whose
 noise reaches only their own weights' gradients are probed all at once (:func:`_probe_together`), by a pair or against
 the base.
 
@@ -53,8 +54,9 @@ CURVE_WIDTHS = (1, 4)
 # Probe a tensor whose stored noise in the pass is known in one pass against a shared base pass, not a pair (see
 # estimate_sensitivities); False: every tensor by pairs.
 BASE = True
-# A width a slot is stored at already when nothing is probed (uniform codes, any class) is probed in one pass against
-# the base, not a pair (estimate_sensitivities' ``width_of``); False: a pair.
+# A slot stored when nothing is probed in a form a probe can store too (uniform codes, the normal scheme's; any class)
+# is probed in one pass against the base, in that form, not by a pair (estimate_sensitivities' ``stored_of``); False:
+# a pair.
 STORED_BASE = True
 
 
@@ -128,7 +130,8 @@ def estimate_sensitivities(
     curved: Callable[[Hashable], bool] | None = None,
     weights_of: Callable[[Hashable], tuple] | None = None,
     context_of: Callable[[Hashable], float | None] | None = None,
-    width_of: Callable[[Hashable], int | None] | None = None,
+    stored_of: Callable[[Hashable], tuple[int, object, float] | None] | None = None,
+    shape_of: Callable[[Hashable], tuple[float, float] | None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -141,10 +144,14 @@ def estimate_sensitivities(
     variance, in units of ``S(b)``, of what the slot stores when nothing is probed (``S(b)`` of uniform codes at ``b``
     bits, 0 where it is stored as it is), or ``None`` where that is not known (another scheme): a slot probed at one
     width whose context is known takes one pass, against a base pass of the context (:data:`BASE`), not a pair.
-    ``width_of(slot)``: the width of the uniform codes the slot stores when nothing is probed (any class), or ``None``:
-    a width it is probed at that is that one takes one pass against the base too, whatever its op's backward (the
-    base's draw of the tensor is the pair's other draw: the same distribution, so the gradient's mean does not move
-    between them and ``||g - g_base||^2`` is twice the variance at that width, as a pair's is)."""
+    ``stored_of(slot)``: how the slot is stored when nothing is probed, ``(bits, choice, x)`` (``choice`` ``None`` for
+    uniform codes, else the normal scheme's; ``x`` its noise in units of ``S(b)``), or ``None`` (a form a probe cannot
+    store: FewBit codes, a sketch). Whatever its op's backward, the slot is then probed in that form against the base
+    instead of a pair: the base's draw of the tensor is the pair's other draw, from the same distribution, so the
+    gradient's mean does not move between them and ``||g - g_base||^2`` is twice the variance ``v`` there, as a pair's
+    is. A slot probed at one width gets ``C = v / (a x + q x**2)``, ``(a, q)`` its curve's shape (``shape_of(slot)``, a
+    normalisation input's kept curve) or ``(1, 0)``; one whose curve is fitted at two widths takes that pass where a
+    width is the one its uniform codes have."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
@@ -159,9 +166,12 @@ def estimate_sensitivities(
         # A slot probed at one width whose context is known: one pass against the base (BASE), else a pair.
         context = {s: context_of(s) for s in slots} if BASE and context_of is not None else {}
         single = {s for s in slots if plans[s][0] == (probe_bits,) and context.get(s) is not None}
-        # Else a width the slot is stored at when nothing is probed: that width's probe against the base, not a pair.
-        stored = {s: width_of(s) for s in slots if s not in single} if BASE and STORED_BASE and width_of else {}
-        based = {s: w for s, w in stored.items() if w is not None and w in plans[s][0]}
+        # Else the form it is stored in when nothing is probed, where a probe can store it so: against the base.
+        stored = {s: stored_of(s) for s in slots if s not in single} if BASE and STORED_BASE and stored_of else {}
+        based = {
+            s: form for s, form in stored.items()
+            if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0])
+        }  # fmt: skip
         blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
         together = len(blocks) > 1
         alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
@@ -202,10 +212,17 @@ def estimate_sensitivities(
                 set_probe(Probe(slot, probe_bits, seed_of(slot, 1)))
                 diff = _gradient(model, backprop, snapshot) - base
                 raw[slot] = float(diff.dot(diff)) / (variance_factor(probe_bits) + context[slot])
+            elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
+                bits, choice, x = based[slot]
+                set_probe(Probe(slot, bits, seed_of(slot, 1), choice))
+                diff = _gradient(model, backprop, snapshot) - base
+                a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
+                shape = a * x + q * x * x
+                raw[slot] = 0.5 * float(diff.dot(diff)) / shape if shape > 0 else math.inf
             else:
                 variance = {}
                 for k, bits in enumerate(widths):
-                    if based.get(slot) == bits:  # the base's draw at this width is the pair's other one
+                    if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
                         set_probe(Probe(slot, bits, seed_of(slot, 2 * k + 1)))
                         diff = _gradient(model, backprop, snapshot) - base
                         variance[bits] = 0.5 * float(diff.dot(diff))
