@@ -433,6 +433,19 @@ def _transformer_layer():
     return model, run, loss
 
 
+def _first_adaptation_without_and_with(monkeypatch, module, switch: str) -> dict:
+    """``{on: (sensitivities, passes, gradient error)}`` of the zoo transformer layer's first adaptation with the
+    module's switch off and on."""
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(module, switch, on)
+        model, run, loss = _transformer_layer()
+        controller = _adapted(model, loss)
+        error = _gradient_error(model, run, controller, draws=4)
+        results[on] = (controller.sensitivity, controller.last_adaptation.passes, error)
+    return results
+
+
 def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer_layer(monkeypatch):
     """``estimators.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the second
     around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside the linear
@@ -444,13 +457,7 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import estimators
 
-    results = {}
-    for free in (False, True):
-        monkeypatch.setattr(estimators, "FREE_FIRST", free)
-        model, run, loss = _transformer_layer()
-        controller = _adapted(model, loss)
-        error = _gradient_error(model, run, controller, draws=4)
-        results[free] = (controller.sensitivity, controller.last_adaptation.passes, error)
+    results = _first_adaptation_without_and_with(monkeypatch, estimators, "FREE_FIRST")
     (gact, more, before), (free, fewer, after) = results[False], results[True]
     assert gact.keys() == free.keys() and fewer <= 0.8 * more
     slots = sorted(gact)
@@ -546,13 +553,7 @@ def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeyp
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import estimators
 
-    results = {}
-    for keep in (False, True):
-        monkeypatch.setattr(estimators, "KEEP_CALIBRATION", keep)
-        model, run, loss = _transformer_layer()
-        controller = _adapted(model, loss)
-        error = _gradient_error(model, run, controller, draws=4)
-        results[keep] = (controller.sensitivity, controller.last_adaptation.passes, error)
+    results = _first_adaptation_without_and_with(monkeypatch, estimators, "KEEP_CALIBRATION")
     (measured, more, before), (kept, fewer, after) = results[False], results[True]
     assert measured.keys() == kept.keys() and fewer < more
     slots = sorted(measured)
