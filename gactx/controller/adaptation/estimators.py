@@ -203,7 +203,7 @@ class GactEstimator(_Measuring):
             self._probed_choices, fitted if self.path.plan.allocation else _straight,
             lambda slot: self._weights_of(slot, modules),
             # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
-            # scaled by S(b) (a pair at the probe width instead: the kept curve is the variance there times S)
+            # scaled by S(b) (probed in the form it is stored in instead, read on its kept curve)
             lambda slot: None if slot in kept else self._context.get(slot),
             lambda slot: self._stored.get(slot),  # filled by the first pass too
             kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve

@@ -14,9 +14,8 @@ codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, agai
 probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
 (:data:`BASE`). Any other tensor stored in a form a probe can store too (uniform codes, the normal scheme's) takes one
 pass in that form against the base, whatever its op's backward: the base's draw of it is a pair's other draw
-(:data:`STORED_BASE`). Tensors whose
-noise reaches only their own weights' gradients are probed all at once (:func:`_probe_together`), by a pair or against
-the base.
+(:data:`STORED_BASE`). Tensors whose noise reaches only their own weights' gradients are probed all at once
+(:func:`_probe_together`), by a pair or against the base.
 
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
