@@ -27,12 +27,19 @@ def test_the_peak_counts_temporaries_not_what_is_left():
     assert meter.method == "profiler allocation events"
 
 
-def test_frees_of_older_tensors_count_where_their_size_is_known():
-    """In a child process: the allocator keeps the sizes a profiler saw by address, and one that an earlier region of
-    this process saw at the same address, freed outside any region, would size the unseen free (gactx/memory.py)."""
+def _child(code: str, *unset: str):
+    """``code`` run by a new Python process (its allocator, profiler and C++ log state its own), without the
+    environment variables ``unset``: the finished process."""
     import subprocess
     import sys
 
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_frees_of_older_tensors_count_where_their_size_is_known():
+    """In a child process: the allocator keeps the sizes a profiler saw by address, and one that an earlier region of
+    this process saw at the same address, freed outside any region, would size the unseen free (gactx/memory.py)."""
     code = (
         "import torch, gactx\n"
         f"MIB = {MIB}\n"
@@ -48,8 +55,7 @@ def test_frees_of_older_tensors_count_where_their_size_is_known():
         "    y = torch.empty(MIB, dtype=torch.uint8)  # +1 MiB: never above the start\n"
         "assert meter.peak == 0, meter.peak\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    done = _child(code, "KINETO_LOG_LEVEL")
     assert done.returncode == 0, done.stderr
 
 
@@ -74,8 +80,6 @@ def test_cuda_peak_is_the_allocators():
 def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
     """Kineto prints lines of its own to the process's stderr as the profiler starts and stops; the meter takes those
     out (a child process: they are written from C++, to file descriptor 2)."""
-    import subprocess
-    import sys
 
     code = (
         "import sys, torch, gactx\n"
@@ -86,8 +90,7 @@ def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
         "        print('written by the region', file=sys.stderr)\n"
         "    assert meter.peak > 0\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    done = _child(code, "KINETO_LOG_LEVEL")
     assert done.returncode == 0, done.stderr
     assert done.stderr == "written by the region\n" * 2
 
@@ -97,9 +100,6 @@ def test_the_cpu_meter_holds_back_the_allocators_notice_of_a_free_it_cannot_size
     allocator log "Memory block of unknown size was allocated before the profiling started" to stderr; the meter
     holds back C++ log messages below ERROR inside the region, and sets the level back after it (a child process:
     the notice is written once a process)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch, gactx\n"
         "from gactx.memory import _cpp_log_flag\n"
@@ -112,7 +112,6 @@ def test_the_cpu_meter_holds_back_the_allocators_notice_of_a_free_it_cannot_size
         "    assert meter.peak >= 64 * 64 * 4\n"
         "assert level is None or _cpp_log_flag().value == level, 'the level is set back'\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    done = _child(code, "KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")
     assert done.returncode == 0, done.stderr
     assert "unknown size" not in done.stderr and done.stderr == ""
