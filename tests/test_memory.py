@@ -80,7 +80,6 @@ def test_cuda_peak_is_the_allocators():
 def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
     """Kineto prints lines of its own to the process's stderr as the profiler starts and stops; the meter takes those
     out (a child process: they are written from C++, to file descriptor 2)."""
-
     code = (
         "import sys, torch, gactx\n"
         "x = torch.randn(256, 256, requires_grad=True)\n"
