@@ -184,10 +184,7 @@ class PackPath:
 
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
-        try:
-            ptr = t.untyped_storage().data_ptr()  # storage_ptr(t), without its call: every save
-        except (RuntimeError, NotImplementedError, TypeError):
-            ptr = None
+        ptr = storage_ptr(t)
         ptrs = self._ptrs
         if ptrs is None:
             ptrs = self._ptrs = self._model_storages()

@@ -74,8 +74,6 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     fn = t.grad_fn
     if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):
         return KEEP_PARAMETER
-    if t.dtype in _PACKED and t.numel() >= min_numel:  # value_reason's None, without its call: most saves
-        return None
     return value_reason(t, min_numel)
 
 
@@ -86,7 +84,7 @@ def value_reason(t: torch.Tensor, min_numel: int) -> str | None:
     """Why ``t`` is kept for what it holds: not floating point (nor bool), float64, or fewer than ``min_numel``
     elements; else ``None``. (Eager saves and compiled graphs' alike.)"""
     dtype = t.dtype
-    if dtype not in FLOAT_DTYPES and dtype != torch.bool:
+    if dtype not in _PACKED:
         return f"dtype {str(dtype).removeprefix('torch.')}"
     if t.numel() < min_numel:
         return "small"

@@ -153,12 +153,11 @@ class PassStats:
     def record_new(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
         """:meth:`record` of a compressed save whose storage no save of the pass holds, stored as the save of ``like``
         was (a replayed save, see ``replay.py``): its record, ``like`` itself where nothing differs."""
-        base = t._base
-        span = (0, t.untyped_storage().nbytes()) if base is None else counted_range(t)  # no view: all its storage
+        span = counted_range(t)
         covered = span[1] - span[0]
         self.storages += 1
         number = self.storages
-        self.live[ptr] = (weakref.ref(t if base is None else base), [span] if covered > 0 else [], number)
+        self.live[ptr] = (weakref.ref(t if t._base is None else t._base), [span] if covered > 0 else [], number)
         self.kept_ranges.pop(ptr, None)
         record = like
         if like.storage != number or like.storage_bytes != covered:  # like.key == key: replays are by key

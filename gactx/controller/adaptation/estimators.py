@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["ActnnEstimator", "Estimator", "GactEstimator", "ProgressLog", "make_estimator"]
 
 Progress = Callable[[int, int], None]
-QUANTIZED = ("linear", "linear (op unknown)", "attention")  # allocated classes stored as uniform codes (not FewBit)
 # True: the first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is
 # ActNN's, read in one pass of the closure, instead of GACT's, a pass or two a tensor. Off: on the 15 models of
 # benchmarks.schemes it cut the first adaptation's passes by 22% to 45% at the same gradient error (within 5%), but
@@ -66,8 +65,8 @@ KEEP_CURVES = True
 # is measured once, in the first estimate, and kept as a ratio to the prediction, which later estimates make afresh
 # (GactEstimator); False: three pairs of passes each estimate.
 KEEP_CALIBRATION = True
-# A linear tensor stored under the normal scheme is probed in one pass against the base, its stored noise priced as
-# the allocator prices it (_context); False: by a pair.
+# A tensor stored under the normal scheme has a known noise, priced as the allocator prices it (_stored): a linear one
+# is probed in one pass against the base like one stored as uniform codes; False: by a pair.
 NORMAL_CONTEXT = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
@@ -292,8 +291,8 @@ class GactEstimator(_Measuring):
         self._read = self.meter.read() if self.meter is not None else {}
         records = [r for r in path.stats.records if r.allocated]
         choices, bits = path.plan.choices, self.config.probe_bits
-        self._context = {r.key.slot: _context(r, choices.get(r.key.slot), self._read, bits) for r in records}
         self._stored = {r.key.slot: _stored(r, choices.get(r.key.slot), self._read, bits) for r in records}
+        self._context = {r.key.slot: _context(r, self._stored[r.key.slot]) for r in records}
         return [r.key.slot for r in records]
 
     def _set_probe(self, probe: Probe | None) -> None:
@@ -318,52 +317,39 @@ def _straight(slot: Slot) -> bool:
     return False
 
 
-def _context(record: KeyRecord, choice: Choice | None, measured: dict, probe_bits: int) -> float | None:
+def _context(record: KeyRecord, stored: tuple | None) -> float | None:
     """The variance of what a save stores when nothing is probed, in units of ``S(b)`` (``sensitivity.py``'s
     ``context_of``), for a save whose op's backward is linear in it (class ``linear``): 0 where it is stored as it is,
-    ``S(b)`` of uniform codes at ``b`` bits; under the normal scheme (``choice``, the plan's), what the allocator prices
-    it at: ``S(probe) V(choice) / V(uniform at the probe width)``, the stored errors the meter ``measured`` in the same
-    pass (its noise, per group like uniform codes', spreads over the rows alike). ``None`` for anything else: another
-    scheme (a sketch, per-sample widths: rows stored unlike), bfloat16 rounding at 16 bits, and a backward that is not
-    linear in the save (attention's probabilities), where the gradient's mean moves with the width, so that one pass
-    against another width measures that move too, and a pair at one width does not."""
+    else the noise of the form it is ``stored`` in (:func:`_stored`: uniform codes, the normal scheme's, whose noise
+    spreads over the rows alike). ``None`` for anything else: another scheme (a sketch, per-sample widths: rows stored
+    unlike), bfloat16 rounding at 16 bits, and a backward that is not linear in the save (attention's probabilities),
+    where the gradient's mean moves with the width, so that one pass against another width measures that move too,
+    and a pair at one width does not."""
     if record.cls != "linear":
         return None
     if record.reason == AS_IS:
         return 0.0
-    if record.reason or record.bits is None or record.bits > 8:
-        return None
-    if not record.form:
-        return variance_factor(record.bits)
-    if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
-        return None
-    return _normal_noise(record, choice, measured, probe_bits)
+    return None if stored is None else stored[2]
 
 
 def _stored(record: KeyRecord, choice: Choice | None, measured: dict, probe_bits: int) -> tuple | None:
-    """How a save is stored when nothing is probed, where a probe can store it so too, whatever its op's backward
-    (``sensitivity.py``'s ``stored_of``: probed in that form against the base pass, a pair's second draw): ``(bits,
-    None, S(b))`` for uniform codes, ``(bits, choice, S(probe) V(choice) / V(uniform at the probe width))`` for the
-    normal scheme's (the stored errors the meter measured in the same pass). ``None``: kept as it is, FewBit codes
-    (class ``smooth``), a sketch or per-sample widths, bfloat16 rounding at 16 bits."""
-    if record.cls not in QUANTIZED or record.reason or record.bits is None or record.bits > 8:
+    """How an allocated save is stored when nothing is probed, where a probe can store it so too, whatever its op's
+    backward (``sensitivity.py``'s ``stored_of``: probed in that form against the base pass, a pair's second draw):
+    ``(bits, None, S(b))`` for uniform codes; for the normal scheme's (``choice``, the plan's), ``(bits, choice, x)``
+    with ``x = S(probe) V(choice) / V(uniform at the probe width)``, what the allocator prices it at, from the stored
+    errors the meter ``measured`` in the same pass. ``None``: kept as it is, FewBit codes (class ``smooth``), a sketch
+    or per-sample widths, bfloat16 rounding at 16 bits, no reference measured."""
+    if record.cls == "smooth" or record.reason or record.bits is None or record.bits > 8:
         return None
     if not record.form:
         return record.bits, None, variance_factor(record.bits)
     if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
         return None
-    x = _normal_noise(record, choice, measured, probe_bits)
-    return None if x is None else (record.bits, choice, x)
-
-
-def _normal_noise(record: KeyRecord, choice: Choice, measured: dict, probe_bits: int) -> float | None:
-    """The normal scheme's stored noise of a save, in units of ``S(b)``: ``S(probe) V(choice) / V(uniform at the
-    probe width)``, what the allocator prices it at (``None`` where the meter measured no reference)."""
     errors = measured.get(record.key.slot, {})
-    reference, stored = errors.get(Choice(probe_bits)), errors.get(choice)
-    if not reference or stored is None or not math.isfinite(stored) or stored <= 0:
+    reference, error = errors.get(Choice(probe_bits)), errors.get(choice)
+    if not reference or error is None or not math.isfinite(error) or error <= 0:
         return None
-    return variance_factor(probe_bits) * stored / reference
+    return record.bits, choice, variance_factor(probe_bits) * error / reference
 
 
 class ActnnEstimator(_Measuring):
