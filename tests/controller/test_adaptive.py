@@ -435,7 +435,11 @@ def _transformer_layer():
 
 def _first_adaptation_without_and_with(monkeypatch, module, switch: str) -> dict:
     """``{on: (sensitivities, passes, gradient error)}`` of the zoo transformer layer's first adaptation with the
-    module's switch off and on."""
+    module's switch off and on; no tensors probed in groups (``groups.GROUPED``: its own test), whose profiles one
+    side's first estimate may not measure."""
+    from gactx.controller.adaptation import groups
+
+    monkeypatch.setattr(groups, "GROUPED", False)
     results = {}
     for on in (False, True):
         monkeypatch.setattr(module, switch, on)
@@ -499,10 +503,12 @@ def test_a_tensor_probed_in_the_form_it_is_stored_in_takes_one_pass_against_the_
     """Where a tensor is stored in a form a probe can store too (uniform codes, the normal scheme's; here among them
     attention's probabilities at 4 bits, whose backward is not linear in them), it is probed in that form against the
     base pass, whose draw of it is a pair's second draw: one pass instead of a pair, the pairs' sensitivities within
-    their own noise (``sensitivity.STORED_BASE``)."""
+    their own noise (``sensitivity.STORED_BASE``; no tensors probed in groups, which take the tensors probed against
+    the base: ``groups.GROUPED``, its own test)."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import sensitivity
+    from gactx.controller.adaptation import groups, sensitivity
 
+    monkeypatch.setattr(groups, "GROUPED", False)
     results = {}
     for same in (False, True):
         monkeypatch.setattr(sensitivity, "STORED_BASE", same)

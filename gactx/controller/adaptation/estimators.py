@@ -39,6 +39,7 @@ from gactx.controller.adaptation.choices import (
     predicted_sketch_variance,
 )
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
+from gactx.controller.adaptation.groups import Profiles
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
 from gactx.controller.adaptation.widths import variance_factor
 from gactx.controller.identity import ModuleTracker, Slot
@@ -161,6 +162,7 @@ class GactEstimator(_Measuring):
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
         self._calibrations: dict[Slot, float] = {}  # the sketch calibrations last measured (KEEP_CALIBRATION)
         self._read: dict | None = None  # what the meter measured in the estimate's first pass (_discover)
+        self._profiles: Profiles | None = None  # where each tensor's noise landed in the gradient (groups.py)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated else 2
@@ -206,7 +208,9 @@ class GactEstimator(_Measuring):
             lambda slot: None if slot in kept else self._context.get(slot),
             lambda slot: self._stored.get(slot),  # filled by the first pass too
             kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
+            self._profiles,
         )  # fmt: skip
+        self._profiles = estimate.profiles
         if self.path.plan.allocation:
             # A kept curve's shape with the sensitivity measured now at the probe width: the curve's value there.
             reused = {s: c for s, c in kept.items() if s in estimate.sensitivity}

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gactx.controller.adaptation.groups import Profiles, layout_of, parts, probe_in_groups
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
@@ -81,6 +82,7 @@ class Estimate:
     # slot -> rho: a LayerNorm input's normalized noise at S(b) = 1 over its values' variance (ActNN's estimator)
     ratios: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # slot -> {choice: its stored error} (choices.ChoiceMeter)
+    profiles: Profiles | None = None  # where each probed tensor's noise landed in the gradient (groups.py)
 
 
 class ModelSnapshot:
@@ -131,6 +133,7 @@ def estimate_sensitivities(
     context_of: Callable[[Hashable], float | None] | None = None,
     stored_of: Callable[[Hashable], tuple[int, object, float] | None] | None = None,
     shape_of: Callable[[Hashable], tuple[float, float] | None] | None = None,
+    profiles: Profiles | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -150,11 +153,23 @@ def estimate_sensitivities(
     gradient's mean does not move between them and ``||g - g_base||^2`` is twice the variance ``v`` there, as a pair's
     is. A slot probed at one width gets ``C = v / (a x + q x**2)``, ``(a, q)`` its curve's shape (``shape_of(slot)``, a
     normalisation input's kept curve) or ``(1, 0)``; one whose curve is fitted at two widths takes that pass where a
-    width is the one its uniform codes have."""
+    width is the one its uniform codes have. ``profiles``: the last estimate's (:attr:`Estimate.profiles`); slots
+    probed in one pass against the base whose profiles were kept are probed in groups (``groups.py``)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
         slots = discover(lambda: _gradient(model, backprop, snapshot))
+        layout, sizes = layout_of(model)
+        shares: dict = {}  # slot -> its profile, where it was probed alone now
+
+        def landed(slot: Hashable, diff: torch.Tensor) -> torch.Tensor:
+            """Keep where ``diff`` (the slot's noise alone) landed, as the slot's profile."""
+            part = parts(diff, sizes)
+            whole = float(part.sum())
+            if whole > 0 and math.isfinite(whole):
+                shares[slot] = part / whole
+            return diff
+
         plans = {
             slot: (
                 CURVE_WIDTHS if curved is not None and curved(slot) else (probe_bits,),
@@ -202,6 +217,32 @@ def estimate_sensitivities(
             else:
                 raw.update(found[0])
                 probed.update(found[1])
+        if base is not None:  # slots probed in one pass against the base, with their profiles kept: in groups
+            alone = {}
+            for s in plans:
+                if s in raw or plans[s][1]:
+                    continue
+                if s in single:
+                    alone[s] = (Probe(s, probe_bits, seed_of(s, 1)), variance_factor(probe_bits) + context[s])
+                elif s in based and len(plans[s][0]) == 1:
+                    bits, choice, x = based[s]
+                    a, q = (shape_of(s) if shape_of is not None else None) or (1.0, 0.0)
+                    alone[s] = (Probe(s, bits, seed_of(s, 1), choice), 2.0 * (a * x + q * x * x))
+
+            ran = [passes]
+
+            def run(probes: dict) -> torch.Tensor:
+                if progress is not None:
+                    progress(ran[0], total)
+                ran[0] += 1
+                set_probe(probes)
+                return parts(_gradient(model, backprop, snapshot) - base, sizes)
+
+            found, fresh, runs = probe_in_groups(alone, profiles, layout, run)
+            raw.update(found)
+            shares.update(fresh)
+            passes += runs
+            total += runs - sum(cost[s] for s in found)
         for slot, (widths, pairs) in plans.items():
             if slot in raw:
                 continue
@@ -209,12 +250,12 @@ def estimate_sensitivities(
                 progress(passes, total)
             if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
                 set_probe(Probe(slot, probe_bits, seed_of(slot, 1)))
-                diff = _gradient(model, backprop, snapshot) - base
+                diff = landed(slot, _gradient(model, backprop, snapshot) - base)
                 raw[slot] = float(diff.dot(diff)) / (variance_factor(probe_bits) + context[slot])
             elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
                 bits, choice, x = based[slot]
                 set_probe(Probe(slot, bits, seed_of(slot, 1), choice))
-                diff = _gradient(model, backprop, snapshot) - base
+                diff = landed(slot, _gradient(model, backprop, snapshot) - base)
                 a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
                 shape = a * x + q * x * x
                 raw[slot] = 0.5 * float(diff.dot(diff)) / shape if shape > 0 else math.inf
@@ -223,14 +264,14 @@ def estimate_sensitivities(
                 for k, bits in enumerate(widths):
                     if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
                         set_probe(Probe(slot, bits, seed_of(slot, 2 * k + 1)))
-                        diff = _gradient(model, backprop, snapshot) - base
+                        diff = landed(slot, _gradient(model, backprop, snapshot) - base)
                         variance[bits] = 0.5 * float(diff.dot(diff))
                         continue
                     grads = []
                     for j in (1, 2):
                         set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
                         grads.append(_gradient(model, backprop, snapshot))
-                    diff = grads[0] - grads[1]
+                    diff = landed(slot, grads[0] - grads[1])
                     variance[bits] = 0.5 * float(diff.dot(diff))  # a host read, outside any hook: once per pair
                 if len(widths) == 1:
                     raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
@@ -251,7 +292,9 @@ def estimate_sensitivities(
         set_probe(None)
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
-    return Estimate(cap(raw), passes, time.perf_counter() - start, probed, curves)
+    kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout, sizes)
+    profiles = Profiles(layout, sizes, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
+    return Estimate(cap(raw), passes, time.perf_counter() - start, probed, curves, profiles=profiles)
 
 
 def _blocks(model: nn.Module, weights: dict) -> dict:
