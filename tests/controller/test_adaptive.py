@@ -67,9 +67,10 @@ def test_linear_and_convolution_inputs_probed_together_measure_what_each_alone_d
     """Their noise reaches only their own weights' gradients: two passes for all of them give each one's sensitivity
     (and each sketch's calibration), the numbers probing them one at a time gives, in fewer passes."""
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import sensitivity
+    from gactx.controller.adaptation import groups, sensitivity
     from gactx.controller.adaptation.estimators import GactEstimator
 
+    monkeypatch.setattr(groups, "GROUPED", False)  # alone means alone: no tensors probed in groups either
     # Pairs for every tensor: with a base pass, whether it runs depends on how many passes it saves, which probing
     # together changes (test_a_linear_tensor_is_probed_in_one_pass_against_a_base covers it).
     monkeypatch.setattr(sensitivity, "BASE", False)
@@ -103,8 +104,9 @@ def test_same_seed_same_sensitivities_and_bits():
 
 
 def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
-    from gactx.controller.adaptation import sensitivity
+    from gactx.controller.adaptation import groups, sensitivity
 
+    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes below are counted so
     monkeypatch.setattr(sensitivity, "BASE", False)  # pairs only: the passes below are counted so
     (x, y), _ = digits_data()
     torch.manual_seed(0)
@@ -310,26 +312,24 @@ def test_an_adaptation_logs_one_line_with_its_cost(caplog, monkeypatch):
 
 
 def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
-    """Past PROGRESS_SECONDS (3 s; 0 here, so that every slot logs) an adaptation says how far it is, then its
-    cost as usual."""
+    """Past PROGRESS_SECONDS (3 s; 0 here, so that every pass logs) an adaptation says how far it is, then its
+    cost as usual: before each pass (the linear layers' inputs probed together log none of theirs), the passes run
+    and the passes the estimate will take, which the last line of each estimate gives exactly."""
     import gactx.controller.adaptation.estimators as estimators_module
 
     monkeypatch.setattr(estimators_module, "PROGRESS_SECONDS", 0.0)
     lines, controller = _adaptation_log(caplog)
-    total = controller.last_adaptation.passes
-    together = sum(controller.weight_only(slot) for slot in controller.sensitivity)
-    slots = len(controller.sensitivity) - together + (together > 1)  # the tensors probed together log once
-    assert together > 1 and slots >= 2
-    assert len(lines) == 2 * slots + 1 and "budget" in lines[-1]  # the first adaptation estimates twice
-    done = []
-    for k in (1, 2):
+    assert len(lines) >= 5 and "budget" in lines[-1]
+    done = {1: [], 2: []}  # the first adaptation estimates twice
+    for line in lines[:-1]:
+        k = 1 if "estimate 1 of 2: " in line else 2
         prefix = f"gactx adaptation at step 1, estimate {k} of 2: "
-        rows = lines[(k - 1) * slots : k * slots]
-        assert all(line.startswith(prefix) and " passes of the closure, " in line for line in rows)
-        done.append([tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))) for line in rows])
-    # passes run before each slot: the pass that found them, and the base pass where one runs (sensitivity.BASE)
-    assert all(d[0][0] in (1, 2) for d in done)
-    assert sum(d[0][1] for d in done) == total  # each estimate's total: together, the adaptation's passes
+        assert line.startswith(prefix) and " passes of the closure, " in line
+        done[k].append(tuple(map(int, line[len(prefix) :].split(" passes")[0].split(" of "))))
+    for rows in done.values():
+        assert rows[0][0] == 1 and all(a[0] < b[0] for a, b in zip(rows, rows[1:], strict=False))
+        assert all(d < total for d, total in rows)
+    assert done[1][-1][1] + done[2][-1][1] == controller.last_adaptation.passes
 
 
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
@@ -475,9 +475,10 @@ def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     again (on ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99). Counted with pairs (a
     tensor probed in the form it is stored in against the base: its own test)."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import estimators, sensitivity
+    from gactx.controller.adaptation import estimators, groups, sensitivity
 
     monkeypatch.setattr(sensitivity, "STORED_BASE", False)
+    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes are counted so
     results = {}
     for keep in (False, True):
         monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
@@ -540,8 +541,9 @@ def test_the_second_estimate_of_a_first_adaptation_reads_the_widths_the_first_al
     widths are those of the second estimate's own first pass (a table read when its estimate began held the last
     pass's, the default width everywhere: no pass fewer)."""
     from benchmarks.workloads import build
-    from gactx.controller.adaptation import sensitivity
+    from gactx.controller.adaptation import groups, sensitivity
 
+    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes are compared so
     passes = {}
     for same in (False, True):
         monkeypatch.setattr(sensitivity, "STORED_BASE", same)

@@ -1,20 +1,20 @@
-"""Several tensors probed in one pass, told apart by where in the gradient their noise lands.
+"""Several tensors probed in the same passes, told apart by where in the gradient their noise lands.
 
-A tensor probed alone against the base pass (``sensitivity.py``) leaves ``||g - g_base||^2`` spread over the
-parameters' gradients in a pattern of its own: its *profile*, the share of that squared distance in each parameter's
-gradient. The input of a block's last normalisation reaches that block's weights and everything before it; the
-probabilities of a head's attention reach its projections first. An estimate keeps each tensor's profile, and a later
-one probes tensors whose profiles overlap little in one pass: their noises are independent, so their variances add in
-every parameter's gradient, ``D_j = sum_i s_i u_ij``, where ``u_ij`` is what tensor ``i`` put in parameter ``j`` last
-time, rescaled to the noise it is probed at now, and ``s_i`` how much its sensitivity moved since. The scales are the
-weighted least-squares solution of those equations, each parameter's equation weighted by one over what it is expected
-to hold (its noise is relative).
+A tensor probed alone (``sensitivity.py``: a pass against the base, or a pair) leaves a squared distance between two
+gradients spread over the parameters' gradients in a pattern of its own: its *profile*, the share of that squared
+distance in each parameter's gradient. The input of a block's last normalisation reaches that block's weights and
+everything before it; the probabilities of a head's attention reach its projections first. An estimate keeps each
+tensor's profile, and a later one (or a later measurement of the same estimate: a storage choice's pairs after the
+tensor's own pass) probes tensors whose profiles overlap little in the same passes, each with the seeds it would have
+alone: their noises are independent, so their variances add in every parameter's gradient, ``D_j = sum_i s_i u_ij``,
+where ``u_ij`` is what tensor ``i`` is expected to put in parameter ``j`` (its profile times its last sensitivity, at
+the noise it is probed at now) and ``s_i`` how far that is off. The scales are the maximum-likelihood solution of
+those equations as a mixture of independent squared distances (:func:`_scales`).
 
 Tensors go together only where each keeps most of what it puts in the gradient to itself (:data:`PURITY`): a
 tensor's purity in a group is ``sum_j u_ij^2 / sum_k u_kj`` over ``sum_j u_ij``, 1 where no other member reaches its
-parameters. A group whose solution is not positive, or whose pass puts a sizeable share of its squared distance where
-no member is expected (:data:`UNEXPLAINED`: a profile that no longer holds), is probed alone, tensor by tensor, and
-their profiles measured afresh.
+parameters. Where the passes do not bear the solution out (:func:`_fit`), the members they name are measured alone, and
+their profiles afresh (:func:`probe_in_groups`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GROUPED", "PURITY", "UNEXPLAINED", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups", "solve",
+    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
+    "solve",
 ]  # fmt: skip
 
-# Probe tensors with kept profiles in groups (estimate_sensitivities); False: each alone, as in the first estimate.
+# Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
 GROUPED = True
-# The least purity every member of a group keeps (module docstring). On the character-level transformer, BERT-base
-# and ResNet-50 (small), 0.6 put 18, 18 and 53 tensors into 7, 8 and 36 passes, and the sensitivities' spread from an
-# independent estimate was what two estimates of tensors probed alone show (docs/adaptive.md).
+# The least purity every member of a group keeps (module docstring). Chosen on a later adaptation of the
+# character-level transformer, BERT-base, ResNet-50 and the LoRA decoder (small) with the passes against the base: 0.6
+# put 18, 18, 53 and 38 tensors into 7, 8, 36 and 13 passes, the sensitivities as far from an independent estimate as
+# two estimates alone are; at 0.4 some members' estimates fell to nothing.
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
@@ -97,8 +99,7 @@ def _fit(expected: list[torch.Tensor], measured: torch.Tensor, purity: float) ->
     whole = float(measured.sum())
     if not whole > 0 or float(measured[~reached].sum()) > UNEXPLAINED * whole:
         return None, everyone
-    weight = 1.0 / total[reached]
-    scales = torch.linalg.lstsq(a[reached] * weight[:, None], (measured[reached] * weight)[:, None]).solution[:, 0]
+    scales = _scales(a[reached], measured[reached])
     if not bool(torch.isfinite(scales).all()):
         return None, everyone
     kept = _purity((a * scales.clamp_min(0)).T)
@@ -106,9 +107,28 @@ def _fit(expected: list[torch.Tensor], measured: torch.Tensor, purity: float) ->
     return (None, out) if out else (scales.tolist(), [])
 
 
+def _scales(a: torch.Tensor, measured: torch.Tensor, iterations: int = 2000) -> torch.Tensor:
+    """The scales ``s`` for which ``a @ s`` (parameters x members) best explains ``measured`` as a sum of independent
+    squared distances, by the multiplicative (expectation-maximisation) update of a mixture: each parameter's measured
+    distance is shared among the members in proportion to what each is expected to put there, and each member's scale
+    is what it was given over what it was expected to put in all. A parameter weighs by what it holds: one where the
+    members were expected to put almost nothing, whose share moved most with the other tensors' widths (the queries'
+    weights of a BERT layer reached 400 times what a GELU input's profile said), cannot drive a scale. Exact where the
+    measured distances are a scaled sum."""
+    s = torch.ones(a.shape[1], dtype=a.dtype)
+    mass = a.sum(0).clamp_min(1e-300)
+    for _ in range(iterations):
+        model = a @ s
+        new = s * (a.T @ (measured / model.clamp_min(1e-300))) / mass
+        if bool(((new - s).abs() <= 1e-12 * new.abs()).all()):
+            return new
+        s = new
+    return s
+
+
 def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float = PURITY) -> list[float] | None:
     """The scale of each member's expected contribution that together explain ``measured`` (a group pass's squared
-    distance in each parameter's gradient), by least squares weighted by one over the expected total; ``None`` where a
+    distance in each parameter's gradient, :func:`_scales`); ``None`` where a
     scale is not positive and finite, more than :data:`UNEXPLAINED` of the distance lands where none is expected, or
     a member's purity among the contributions found is below ``purity`` (a sensitivity that moved since the profiles
     were kept: the group was formed on magnitudes that no longer hold)."""
@@ -116,42 +136,85 @@ def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float = 
 
 
 def probe_in_groups(
-    members: Mapping[Hashable, tuple[object, float]],
-    profiles: Profiles | None,
-    layout: tuple[int, ...],
-    run: Callable[[dict], torch.Tensor],
-) -> tuple[dict, dict, int]:
-    """Probe in groups the ``members`` (slot -> ``(probe, noise)``: the probe it takes alone against the base, and the
-    squared distance that adds per unit of sensitivity) whose profiles were kept on this ``layout``; ``run(probes)``
-    runs one pass with those probes and returns its :func:`parts` against the base. A group the pass does not explain
-    (:func:`_fit`) has the members it names probed alone, each drawn as in the group's pass, so that what each put
-    there is taken out of it, and the rest solved again. Returns ``(slot -> sensitivity, slot -> profile measured
-    afresh, passes)`` for the members measured so; the others are left to be probed alone."""
-    if not GROUPED or profiles is None or profiles.layout != layout:
-        return {}, {}, 0
-    expected = {}
-    for slot, (_, noise) in members.items():
-        c = profiles.sensitivity.get(slot)
-        if slot in profiles.shares and c is not None and math.isfinite(c) and c > 0 and noise > 0:
-            expected[slot] = c * noise * profiles.shares[slot]
-    found, shares, passes = {}, {}, 0
-    for group in form_groups(expected):
+    members: Mapping[Hashable, tuple[object, object, torch.Tensor]],
+    run: Callable[[dict, dict | None], torch.Tensor],
+) -> tuple[dict, dict]:
+    """Measure in groups the ``members`` (slot -> ``(first, second, expected)``: the probe of its first pass, that of
+    its second or ``None`` where its first is read against the base, and what it is expected to put in each parameter's
+    gradient); ``run(first, second)`` runs those passes with the probes by slot and returns their :func:`parts`. A
+    group the passes do not explain (:func:`_fit`) has the members it names measured alone, each drawn as in the
+    group's passes, so that what each put there is taken out of them, and the rest solved again. Returns ``(slot ->
+    its squared distance D, slot -> its profile measured alone)`` for the members measured so; a slot in no group is
+    left out of both."""
+    found, shares = {}, {}
+    for group in form_groups({s: m[2] for s, m in members.items()}):
         if len(group) < 2:
             continue
-        measured = run({s: members[s][0] for s in group})
-        passes += 1
+        against = members[group[0]][1] is None
+        measured = run({s: members[s][0] for s in group}, None if against else {s: members[s][1] for s in group})
         while group:
-            scales, out = _fit([expected[s] for s in group], measured, PURITY)
+            scales, out = _fit([members[s][2] for s in group], measured, PURITY)
             if scales is not None:
-                found.update((s, k * profiles.sensitivity[s]) for s, k in zip(group, scales, strict=True))
+                found.update((s, k * float(members[s][2].sum())) for s, k in zip(group, scales, strict=True))
                 break
             for slot in [group[i] for i in out]:
-                alone = run({slot: members[slot][0]})
-                passes += 1
+                first, second, _ = members[slot]
+                alone = run({slot: first}, None if second is None else {slot: second})
                 whole = float(alone.sum())
-                found[slot] = whole / members[slot][1]
+                found[slot] = whole
                 if whole > 0 and math.isfinite(whole):
                     shares[slot] = alone / whole
                 measured = (measured - alone).clamp_min(0.0)
                 group.remove(slot)
-    return found, shares, passes
+    return found, shares
+
+
+class Passes:
+    """An estimate's passes of the closure (``gradient()``: one, from the estimate's snapshot, the flat gradient),
+    each with the probes it is given, counted and its progress told; ``base`` the base pass's gradient once run."""
+
+    def __init__(
+        self,
+        gradient: Callable[[], torch.Tensor],
+        set_probe: Callable[[object], None],
+        sizes: tuple[int, ...],
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self._gradient, self.set_probe, self.sizes, self.progress = gradient, set_probe, sizes, progress
+        self.done, self.total = 1, 1  # the discovering pass
+        self.base: torch.Tensor | None = None
+
+    def gradient(self, probes) -> torch.Tensor:
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        self.set_probe(probes)
+        self.done += 1
+        return self._gradient()
+
+    def run(self, first: dict, second: dict | None) -> torch.Tensor:
+        """The squared distance in each parameter's gradient (``groups.parts``) between a pass with the ``first``
+        probes and one with the ``second``, or the base where ``second`` is ``None``."""
+        a = self.gradient(first)
+        return parts(a - (self.base if second is None else self.gradient(second)), self.sizes)
+
+    def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict) -> tuple[dict, dict]:
+        """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
+        where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
+        or ``kept``), else alone. Returns ``(slot -> D, slot -> profile measured alone)``."""
+        expected = {}
+        if GROUPED:
+            for slot, (_, _, unit) in row.items():
+                share = shares.get(slot, kept.shares.get(slot))
+                c = raw.get(slot, kept.sensitivity.get(slot))
+                if share is not None and c is not None and math.isfinite(c) and c > 0 and unit > 0:
+                    expected[slot] = c * unit * share
+        before = self.done
+        found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run)
+        self.total += self.done - before - sum(1 if row[s][1] is None else 2 for s in found)
+        for slot, (first, second, _) in row.items():
+            if slot not in found:
+                part = self.run({slot: first}, None if second is None else {slot: second})
+                found[slot] = float(part.sum())
+                if found[slot] > 0 and math.isfinite(found[slot]):
+                    fresh[slot] = part / found[slot]
+        return found, fresh

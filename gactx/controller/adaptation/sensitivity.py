@@ -15,7 +15,9 @@ probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / 
 (:data:`BASE`). Any other tensor stored in a form a probe can store too (uniform codes, the normal scheme's) takes one
 pass in that form against the base, whatever its op's backward: the base's draw of it is a pair's other draw
 (:data:`STORED_BASE`). Tensors whose noise reaches only their own weights' gradients are probed all at once
-(:func:`_probe_together`), by a pair or against the base.
+(:func:`_probe_together`), by a pair or against the base. Every other measurement (a pass against the base, a pair at
+a width, a storage choice's pair) is made for several tensors at once where the estimate knows where each one's noise
+lands in the gradient and those places overlap little (``groups.py``).
 
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gactx.controller.adaptation.groups import Profiles, layout_of, parts, probe_in_groups
+from gactx.controller.adaptation.groups import Passes, Profiles, layout_of
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
@@ -153,23 +155,13 @@ def estimate_sensitivities(
     gradient's mean does not move between them and ``||g - g_base||^2`` is twice the variance ``v`` there, as a pair's
     is. A slot probed at one width gets ``C = v / (a x + q x**2)``, ``(a, q)`` its curve's shape (``shape_of(slot)``, a
     normalisation input's kept curve) or ``(1, 0)``; one whose curve is fitted at two widths takes that pass where a
-    width is the one its uniform codes have. ``profiles``: the last estimate's (:attr:`Estimate.profiles`); slots
-    probed in one pass against the base whose profiles were kept are probed in groups (``groups.py``)."""
+    width is the one its uniform codes have. ``profiles``: the last estimate's (:attr:`Estimate.profiles`); a slot
+    whose profile is known, kept or measured earlier in this estimate, is measured in groups (``groups.py``)."""
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)
     try:
         slots = discover(lambda: _gradient(model, backprop, snapshot))
         layout, sizes = layout_of(model)
-        shares: dict = {}  # slot -> its profile, where it was probed alone now
-
-        def landed(slot: Hashable, diff: torch.Tensor) -> torch.Tensor:
-            """Keep where ``diff`` (the slot's noise alone) landed, as the slot's profile."""
-            part = parts(diff, sizes)
-            whole = float(part.sum())
-            if whole > 0 and math.isfinite(whole):
-                shares[slot] = part / whole
-            return diff
-
         plans = {
             slot: (
                 CURVE_WIDTHS if curved is not None and curved(slot) else (probe_bits,),
@@ -191,110 +183,95 @@ def estimate_sensitivities(
         alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
         if len(single - set(blocks) if together else single) + (together and alone) + len(set(based) - set(blocks)) < 2:
             single, alone, based = set(), False, {}  # the base pass would save fewer passes than it costs
-        cost = {
-            s: (1 if s in single else 2) * len(widths) - (s in based) + 2 * len(pairs)
-            for s, (widths, pairs) in plans.items()
-        }
-        total = 1 + sum(cost[s] for s in plans if not together or s not in blocks)
-        if together:
-            total += (1 if alone else 2) + 2 * max(len(plans[s][1]) for s in blocks)
-        base = None
+        passes = Passes(lambda: _gradient(model, backprop, snapshot), set_probe, sizes, progress)
+        planned = (1 if alone else 2) + 2 * max(len(plans[s][1]) for s in blocks) if together else 0
+        measures = _measures(
+            {s: plans[s] for s in plans if not (together and s in blocks)}, single, based, context, probe_bits,
+            seed_of, shape_of,
+        )  # fmt: skip
+        passes.total = 1 + (1 if single or based else 0) + planned
+        passes.total += sum((1 if m[1] is None else 2) for row in measures.values() for m in row.values())
         if single or based:
-            set_probe(None)
-            base = _gradient(model, backprop, snapshot)  # every tensor stored as when nothing is probed
-            total += 1
-        raw, probed, curves, passes = {}, {}, {}, 1 + (base is not None)
+            passes.base = passes.gradient(None)  # every tensor stored as when nothing is probed
+        raw, probed, curves = {}, {}, {}
         if together:
-            if progress is not None:
-                progress(passes, total)
-            against = (base, {s: context[s] for s in blocks}) if alone and base is not None else None
-            found, runs = _probe_together(
+            against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
+            joint, runs = _probe_together(
                 model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against
             )
-            passes += runs
-            if found is None:  # what they reached is not what their weights say: each on its own, below
-                total += sum(cost[s] for s in blocks) - runs
+            passes.done += runs
+            passes.total += runs - planned
+            if joint is not None:
+                raw.update(joint[0])
+                probed.update(joint[1])
+            else:  # what they reached is not what their weights say: each measured as the others are
+                more = _measures({s: plans[s] for s in blocks}, single, based, context, probe_bits, seed_of, shape_of)
+                for what, row in more.items():
+                    measures.setdefault(what, {}).update(row)
+                passes.total += sum((1 if m[1] is None else 2) for row in more.values() for m in row.values())
+        kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout, sizes)
+        shares, measured = {}, {}
+        for what, row in measures.items():
+            found, fresh = passes.measure(row, kept, raw, shares)
+            if what[0] != "choice":  # a sketch's noise is not the codes'
+                shares.update(fresh)
+            measured[what] = found
+            for slot, d in found.items():
+                if what == ("one",):
+                    raw[slot] = d / row[slot][2] if row[slot][2] > 0 else math.inf
+        variances: dict = {}
+        for what, found in measured.items():
+            if what[0] == "width":
+                for slot, d in found.items():
+                    variances.setdefault(slot, {})[what[1]] = 0.5 * d
+            elif what[0] == "choice":
+                for slot, d in found.items():
+                    probed.setdefault(slot, {}).setdefault(plans[slot][1][what[1]][0], []).append(0.25 * d)
+        for slot, variance in variances.items():
+            if len(variance) == 1:
+                raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
             else:
-                raw.update(found[0])
-                probed.update(found[1])
-        if base is not None:  # slots probed in one pass against the base, with their profiles kept: in groups
-            alone = {}
-            for s in plans:
-                if s in raw or plans[s][1]:
-                    continue
-                if s in single:
-                    alone[s] = (Probe(s, probe_bits, seed_of(s, 1)), variance_factor(probe_bits) + context[s])
-                elif s in based and len(plans[s][0]) == 1:
-                    bits, choice, x = based[s]
-                    a, q = (shape_of(s) if shape_of is not None else None) or (1.0, 0.0)
-                    alone[s] = (Probe(s, bits, seed_of(s, 1), choice), 2.0 * (a * x + q * x * x))
-
-            ran = [passes]
-
-            def run(probes: dict) -> torch.Tensor:
-                if progress is not None:
-                    progress(ran[0], total)
-                ran[0] += 1
-                set_probe(probes)
-                return parts(_gradient(model, backprop, snapshot) - base, sizes)
-
-            found, fresh, runs = probe_in_groups(alone, profiles, layout, run)
-            raw.update(found)
-            shares.update(fresh)
-            passes += runs
-            total += runs - sum(cost[s] for s in found)
-        for slot, (widths, pairs) in plans.items():
-            if slot in raw:
-                continue
-            if progress is not None:
-                progress(passes, total)
-            if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
-                set_probe(Probe(slot, probe_bits, seed_of(slot, 1)))
-                diff = landed(slot, _gradient(model, backprop, snapshot) - base)
-                raw[slot] = float(diff.dot(diff)) / (variance_factor(probe_bits) + context[slot])
-            elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
-                bits, choice, x = based[slot]
-                set_probe(Probe(slot, bits, seed_of(slot, 1), choice))
-                diff = landed(slot, _gradient(model, backprop, snapshot) - base)
-                a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
-                shape = a * x + q * x * x
-                raw[slot] = 0.5 * float(diff.dot(diff)) / shape if shape > 0 else math.inf
-            else:
-                variance = {}
-                for k, bits in enumerate(widths):
-                    if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
-                        set_probe(Probe(slot, bits, seed_of(slot, 2 * k + 1)))
-                        diff = landed(slot, _gradient(model, backprop, snapshot) - base)
-                        variance[bits] = 0.5 * float(diff.dot(diff))
-                        continue
-                    grads = []
-                    for j in (1, 2):
-                        set_probe(Probe(slot, bits, seed_of(slot, 2 * k + j)))
-                        grads.append(_gradient(model, backprop, snapshot))
-                    diff = landed(slot, grads[0] - grads[1])
-                    variance[bits] = 0.5 * float(diff.dot(diff))  # a host read, outside any hook: once per pair
-                if len(widths) == 1:
-                    raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
-                else:
-                    curves[slot], raw[slot] = fit_curve(variance, probe_bits)
-            measured = {}
-            for n, pair in enumerate(pairs):
-                grads = []
-                for choice in pair:
-                    set_probe(Probe(slot, choice.bits, seed_of(slot, 2 * len(widths) + 1 + n), choice))
-                    grads.append(_gradient(model, backprop, snapshot))
-                diff = grads[0] - grads[1]
-                measured.setdefault(pair[0], []).append(0.25 * float(diff.dot(diff)))
-            if measured:  # a choice probed by several pairs (several seeds): their mean
-                probed[slot] = {choice: sum(v) / len(v) for choice, v in measured.items()}
-            passes += cost[slot]
+                curves[slot], raw[slot] = fit_curve(variance, probe_bits)
+        for slot, row in probed.items():  # a choice probed by several pairs (several seeds): their mean
+            probed[slot] = {c: v if not isinstance(v, list) else sum(v) / len(v) for c, v in row.items()}
     finally:
         set_probe(None)
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
-    kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout, sizes)
     profiles = Profiles(layout, sizes, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
-    return Estimate(cap(raw), passes, time.perf_counter() - start, probed, curves, profiles=profiles)
+    return Estimate(cap(raw), passes.done, time.perf_counter() - start, probed, curves, profiles=profiles)
+
+
+def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: int, seed_of, shape_of) -> dict:
+    """What measures each slot of ``plans``: ``(what, slot) -> (the probes of the first pass, of the second or None:
+    against the base, the squared distance D it adds per unit of sensitivity)``, by ``what``: ``("one",)`` for a slot
+    probed at one width against the base, ``("width", bits, 2 or None)`` for a pair at a width (or a pass against the
+    base where it is stored at that width), ``("choice", n)`` for the ``n``-th pair of its storage choices."""
+    measures: dict[tuple, dict] = {}
+    for slot, (widths, _) in plans.items():
+        a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
+        if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
+            probe = Probe(slot, probe_bits, seed_of(slot, 1))
+            measures.setdefault(("one",), {})[slot] = (probe, None, variance_factor(probe_bits) + context[slot])
+        elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
+            bits, choice, x = based[slot]
+            probe = Probe(slot, bits, seed_of(slot, 1), choice)
+            measures.setdefault(("one",), {})[slot] = (probe, None, 2.0 * (a * x + q * x * x))
+        else:
+            for k, bits in enumerate(widths):
+                x = variance_factor(bits)
+                first = Probe(slot, bits, seed_of(slot, 2 * k + 1))
+                if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
+                    measures.setdefault(("width", bits, None), {})[slot] = (first, None, 2.0 * (a * x + q * x * x))
+                else:
+                    second = Probe(slot, bits, seed_of(slot, 2 * k + 2))
+                    measures.setdefault(("width", bits, 2), {})[slot] = (first, second, 2.0 * (a * x + q * x * x))
+    for slot, (widths, pairs) in plans.items():
+        for n, pair in enumerate(pairs):
+            seed = seed_of(slot, 2 * len(widths) + 1 + n)
+            first, second = Probe(slot, pair[0].bits, seed, pair[0]), Probe(slot, pair[1].bits, seed, pair[1])
+            measures.setdefault(("choice", n), {})[slot] = (first, second, 4.0 * variance_factor(probe_bits))
+    return measures
 
 
 def _blocks(model: nn.Module, weights: dict) -> dict:

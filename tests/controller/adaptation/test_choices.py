@@ -215,12 +215,13 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import estimators, sensitivity
+    from gactx.controller.adaptation import estimators, groups, sensitivity
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
-    # Pairs for every tensor (no base pass): the two controllers' passes then differ by the calibration pairs alone,
-    # measured by every estimate (else by the first alone: kept, below).
+    # Pairs for every tensor (no base pass, no groups): the two controllers' passes then differ by the calibration
+    # pairs alone, measured by every estimate (else by the first alone: kept, below).
     monkeypatch.setattr(sensitivity, "BASE", False)
+    monkeypatch.setattr(groups, "GROUPED", False)
     monkeypatch.setattr(estimators, "KEEP_CALIBRATION", False)
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))
