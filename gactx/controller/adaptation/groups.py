@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -40,6 +41,13 @@ GROUPED = True
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
+
+
+def _distributed() -> bool:
+    """Whether ranks of ``torch.distributed`` estimate side by side. Groups are then off: each rank's profiles and
+    measurements are its own, and a rank that grouped or split its tensors otherwise would run another number of passes
+    of the closure, whose backward pass the others wait on in a collective (DDP's, FSDP's)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @dataclass(frozen=True)
@@ -65,9 +73,11 @@ def parts(diff: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     return torch.stack([piece.dot(piece) for piece in diff.split(sizes)]).cpu()
 
 
-def form_groups(expected: Mapping[Hashable, torch.Tensor], purity: float = PURITY) -> list[list[Hashable]]:
+def form_groups(expected: Mapping[Hashable, torch.Tensor], purity: float | None = None) -> list[list[Hashable]]:
     """Greedy groups of the slots of ``expected`` (slot -> what its probe is expected to put in each parameter's
-    gradient): largest first, each into the first group where every member's purity stays at least ``purity``."""
+    gradient): largest first, each into the first group where every member's purity stays at least ``purity``
+    (:data:`PURITY` where ``None``)."""
+    purity = PURITY if purity is None else purity
     order = sorted(expected, key=lambda s: -float(expected[s].sum()))
     groups: list[tuple[list[Hashable], torch.Tensor]] = []  # members, and their expected values stacked
     for slot in order:
@@ -126,13 +136,13 @@ def _scales(a: torch.Tensor, measured: torch.Tensor, iterations: int = 2000) -> 
     return s
 
 
-def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float = PURITY) -> list[float] | None:
+def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float | None = None) -> list[float] | None:
     """The scale of each member's expected contribution that together explain ``measured`` (a group pass's squared
     distance in each parameter's gradient, :func:`_scales`); ``None`` where a
     scale is not positive and finite, more than :data:`UNEXPLAINED` of the distance lands where none is expected, or
     a member's purity among the contributions found is below ``purity`` (a sensitivity that moved since the profiles
     were kept: the group was formed on magnitudes that no longer hold)."""
-    return _fit(expected, measured, purity)[0]
+    return _fit(expected, measured, PURITY if purity is None else purity)[0]
 
 
 def probe_in_groups(
@@ -202,7 +212,7 @@ class Passes:
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
         or ``kept``), else alone. Returns ``(slot -> D, slot -> profile measured alone)``."""
         expected = {}
-        if GROUPED:
+        if GROUPED and not _distributed():
             for slot, (_, _, unit) in row.items():
                 share = shares.get(slot, kept.shares.get(slot))
                 c = raw.get(slot, kept.sensitivity.get(slot))

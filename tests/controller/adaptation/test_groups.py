@@ -135,3 +135,13 @@ def test_a_first_adaptation_in_groups_holds_the_gradient_error_for_fewer_passes(
     more, before = _first_adaptation(name, False, monkeypatch)
     fewer, after = _first_adaptation(name, True, monkeypatch)
     assert fewer < more and after <= 1.1 * before
+
+
+def test_under_torch_distributed_every_tensor_is_measured_alone(monkeypatch):
+    """Each rank's profiles are its own, and a rank that grouped otherwise would run another number of passes, which
+    the collectives of DDP's or FSDP's backward cannot allow: with ranks side by side, the passes are those of
+    measuring each tensor alone (the gloo processes of tests/controller/test_ddp.py run so)."""
+    alone, more, _ = _later_adaptation(False, 0, monkeypatch)
+    monkeypatch.setattr(groups, "_distributed", lambda: True)
+    same, passes, calls = _later_adaptation(True, 0, monkeypatch)
+    assert passes == calls == more and same == alone
