@@ -11,6 +11,7 @@ from torch import nn
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
 from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
+from tests.helpers import gradient_error
 
 
 class TwoBranches(nn.Module):
@@ -211,27 +212,6 @@ def test_adaptation_follows_the_interval():
     assert steps == [1, 1, 3, 3, 3, 6, 6]
 
 
-def _gradient_error(model, run, controller, draws=8):
-    """Mean squared distance to the full-precision gradient over ``draws`` noise draws (variance + bias^2)."""
-
-    def grad(c):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)  # same dropout masks in every run
-        if c is None:
-            run().backward()
-        else:
-            with c:
-                run().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
-
-    exact = grad(None)
-    errors = []
-    for draw in range(draws):
-        controller.step = 10_000 + draw  # the noise seeds follow the step
-        errors.append(float((grad(controller) - exact).square().sum()))
-    return sum(errors) / draws
-
-
 def _digits_case():
     (x, y), _ = digits_data()
     torch.manual_seed(0)
@@ -258,7 +238,7 @@ def test_adaptive_bits_lower_the_gradient_error_of_uniform_2_bits(case):
     with adaptive:
         run().backward()
         adaptive.adapt(lambda: probe().backward())
-    uniform_error, adaptive_error = _gradient_error(model, run, uniform), _gradient_error(model, run, adaptive)
+    uniform_error, adaptive_error = gradient_error(model, run, uniform), gradient_error(model, run, adaptive)
     assert adaptive.memory_stats().packed_bytes <= uniform.memory_stats().packed_bytes * 1.01
     assert adaptive_error < 0.8 * uniform_error, (adaptive_error, uniform_error)
 
@@ -445,7 +425,7 @@ def _first_adaptation_without_and_with(monkeypatch, module, switch: str) -> dict
         monkeypatch.setattr(module, switch, on)
         model, run, loss = _transformer_layer()
         controller = _adapted(model, loss)
-        error = _gradient_error(model, run, controller, draws=4)
+        error = gradient_error(model, run, controller, draws=4)
         results[on] = (controller.sensitivity, controller.last_adaptation.passes, error)
     return results
 

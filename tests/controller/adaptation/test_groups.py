@@ -12,6 +12,7 @@ import gactx
 from benchmarks.zoo import build
 from gactx.controller.adaptation import groups
 from gactx.controller.adaptation.groups import form_groups, solve
+from tests.helpers import gradient_error
 
 
 def _profile(*weights: float) -> torch.Tensor:
@@ -101,30 +102,19 @@ def test_a_later_adaptation_probes_tensors_whose_noise_lands_apart_in_one_pass(m
 
 
 def _first_adaptation(name: str, grouped: bool, monkeypatch) -> tuple[int, float]:
-    """The passes of a zoo model's first adaptation, and the mean squared distance of 4 gradients stored at the
-    allocation it made to the full-precision gradient."""
+    """The passes of a zoo model's first adaptation, and the gradient error of 4 draws at the allocation it made."""
     monkeypatch.setattr(groups, "GROUPED", grouped)
     model, run = build(name)
 
-    def gradient(controller=None):
-        model.zero_grad(set_to_none=True)
+    def loss():
         torch.manual_seed(0)  # the same dropout masks in every pass
-        if controller is None:
-            run().backward()
-        else:
-            with controller:
-                run().backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+        return run()
 
     controller = gactx.Controller(model, "L2.2", seed=0)
     with controller:
-        gradient()
-        controller.iterate(gradient)
-    exact, errors = gradient(), []
-    for draw in range(4):
-        controller.step = 10_000 + draw  # the noise seeds follow the step
-        errors.append(float((gradient(controller) - exact).square().sum()))
-    return controller.last_adaptation.passes, sum(errors) / len(errors)
+        loss().backward()
+        controller.iterate(lambda: loss().backward())
+    return controller.last_adaptation.passes, gradient_error(model, loss, controller, draws=4)
 
 
 @pytest.mark.parametrize("name", ["transformer_layer", "bert"])
