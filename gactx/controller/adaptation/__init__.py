@@ -1,5 +1,6 @@
-"""Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, and ActNN's,
-``free_sensitivity.py``, behind one protocol), the storage choices a tensor may be offered and their measured errors
+"""Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, which measures tensors
+whose noise lands apart in the same passes, ``groups.py``, and ActNN's, ``free_sensitivity.py``, behind one protocol),
+the storage choices a tensor may be offered and their measured errors
 (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
 one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against training (``cost.py``) and
 when adaptations run (``schedule.py``).

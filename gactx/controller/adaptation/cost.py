@@ -112,8 +112,8 @@ def announce(adaptation, interval: int, first_only: bool) -> None:
     warnings.warn(
         describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (GACT's "
         "estimator: 1 or 2 passes each, 4 a normalization input, the inputs of linear and convolution layers 1 or 2 "
-        "for all); a smaller batch in the closure, a longer adapt_interval or estimator='actnn' costs less "
-        "(docs/adaptive.md)",
+        "for all; after the first estimate, tensors whose noise lands apart share passes); a smaller batch in the "
+        "closure, a longer adapt_interval or estimator='actnn' costs less (docs/adaptive.md)",
         SlowAdaptationWarning,
         stacklevel=4,
     )

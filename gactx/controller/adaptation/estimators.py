@@ -7,8 +7,8 @@ where an adaptation is due whether it can adapt now (:meth:`Estimator.ready`), a
 plan, the free collector's hooks, the storage choices' meter. It reaches the saves through the pack path
 (``pack.py``: its plan, its pass statistics, the ops it learned), never through the controller.
 
-- :class:`GactEstimator` (GACT): ``1 + 2 L`` extra forward and backward passes of a closure, each perturbing one
-  tensor (``sensitivity.py``).
+- :class:`GactEstimator` (GACT): up to ``1 + 2 L`` extra forward and backward passes of a closure, each perturbing
+  one tensor or a group of tensors whose noise lands apart (``sensitivity.py``, ``groups.py``).
 - :class:`ActnnEstimator` (ActNN): read in the ordinary training step before an adaptation, no extra pass
   (``free_sensitivity.py``).
 """
@@ -147,7 +147,9 @@ class GactEstimator(_Measuring):
     """GACT's estimator: each allocated tensor perturbed in turn at the probe width, two passes of the closure each
     (one, against a shared base pass, where backward is linear in it and its stored noise is known: ``_context``);
     the gradient variance between them is its sensitivity (``sensitivity.py``); the inputs of linear and convolution
-    layers, whose noise reaches only their own weights' gradients, all in the same passes. The first adaptation
+    layers, whose noise reaches only their own weights' gradients, all in the same passes, and tensors whose noise an
+    earlier estimate saw land in parameters few others' reach, several in the same passes (``groups.py``: it keeps
+    where each tensor's noise landed, ``_profiles``). The first adaptation
     measures twice: a tensor's effect on the gradient depends on how the others are stored (a normalisation's input
     on a BERT layer: 10 times larger with the others at the default width than at the widths then allocated), so the
     second round measures around the allocation the first found, as every later adaptation does; the first round
