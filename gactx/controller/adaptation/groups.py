@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
-    "solve",
+    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "mean_over_ranks", "parts",
+    "probe_in_groups", "solve",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
@@ -44,10 +44,21 @@ UNEXPLAINED = 0.1
 
 
 def _distributed() -> bool:
-    """Whether ranks of ``torch.distributed`` estimate side by side. Groups are then off: each rank's profiles and
-    measurements are its own, and a rank that grouped or split its tensors otherwise would run another number of passes
-    of the closure, whose backward pass the others wait on in a collective (DDP's, FSDP's)."""
+    """Whether ranks of ``torch.distributed`` estimate side by side. Every rank must then run as many passes of the
+    closure as the others, whose backward pass they may wait on in a collective (DDP's, FSDP's): each squared distance
+    a pass measures, and what each tensor is expected to put in the gradient, are averaged over the ranks before they
+    are read (:func:`mean_over_ranks`), so that every rank groups, solves and splits alike."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (on the host, float64) averaged over the ranks of ``torch.distributed``; ``t`` where one process runs."""
+    if not _distributed():
+        return t
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = t.to(device=device, dtype=torch.float64, copy=True)
+    dist.all_reduce(out)
+    return (out / dist.get_world_size()).cpu()
 
 
 @dataclass(frozen=True)
@@ -205,19 +216,20 @@ class Passes:
         """The squared distance in each parameter's gradient (``groups.parts``) between a pass with the ``first``
         probes and one with the ``second``, or the base where ``second`` is ``None``."""
         a = self.gradient(first)
-        return parts(a - (self.base if second is None else self.gradient(second)), self.sizes)
+        return mean_over_ranks(parts(a - (self.base if second is None else self.gradient(second)), self.sizes))
 
     def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict) -> tuple[dict, dict]:
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
         or ``kept``), else alone. Returns ``(slot -> D, slot -> profile measured alone)``."""
         expected = {}
-        if GROUPED and not _distributed():
+        if GROUPED:
             for slot, (_, _, unit) in row.items():
                 share = shares.get(slot, kept.shares.get(slot))
                 c = raw.get(slot, kept.sensitivity.get(slot))
                 if share is not None and c is not None and math.isfinite(c) and c > 0 and unit > 0:
                     expected[slot] = c * unit * share
+            expected = self._agreed(list(row), expected)
         before = self.done
         found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run)
         self.total += self.done - before - sum(1 if row[s][1] is None else 2 for s in found)
@@ -228,3 +240,15 @@ class Passes:
                 if found[slot] > 0 and math.isfinite(found[slot]):
                     fresh[slot] = part / found[slot]
         return found, fresh
+
+    def _agreed(self, slots: list, expected: dict) -> dict:
+        """``expected`` averaged over the ranks (:func:`mean_over_ranks`), for the slots every rank expects something
+        of; ``expected`` itself where one process runs."""
+        if not _distributed():
+            return expected
+        table = torch.zeros(len(slots), len(self.sizes) + 1, dtype=torch.float64)
+        for i, slot in enumerate(slots):
+            if slot in expected:
+                table[i, :-1], table[i, -1] = expected[slot], 1.0
+        table = mean_over_ranks(table)
+        return {slot: table[i, :-1] for i, slot in enumerate(slots) if table[i, -1] == 1.0}

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gactx.controller.adaptation.groups import Passes, Profiles, layout_of
+from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, mean_over_ranks
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
@@ -201,6 +201,8 @@ def estimate_sensitivities(
             )
             passes.done += runs
             passes.total += runs - planned
+            if float(mean_over_ranks(torch.tensor([joint is not None], dtype=torch.float64))) < 1:
+                joint = None  # every rank measures them as one did, or all run as many passes
             if joint is not None:
                 raw.update(joint[0])
                 probed.update(joint[1])

@@ -12,7 +12,7 @@ import gactx
 from benchmarks.zoo import build
 from gactx.controller.adaptation import groups
 from gactx.controller.adaptation.groups import form_groups, solve
-from tests.helpers import gradient_error
+from tests.helpers import gradient_error, on_two_ranks
 
 
 def _profile(*weights: float) -> torch.Tensor:
@@ -127,11 +127,51 @@ def test_a_first_adaptation_in_groups_holds_the_gradient_error_for_fewer_passes(
     assert fewer < more and after <= 1.1 * before
 
 
-def test_under_torch_distributed_every_tensor_is_measured_alone(monkeypatch):
-    """Each rank's profiles are its own, and a rank that grouped otherwise would run another number of passes, which
-    the collectives of DDP's or FSDP's backward cannot allow: with ranks side by side, the passes are those of
-    measuring each tensor alone (the gloo processes of tests/controller/test_ddp.py run so)."""
-    alone, more, _ = _later_adaptation(False, 0, monkeypatch)
-    monkeypatch.setattr(groups, "_distributed", lambda: True)
-    same, passes, calls = _later_adaptation(True, 0, monkeypatch)
-    assert passes == calls == more and same == alone
+def _ranked(rank: int) -> dict:
+    """A zoo BERT whose weights differ on each of two ranks: its first and a later adaptation."""
+    from gactx.controller.adaptation import groups as grouping
+
+    largest, seen = [], []
+    form = grouping.form_groups
+
+    def spy(expected, purity=None):
+        found = form(expected, purity)
+        largest.append(max((len(g) for g in found), default=0))
+        seen.append(sorted((repr(s), float(e.sum())) for s, e in expected.items()))
+        return found
+
+    grouping.form_groups = spy
+    model, run = build("bert")
+    with torch.no_grad():  # each rank's own weights: its own gradients, sensitivities and profiles
+        gen = torch.Generator().manual_seed(rank)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen) * p.std().nan_to_num())
+
+    def backprop():
+        torch.manual_seed(0)
+        run().backward()
+
+    controller = gactx.Controller(model, "L2.2", seed=0)
+    with controller:
+        backprop()
+        controller.iterate(backprop)
+        first = controller.last_adaptation.passes
+        later = controller.adapt(backprop).passes
+    return {
+        "passes": [first, later],
+        "largest group": max(largest, default=0),
+        "expected": seen,  # what each tensor was expected to put in the gradient, at each grouping
+        "bits": sorted((repr(k), v) for k, v in controller.allocation.items()),
+        "sensitivity": sorted((repr(k), v) for k, v in controller.sensitivity.items()),
+    }
+
+
+def test_ranks_with_other_data_group_alike_and_run_as_many_passes(tmp_path):
+    """Under torch.distributed each rank must run as many passes of the closure as the others (DDP's and FSDP's
+    backward wait on collectives): what each pass measures, and what each tensor is expected to put in the gradient,
+    are averaged over the ranks before they are read, so that two gloo processes whose weights differ group, solve and
+    split alike from the same numbers, and allocate alike (tests/controller/test_ddp.py trains DDP so)."""
+    r0, r1 = on_two_ranks(_ranked, tmp_path)
+    assert r0["expected"] == r1["expected"] and len(r0["expected"]) >= 2
+    assert r0["passes"] == r1["passes"] and r0["largest group"] == r1["largest group"] >= 2
+    assert r0["bits"] == r1["bits"] and r0["sensitivity"] == r1["sensitivity"]
