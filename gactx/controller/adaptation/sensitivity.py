@@ -139,7 +139,8 @@ def estimate_sensitivities(
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
-    ``progress(done, total)`` is told the passes run so far before each slot. ``choices_of(slot)``: pairs of storage
+    ``progress(done, total)`` is told the passes run so far, and those the estimate will take, before each pass.
+    ``choices_of(slot)``: pairs of storage
     choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
     (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``.
@@ -245,10 +246,10 @@ def estimate_sensitivities(
 
 
 def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: int, seed_of, shape_of) -> dict:
-    """What measures each slot of ``plans``: ``(what, slot) -> (the probes of the first pass, of the second or None:
-    against the base, the squared distance D it adds per unit of sensitivity)``, by ``what``: ``("one",)`` for a slot
-    probed at one width against the base, ``("width", bits, 2 or None)`` for a pair at a width (or a pass against the
-    base where it is stored at that width), ``("choice", n)`` for the ``n``-th pair of its storage choices."""
+    """What measures each slot of ``plans``: ``what -> slot -> (the probe of the first pass, that of the second or
+    None: against the base, the squared distance D it adds per unit of sensitivity)``, ``what`` being ``("one",)`` for a
+    slot probed at one width against the base, ``("width", bits, 2 or None)`` for a pair at a width (or a pass against
+    the base where it is stored at that width), ``("choice", n)`` for the ``n``-th pair of its storage choices."""
     measures: dict[tuple, dict] = {}
     for slot, (widths, _) in plans.items():
         a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
