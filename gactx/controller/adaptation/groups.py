@@ -81,6 +81,8 @@ def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def parts(diff: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     """The squared norm of a flat gradient difference in each parameter's range, on the host (float64)."""
+    if not sizes:  # no parameter has a gradient: nothing to measure
+        return torch.zeros(0, dtype=torch.float64)
     return torch.stack([piece.dot(piece) for piece in diff.split(sizes)]).cpu()
 
 
