@@ -64,26 +64,34 @@ def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Profiles:
     """Each probed tensor's profile (its share of ``||g - g_base||^2`` in each parameter's gradient, summing to 1) and
-    its sensitivity when the profile was last measured or scaled, on one ``layout`` of the flat gradient."""
+    its sensitivity when the profile was last measured or scaled, on one ``layout`` of the gradients."""
 
-    layout: tuple[int, ...] = ()  # ids of the parameters whose gradients the flat gradient holds, in order
+    layout: tuple[int, ...] = ()  # ids of the parameters whose gradients a pass gives, in order
     sizes: tuple[int, ...] = ()
     shares: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)
     sensitivity: Mapping[Hashable, float] = field(default_factory=dict)
 
 
 def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ids and sizes of the parameters that hold a gradient, in ``model.parameters()`` order: the flat gradient's
-    layout (``sensitivity._gradient``)."""
+    """The ids and sizes of the parameters that hold a gradient, in ``model.parameters()`` order: the layout of a
+    pass's gradients (``sensitivity._gradient``)."""
     params = [p for p in model.parameters() if p.grad is not None]
     return tuple(id(p) for p in params), tuple(p.numel() for p in params)
 
 
-def parts(diff: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """The squared norm of a flat gradient difference in each parameter's range, on the host (float64)."""
-    if not sizes:  # no parameter has a gradient: nothing to measure
+def parts(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """The squared distance between two passes' gradients (``sensitivity._gradient``) in each parameter, on the host
+    (float64): the difference and the sum of its squares in the gradients' precision (half precision's in float32;
+    torch's cascaded sum: 2e-8 relative on a 768 x 2304 float32 gradient, a third of the time of a sum in float64)."""
+    if not a:  # no parameter has a gradient: nothing to measure
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([piece.dot(piece) for piece in diff.split(sizes)]).cpu()
+    return torch.stack([_squared_distance(x, y) for x, y in zip(a, b, strict=True)]).cpu()
+
+
+def _squared_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x, y = x.float(), y.float()
+    return (x - y).square().sum().double()
 
 
 def form_groups(expected: Mapping[Hashable, torch.Tensor], purity: float | None = None) -> list[list[Hashable]]:
@@ -193,21 +201,21 @@ def probe_in_groups(
 
 
 class Passes:
-    """An estimate's passes of the closure (``gradient()``: one, from the estimate's snapshot, the flat gradient),
+    """An estimate's passes of the closure (``gradient()``: one, from the estimate's snapshot, its gradients),
     each with the probes it is given, counted and its progress told; ``base`` the base pass's gradient once run."""
 
     def __init__(
         self,
-        gradient: Callable[[], torch.Tensor],
+        gradient: Callable[[], list[torch.Tensor]],
         set_probe: Callable[[object], None],
         sizes: tuple[int, ...],
         progress: Callable[[int, int], None] | None,
     ) -> None:
         self._gradient, self.set_probe, self.sizes, self.progress = gradient, set_probe, sizes, progress
         self.done, self.total = 1, 1  # the discovering pass
-        self.base: torch.Tensor | None = None
+        self.base: list[torch.Tensor] | None = None
 
-    def gradient(self, probes) -> torch.Tensor:
+    def gradient(self, probes) -> list[torch.Tensor]:
         if self.progress is not None:
             self.progress(self.done, self.total)
         self.set_probe(probes)
@@ -218,7 +226,7 @@ class Passes:
         """The squared distance in each parameter's gradient (``groups.parts``) between a pass with the ``first``
         probes and one with the ``second``, or the base where ``second`` is ``None``."""
         a = self.gradient(first)
-        return mean_over_ranks(parts(a - (self.base if second is None else self.gradient(second)), self.sizes))
+        return mean_over_ranks(parts(a, self.base if second is None else self.gradient(second)))
 
     def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict) -> tuple[dict, dict]:
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
