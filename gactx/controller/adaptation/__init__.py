@@ -3,7 +3,7 @@ whose noise lands apart in the same passes, ``groups.py``, and ActNN's, ``free_s
 the storage choices a tensor may be offered and their measured errors
 (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
 one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against training (``cost.py``) and
-when adaptations run (``schedule.py``).
+when adaptations run (``schedule.py``); ``ranks.py`` keeps the ranks of ``torch.distributed`` agreeing.
 
 The controller imports ``estimators`` itself: it reads the pack path's plan, which reads this package's widths.
 """

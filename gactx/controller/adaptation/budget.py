@@ -14,6 +14,7 @@ import torch.distributed as dist
 from gactx.config import Config, parse_bytes
 from gactx.controller.adaptation.allocator import Allocation, Item, allocate, cost_of
 from gactx.controller.adaptation.choices import calibration, choice_options
+from gactx.controller.adaptation.ranks import collective_device, distributed
 from gactx.controller.adaptation.widths import WIDTHS, variance_factor
 from gactx.controller.rules import ATTENTION_BITS
 from gactx.controller.stats import AS_IS, PassStats
@@ -64,13 +65,13 @@ def reduce_across_ranks(sensitivity: dict, *tables: dict) -> dict | tuple[dict, 
     errors of each choice, the probed variances), over the ranks of ``torch.distributed``, so that every rank
     allocates the same bits and choices. The ranks must have measured the same slots and names; otherwise a clear
     error. Returns the sensitivities alone where no table is given, else the sensitivities and each table."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed():
         return (sensitivity, *tables) if tables else sensitivity
     names = [(0, s, None) for s in sensitivity] + [
         (i, slot, name) for i, table in enumerate(tables, 1) for slot, row in table.items() for name in row
     ]
     names.sort(key=repr)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = collective_device()
     fingerprint = zlib.crc32(repr(names).encode())
     check = torch.tensor([fingerprint, -fingerprint], dtype=torch.float64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX)

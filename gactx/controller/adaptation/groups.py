@@ -24,12 +24,13 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
+
 __all__ = [
-    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "mean_over_ranks", "parts",
-    "probe_in_groups", "solve",
+    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
+    "solve",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
@@ -43,31 +44,12 @@ PURITY = 0.6
 UNEXPLAINED = 0.1
 
 
-def _distributed() -> bool:
-    """Whether ranks of ``torch.distributed`` estimate side by side. Every rank must then run as many passes of the
-    closure as the others, whose backward pass they may wait on in a collective (DDP's, FSDP's): each squared distance
-    a pass measures, and what each tensor is expected to put in the gradient, are averaged over the ranks before they
-    are read (:func:`mean_over_ranks`), so that every rank groups, solves and splits alike."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (on the host, float64) averaged over the ranks of ``torch.distributed``; ``t`` where one process runs."""
-    if not _distributed():
-        return t
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    out = t.to(device=device, dtype=torch.float64, copy=True)
-    dist.all_reduce(out)
-    return (out / dist.get_world_size()).cpu()
-
-
 @dataclass(frozen=True)
 class Profiles:
     """Each probed tensor's profile (its share of ``||g - g_base||^2`` in each parameter's gradient, summing to 1) and
     its sensitivity when the profile was last measured or scaled, on one ``layout`` of the gradients."""
 
     layout: tuple[int, ...] = ()  # ids of the parameters whose gradients a pass gives, in order
-    sizes: tuple[int, ...] = ()
     shares: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)
     sensitivity: Mapping[Hashable, float] = field(default_factory=dict)
 
@@ -189,15 +171,20 @@ def probe_in_groups(
                 found.update((s, k * float(members[s][2].sum())) for s, k in zip(group, scales, strict=True))
                 break
             for slot in [group[i] for i in out]:
-                first, second, _ = members[slot]
-                alone = run({slot: first}, None if second is None else {slot: second})
-                whole = float(alone.sum())
-                found[slot] = whole
-                if whole > 0 and math.isfinite(whole):
-                    shares[slot] = alone / whole
+                alone = measure_alone(slot, members[slot][0], members[slot][1], run, found, shares)
                 measured = (measured - alone).clamp_min(0.0)
                 group.remove(slot)
     return found, shares
+
+
+def measure_alone(slot, first, second, run, found: dict, shares: dict) -> torch.Tensor:
+    """Measure ``slot`` alone (``run``: :func:`probe_in_groups`'): its squared distance into ``found``, where it landed
+    into ``shares`` (its profile); returns its :func:`parts`."""
+    alone = run({slot: first}, None if second is None else {slot: second})
+    found[slot] = whole = float(alone.sum())
+    if whole > 0 and math.isfinite(whole):
+        shares[slot] = alone / whole
+    return alone
 
 
 class Passes:
@@ -245,16 +232,13 @@ class Passes:
         self.total += self.done - before - sum(1 if row[s][1] is None else 2 for s in found)
         for slot, (first, second, _) in row.items():
             if slot not in found:
-                part = self.run({slot: first}, None if second is None else {slot: second})
-                found[slot] = float(part.sum())
-                if found[slot] > 0 and math.isfinite(found[slot]):
-                    fresh[slot] = part / found[slot]
+                measure_alone(slot, first, second, self.run, found, fresh)
         return found, fresh
 
     def _agreed(self, slots: list, expected: dict) -> dict:
-        """``expected`` averaged over the ranks (:func:`mean_over_ranks`), for the slots every rank expects something
+        """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something
         of; ``expected`` itself where one process runs."""
-        if not _distributed():
+        if not distributed():
             return expected
         table = torch.zeros(len(slots), len(self.sizes) + 1, dtype=torch.float64)
         for i, slot in enumerate(slots):

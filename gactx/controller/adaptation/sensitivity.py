@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, mean_over_ranks, parts
+from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts
+from gactx.controller.adaptation.ranks import mean_over_ranks
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
@@ -214,7 +215,7 @@ def estimate_sensitivities(
                 for what, row in more.items():
                     measures.setdefault(what, {}).update(row)
                 passes.total += sum((1 if m[1] is None else 2) for row in more.values() for m in row.values())
-        kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout, sizes)
+        kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout)
         shares, measured = {}, {}
         for what, row in measures.items():
             found, fresh = passes.measure(row, kept, raw, shares)
@@ -243,7 +244,7 @@ def estimate_sensitivities(
         set_probe(None)
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
-    profiles = Profiles(layout, sizes, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
+    profiles = Profiles(layout, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
     return Estimate(cap(raw), passes.done, time.perf_counter() - start, probed, curves, profiles=profiles)
 
 
@@ -255,22 +256,26 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
     measures: dict[tuple, dict] = {}
     for slot, (widths, _) in plans.items():
         a, q = (shape_of(slot) if shape_of is not None else None) or (1.0, 0.0)
+
+        def unit(x: float, a: float = a, q: float = q) -> float:  # D per unit of sensitivity at noise x: twice v/C
+            return 2.0 * (a * x + q * x * x)
+
         if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
             probe = Probe(slot, probe_bits, seed_of(slot, 1))
             measures.setdefault(("one",), {})[slot] = (probe, None, variance_factor(probe_bits) + context[slot])
         elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
             bits, choice, x = based[slot]
             probe = Probe(slot, bits, seed_of(slot, 1), choice)
-            measures.setdefault(("one",), {})[slot] = (probe, None, 2.0 * (a * x + q * x * x))
+            measures.setdefault(("one",), {})[slot] = (probe, None, unit(x))
         else:
             for k, bits in enumerate(widths):
                 x = variance_factor(bits)
                 first = Probe(slot, bits, seed_of(slot, 2 * k + 1))
                 if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
-                    measures.setdefault(("width", bits, None), {})[slot] = (first, None, 2.0 * (a * x + q * x * x))
+                    measures.setdefault(("width", bits, None), {})[slot] = (first, None, unit(x))
                 else:
                     second = Probe(slot, bits, seed_of(slot, 2 * k + 2))
-                    measures.setdefault(("width", bits, 2), {})[slot] = (first, second, 2.0 * (a * x + q * x * x))
+                    measures.setdefault(("width", bits, 2), {})[slot] = (first, second, unit(x))
     for slot, (widths, pairs) in plans.items():
         for n, pair in enumerate(pairs):
             seed = seed_of(slot, 2 * len(widths) + 1 + n)
