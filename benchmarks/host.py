@@ -198,7 +198,7 @@ def hook_us(case: Case, steps: int) -> dict[str, float]:
 
     with case.hooks(), _kernels_timed(timed if case.device == "cpu" else None):
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        with torch.autograd.graph.saved_tensors_hooks(timed("pack", pack), timed("unpack", unpack)):
+        with _hooks_timed(pack, unpack, timed):
             for _ in range(steps):
                 case.step()
     out = {f"{name}_us": 1e6 * spent[name][0] / max(1, spent[name][1]) for name in ("pack", "unpack")}
@@ -206,6 +206,24 @@ def hook_us(case: Case, steps: int) -> dict[str, float]:
         hooks = spent["pack"][0] + spent["unpack"][0] - spent["kernels"][0]
         out["host_us"] = 1e6 * hooks / (steps * BLOCKS * 2)  # the MLP's compressed saves: two a block
     return out
+
+
+@contextlib.contextmanager
+def _hooks_timed(pack: Callable, unpack: Callable, timed: Callable) -> Iterator[None]:
+    """The hooks on top, ``pack`` and ``unpack``, timed as ``timed("pack", ...)`` and ``timed("unpack", ...)`` for the
+    block. gactx's (a ``HookGraph`` pair, compiled.py) are timed in place, through the function each calls eagerly:
+    a pair of ours on top of them would shadow them, and a controller whose hooks are shadowed begins no pass of its
+    own (each save then takes the whole path). The floor's are timed from a pair on top."""
+    if not hasattr(pack, "eager"):
+        with torch.autograd.graph.saved_tensors_hooks(timed("pack", pack), timed("unpack", unpack)):
+            yield
+        return
+    eager = pack.eager, unpack.eager
+    pack.eager, unpack.eager = timed("pack", eager[0]), timed("unpack", eager[1])
+    try:
+        yield
+    finally:
+        pack.eager, unpack.eager = eager
 
 
 @contextlib.contextmanager

@@ -23,3 +23,19 @@ def test_quick_host_benchmark_splits_the_cost_of_a_save(tmp_path):
     assert rows["L1"]["python_calls_per_save"] >= 1 and rows["plain"]["python_calls_per_save"] == 0
     saved = json.loads((tmp_path / "host.json").read_text())
     assert len(saved["rows"]) == len(rows) and "| 64 | L1+compile |" in (tmp_path / "host.md").read_text()
+
+
+def test_gactx_hooks_are_timed_in_place_so_each_step_is_a_pass_of_its_own():
+    # A pair of hooks pushed on top of gactx's would shadow them: the controller would begin no pass, and the
+    # records of every timed step would pile up in one.
+    case = host.Case("L1", 64, "cpu")
+    with case.hooks():
+        case.step()
+    one_pass = len(case.controller.records)
+    out = host.hook_us(case, 3)
+    assert out["pack_us"] > 0 and out["unpack_us"] > 0 and out["host_us"] > 0
+    assert len(case.controller.records) == one_pass
+    assert sum(r.compressed for r in case.controller.records) == 16
+    with case.hooks():  # the hooks' own functions are put back
+        case.step()
+    assert len(case.controller.records) == one_pass
