@@ -211,9 +211,10 @@ def hook_us(case: Case, steps: int) -> dict[str, float]:
 @contextlib.contextmanager
 def _hooks_timed(pack: Callable, unpack: Callable, timed: Callable) -> Iterator[None]:
     """The hooks on top, ``pack`` and ``unpack``, timed as ``timed("pack", ...)`` and ``timed("unpack", ...)`` for the
-    block. gactx's (a ``HookGraph`` pair, compiled.py) are timed in place, through the function each calls eagerly:
-    a pair of ours on top of them would shadow them, and a controller whose hooks are shadowed begins no pass of its
-    own (each save then takes the whole path). The floor's are timed from a pair on top."""
+    block. gactx's (a ``HookGraph`` pair, compiled.py) are timed in place, through the function each calls eagerly,
+    so that they stay on top as a training loop has them: under a pair of ours a controller's pass begins unwatched,
+    and before it began none (the pass's first save then took the whole path). The floor's are timed from a pair on
+    top."""
     if not hasattr(pack, "eager"):
         with torch.autograd.graph.saved_tensors_hooks(timed("pack", pack), timed("unpack", unpack)):
             yield

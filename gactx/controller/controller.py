@@ -404,13 +404,15 @@ class Controller:
     def _new_pass(self) -> None:
         # Cheap bookkeeping only: torch.compile traces module hooks, so the parameter addresses are read
         # again in the first pack of the pass (an eager hook), not here; the op watcher starts only eagerly.
-        # A controller whose hooks another's shadow (installed later, on the same thread) does nothing: the
-        # hooks on top see the saves, and two op watchers would leave each other's state behind.
+        # Under another controller's hooks (installed later, on this thread) this one does nothing: two op watchers
+        # would leave each other's state behind. Under another library's (which may hand saves on) it begins a pass.
         top = _top_hooks()
         if top is None or top[0] is self._graph_hooks[0]:
             self._path.begin_forward()
             if self.config.adaptive:
                 self.estimator.forward_begins(self._schedule.due(self.step + 1))
+        elif not getattr(top[0], "gactx_hooks", False):
+            self._path.begin_forward(watch=False)
 
     def _pass_end(self) -> None:
         self._path.end_forward()

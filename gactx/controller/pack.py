@@ -124,12 +124,13 @@ class PackPath:
 
     # -- passes ---------------------------------------------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """The model's forward begins: a new pass, watched if something new was met in the last one."""
+    def begin_forward(self, watch: bool = True) -> None:
+        """The model's forward begins: a new pass, watched if something new was met in the last one (``watch``:
+        whether it may be; not under another library's saved-tensor hooks, which may never show it a save)."""
         self.end_forward()  # a forward that never ended (interrupted): its watcher off first
         self.fresh = True
         cfg = self.config
-        watch = cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn)
+        watch = watch and (cfg.op_rules == "always" or (cfg.op_rules == "learn" and self.relearn))
         if watch and cfg.bits is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self.relearn = False
             self.replays.clear()  # the ops learned in this pass may differ

@@ -26,8 +26,7 @@ def test_quick_host_benchmark_splits_the_cost_of_a_save(tmp_path):
 
 
 def test_gactx_hooks_are_timed_in_place_so_each_step_is_a_pass_of_its_own():
-    # A pair of hooks pushed on top of gactx's would shadow them: the controller would begin no pass, and the
-    # records of every timed step would pile up in one.
+    # gactx's hooks are timed where they are, on top: each timed step is a pass of its own, its saves replayed.
     case = host.Case("L1", 64, "cpu")
     with case.hooks():
         case.step()

@@ -59,6 +59,22 @@ def test_hooks_come_off_in_the_order_they_went_on():
     assert not first.installed and not second.installed
 
 
+def test_under_hooks_that_hand_each_save_on_to_gactxs_each_forward_is_a_pass_of_its_own():
+    # A library that composes saved-tensor hooks pushes its own pair, which calls the pair it found: gactx's.
+    model, x = _linear_model(), torch.randn(32, 64)
+    with gactx.Controller(model, level="L1") as controller:
+        model(x).sum().backward()
+        one_pass = controller.memory_stats()
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: pack(t), lambda h: unpack(h)):
+            for _ in range(3):
+                model(x).sum().backward()
+                assert controller.memory_stats() == one_pass, "the saves of one pass, not piled on the last"
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # hooks that keep every save
+            model(x).sum().backward()
+        assert controller.memory_stats() == one_pass, "a pass gactx never saw a save of leaves the last one"
+
+
 def test_uninstalling_from_another_thread_is_refused():
     model = _linear_model()
     controller = gactx.Controller(model).install_hook()
