@@ -35,6 +35,7 @@ from benchmarks.methods import sub_batch
 from benchmarks.table import markdown_table
 from benchmarks.workloads import build
 from gactx.config import Config
+from gactx.controller.adaptation import cost
 
 INTERVAL = Config.adapt_interval  # the default
 BACKOFF = Config.adapt_backoff  # the default: the longest interval is this many times INTERVAL
@@ -110,6 +111,8 @@ def measure(name: str, quick: bool) -> dict:
         "later_s": round(later.seconds, 3),
         "later_share_at_interval": round(later.seconds / (INTERVAL * step_s + later.seconds), 4),
         "later_share_backed_off": round(later.seconds / (BACKOFF * INTERVAL * step_s + later.seconds), 4),
+        "passes_by_part": {part: list(v) for part, v in a.passes_by_part.items()},
+        "later_passes_by_part": {part: list(v) for part, v in later.passes_by_part.items()},
     }
 
 
@@ -164,6 +167,10 @@ def render(rows: list[dict], env: dict, plan: dict) -> str:
             for r in rows
         ],
     )  # fmt: skip
+    lines += ["", "Where the passes went (`Adaptation.passes_by_part`: passes for measurements, by part):", ""]
+    for r in rows:
+        first, later = (cost.parts_text(r.get(k) or {}) for k in ("passes_by_part", "later_passes_by_part"))
+        lines.append(f"- {r['model']}: first {r['passes']} ({first}); later {r['later_passes']} ({later})")
     held = list(zip(plan["adapted_at"], plan["stable"], strict=True))
     marks = ", ".join(f"{step}{'' if kept or i == 0 else ' (moved)'}" for i, (step, kept) in enumerate(held))
     lines += [

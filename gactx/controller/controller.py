@@ -212,6 +212,7 @@ class Controller:
         self.last_adaptation = a = dataclasses.replace(
             estimates[-1], passes=sum(e.passes for e in estimates), seconds=seconds, step_seconds=step_seconds,
             share=cost.share(seconds, step_seconds, interval), interval=interval,
+            passes_by_part=cost.summed([e.passes_by_part for e in estimates]),
         )  # fmt: skip
         self._clock.resume()
         cost.announce(a, interval, self._clock.first_only)  # logged; a warning where it took long
@@ -251,6 +252,7 @@ class Controller:
             predicted_variance=allocation.variance,
             feasible=allocation.feasible,
             stable=stable(allocation.variance, allocation.kept_variance),
+            passes_by_part=estimate.parts,
         )
         return self.last_adaptation
 

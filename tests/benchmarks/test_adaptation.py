@@ -16,7 +16,11 @@ def test_quick_adaptation_benchmark(tmp_path):
         # a later adaptation: one estimate
         assert 3 <= r["later_passes"] < r["passes"] and 0 < r["later_share_at_interval"] < 1
         assert 0 < r["later_share_backed_off"] < r["later_share_at_interval"]
+        # where they went, part by part: every pass counted once
+        assert sum(p for _, p in r["passes_by_part"].values()) == r["passes"]
+        assert sum(p for _, p in r["later_passes_by_part"].values()) == r["later_passes"]
     table = (tmp_path / "adaptation.md").read_text()
+    assert "- resnet50: first " in table and " discovery, " in table
     assert "share at interval" in table and "Schedule: char_transformer, 12 steps at adapt_interval=3" in table
     schedule = json.loads((tmp_path / "adaptation.json").read_text())["schedule"]
     assert schedule["adapted_at"][0] == 1 and len(schedule["adapted_at"]) == len(schedule["stable"])

@@ -312,6 +312,28 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     assert done[1][-1][1] + done[2][-1][1] == controller.last_adaptation.passes
 
 
+def test_an_adaptation_says_where_its_passes_went():
+    """``Adaptation.passes_by_part``: each part's measurements and passes, adding up to the adaptation's passes; the
+    first adaptation of the zoo transformer layer (two estimates) fits its LayerNorm inputs' curves, a later one keeps
+    them; report() gives them in words. ActNN's estimator runs no pass."""
+    model, run, _ = _transformer_layer()
+    controller = _adapted(model, run)
+    first = controller.last_adaptation
+    parts = first.passes_by_part
+    assert sum(p for _, p in parts.values()) == first.passes
+    assert parts["discovery"] == (0, 2) and parts["base"] == (0, 2)  # one of each an estimate
+    assert parts["linear inputs together"][0] >= 2 and parts["against the base"][0] >= 1
+    assert parts["curve widths"][0] == 4  # its two LayerNorm inputs, at two widths each
+    assert all(p >= 1 for m, p in parts.values())
+    assert f"{first.passes} forward+backward passes (2 discovery, 2 base, " in controller.report()
+    with controller:
+        later = controller.adapt(lambda: run().backward())
+    assert sum(p for _, p in later.passes_by_part.values()) == later.passes
+    assert "curve widths" not in later.passes_by_part and later.passes_by_part["discovery"] == (0, 1)
+    free = _adapted(*_transformer_layer()[:2], estimator="actnn")
+    assert free.last_adaptation.passes_by_part == {} and free.last_adaptation.passes == 0
+
+
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
 def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
     from gactx.controller.adaptation.allocator import variance_factor as S

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ class Adaptation:
     share: float | None = None  # the share of training it takes at one adaptation every ``interval`` steps
     interval: int | None = None  # steps from this adaptation's interval start to the next one (schedule.py)
     stable: bool = False  # the allocation before it was within STABLE_VARIANCE of the new one's variance
+    # Where the passes went: part -> (measurements, passes), GACT's estimator's (Estimate.parts), summed over the
+    # adaptation's estimates; empty where no pass ran.
+    passes_by_part: dict = field(default_factory=dict)
 
 
 def default_width(average_bits: float) -> int:

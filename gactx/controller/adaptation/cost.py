@@ -17,7 +17,16 @@ import warnings
 
 from gactx.controller.stats import format_bytes
 
-__all__ = ["SLOW_SECONDS", "SlowAdaptationWarning", "StepClock", "announce", "report_line", "share"]
+__all__ = [
+    "SLOW_SECONDS",
+    "SlowAdaptationWarning",
+    "StepClock",
+    "announce",
+    "parts_text",
+    "report_line",
+    "share",
+    "summed",
+]
 
 SLOW_SECONDS = 5.0  # an adaptation that takes longer warns (a Python warning: seen without configuring logging)
 WINDOW = 100  # steps whose median is the step time
@@ -84,6 +93,22 @@ def describe(adaptation, interval: int, first_only: bool) -> str:
     return text
 
 
+def summed(tables: list[dict]) -> dict:
+    """Several estimates' ``part -> (measurements, passes)`` tables (``Estimate.parts``) added up, parts in the order
+    they first came."""
+    out: dict[str, tuple[int, int]] = {}
+    for table in tables:
+        for part, (measurements, passes) in table.items():
+            had = out.get(part, (0, 0))
+            out[part] = (had[0] + measurements, had[1] + passes)
+    return out
+
+
+def parts_text(parts: dict) -> str:
+    """``Adaptation.passes_by_part`` in words: ``"2 discovery, 9 for 20 linear inputs together, ..."``."""
+    return ", ".join(f"{p} for {m} {name}" if m else f"{p} {name}" for name, (m, p) in parts.items())
+
+
 def report_line(adaptation, config) -> str:
     """``Controller.report()``'s line on the last adaptation: its cost and share, and the bytes it allocated against
     the budget ``config`` sets."""
@@ -93,7 +118,9 @@ def report_line(adaptation, config) -> str:
              else f"{config.bits:g} bits an element of what plain PyTorch saves, each storage once, and the groups' "
              "metadata")  # fmt: skip
     return (
-        f"last adaptation at step {a.step}: {a.passes} forward+backward passes, {a.seconds:.2f} s{share}; "
+        f"last adaptation at step {a.step}: {a.passes} forward+backward passes"
+        + (f" ({parts_text(a.passes_by_part)})" if a.passes_by_part else "")
+        + f", {a.seconds:.2f} s{share}; "
         f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
         + ("" if a.feasible else " (budget not met: narrowest widths)")
     )

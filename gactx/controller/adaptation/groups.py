@@ -201,6 +201,12 @@ class Passes:
         self._gradient, self.set_probe, self.sizes, self.progress = gradient, set_probe, sizes, progress
         self.done, self.total = 1, 1  # the discovering pass
         self.base: list[torch.Tensor] | None = None
+        self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
+
+    def spent(self, part: str, measurements: int, passes: int) -> None:
+        """Count ``passes`` of the estimate, and the tensors' ``measurements`` they made, to ``part``."""
+        had = self.parts.get(part, (0, 0))
+        self.parts[part] = (had[0] + measurements, had[1] + passes)
 
     def gradient(self, probes) -> list[torch.Tensor]:
         if self.progress is not None:
@@ -215,10 +221,11 @@ class Passes:
         a = self.gradient(first)
         return mean_over_ranks(parts(a, self.base if second is None else self.gradient(second)))
 
-    def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict) -> tuple[dict, dict]:
+    def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str) -> tuple[dict, dict]:
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
-        or ``kept``), else alone. Returns ``(slot -> D, slot -> profile measured alone)``."""
+        or ``kept``), else alone; the passes counted to ``part``. Returns ``(slot -> D, slot -> profile measured
+        alone)``."""
         expected = {}
         if GROUPED:
             for slot, (_, _, unit) in row.items():
@@ -233,6 +240,7 @@ class Passes:
         for slot, (first, second, _) in row.items():
             if slot not in found:
                 measure_alone(slot, first, second, self.run, found, fresh)
+        self.spent(part, len(row), self.done - before)
         return found, fresh
 
     def _agreed(self, slots: list, expected: dict) -> dict:

@@ -44,7 +44,7 @@ from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, part
 from gactx.controller.adaptation.ranks import mean_over_ranks
 from gactx.controller.adaptation.widths import variance_factor
 
-__all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "estimate_sensitivities", "fit_curve"]
+__all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "PARTS", "estimate_sensitivities", "fit_curve"]
 
 # Sensitivities legitimately span orders of magnitude (first layers vs last); one that is not finite, or
 # more than a million times the median, is a blown-up pass and is capped there, so that it cannot make the
@@ -61,6 +61,9 @@ BASE = True
 # is probed in one pass against the base, in that form, not by a pair (estimate_sensitivities' ``stored_of``); False:
 # a pair.
 STORED_BASE = True
+# What Estimate.parts calls each kind of measurement (besides "discovery" and "base", a pass each).
+PARTS = {"together": "linear inputs together", "one": "against the base", "width": "by pairs",
+         "curves": "curve widths", "choice": "calibration pairs"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Estimate:
     ratios: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # slot -> {choice: its stored error} (choices.ChoiceMeter)
     profiles: Profiles | None = None  # where each probed tensor's noise landed in the gradient (groups.py)
+    parts: dict = field(default_factory=dict)  # where the passes went: part -> (measurements, passes) (PARTS)
 
 
 class ModelSnapshot:
@@ -197,6 +201,7 @@ def estimate_sensitivities(
         passes.total += sum((1 if m[1] is None else 2) for row in measures.values() for m in row.values())
         if single or based:
             passes.base = passes.gradient(None)  # every tensor stored as when nothing is probed
+            passes.spent("base", 0, 1)
         raw, probed, curves = {}, {}, {}
         if together:
             against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
@@ -205,6 +210,7 @@ def estimate_sensitivities(
             )
             passes.done += runs
             passes.total += runs - planned
+            passes.spent(PARTS["together"], len(blocks), runs)
             if float(mean_over_ranks(torch.tensor([joint is not None], dtype=torch.float64))) < 1:
                 joint = None  # every rank measures them as one did, or all run as many passes
             if joint is not None:
@@ -218,7 +224,8 @@ def estimate_sensitivities(
         kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout)
         shares, measured = {}, {}
         for what, row in measures.items():
-            found, fresh = passes.measure(row, kept, raw, shares)
+            fitted = what[0] == "width" and any(len(plans[s][0]) > 1 for s in row)  # widths of curves
+            found, fresh = passes.measure(row, kept, raw, shares, PARTS["curves" if fitted else what[0]])
             if what[0] != "choice":  # a sketch's noise is not the codes'
                 shares.update(fresh)
             measured[what] = found
@@ -245,7 +252,8 @@ def estimate_sensitivities(
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
     profiles = Profiles(layout, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
-    return Estimate(cap(raw), passes.done, time.perf_counter() - start, probed, curves, profiles=profiles)
+    return Estimate(cap(raw), passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
+                    parts=passes.parts)  # fmt: skip
 
 
 def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: int, seed_of, shape_of) -> dict:
