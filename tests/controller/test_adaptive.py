@@ -337,7 +337,7 @@ def test_an_adaptation_says_where_its_passes_went():
 @pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4), (1e-6, 1e-3)])
 def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
     from gactx.controller.adaptation.allocator import variance_factor as S
-    from gactx.controller.adaptation.sensitivity import fit_curve
+    from gactx.controller.adaptation.curves import fit_curve
 
     variance = {b: lin * S(b) + q * S(b) ** 2 for b in (1, 4)}
     (a, qq), c = fit_curve(variance, 2)
@@ -346,9 +346,43 @@ def test_fit_curve_recovers_a_curve_through_its_two_widths(lin, q):
         assert c * (a * S(b) + qq * S(b) ** 2) == pytest.approx(lin * S(b) + q * S(b) ** 2, rel=1e-9, abs=1e-18)
 
 
+@pytest.mark.parametrize("lin, q", [(0.5, 0.0), (0.0, 3.0), (0.02, 0.4)])
+@pytest.mark.parametrize("stored", [2, 3, 4])
+def test_fit_curve_recovers_a_curve_from_a_point_measured_against_the_base(lin, q, stored):
+    """A curve width narrower than the stored form, measured in one pass against the base (``curves.CURVE_BASE``):
+    its point is the curve at both, ``v(1) + v(stored)``; the fit still recovers the curve."""
+    from gactx.controller.adaptation.allocator import variance_factor as S
+    from gactx.controller.adaptation.curves import fit_curve
+
+    v = lambda b: lin * S(b) + q * S(b) ** 2  # noqa: E731
+    variance, partners = {1: v(1) + v(stored), 4: v(4)}, {1: S(stored)}  # the 4-bit point: a pair's, or the base's
+    (a, qq), c = fit_curve(variance, 2, partners)
+    assert c == pytest.approx(lin + q * S(2))
+    assert c * (a * S(1) + qq * S(1) ** 2) == pytest.approx(v(1), rel=1e-9)
+
+
+def test_a_curve_width_narrower_than_the_stored_form_takes_one_pass_against_the_base(monkeypatch):
+    """On the zoo transformer layer the first adaptation measures its LayerNorm inputs' 1-bit points against the base
+    where they are stored wider: fewer passes for the curves, the sensitivities ranked as with pairs."""
+    from benchmarks.estimators import spearman
+    from gactx.controller.adaptation import curves, groups
+
+    monkeypatch.setattr(groups, "GROUPED", False)  # each measurement its own passes: counted so
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(curves, "CURVE_BASE", on)
+        model, _, loss = _transformer_layer()
+        controller = _adapted(model, loss)
+        results[on] = controller.sensitivity, controller.last_adaptation.passes_by_part["curve widths"]
+    (pairs, (m0, p0)), (based, (m1, p1)) = results[False], results[True]
+    assert m0 == m1 == 4 and p1 < p0 == 8
+    slots = sorted(pairs)
+    assert spearman([pairs[s] for s in slots], [based[s] for s in slots]) >= 0.9
+
+
 def test_fit_curve_never_underrates_where_the_two_points_disagree():
     from gactx.controller.adaptation.allocator import variance_factor as S
-    from gactx.controller.adaptation.sensitivity import fit_curve
+    from gactx.controller.adaptation.curves import fit_curve
 
     # Relative to S(b), the 4-bit point above the 1-bit one: no curve with q >= 0 passes both; the line of the
     # larger ratio is taken, so that neither width is predicted below what it measured.

@@ -9,7 +9,7 @@ variances of different tensors add up, and::
     S(32) = 0                       stored as is (and 16 for fp16/bf16 inputs, which are stored as is)
 
 The input of a normalisation is read twice over by backward (``rules.curved``): its variance is ``C_l (a S(b) +
-q S(b)**2)``, the shape ``(a, q)`` measured at two widths (``sensitivity.fit_curve``; ``(1, 0)`` for the others).
+q S(b)**2)``, the shape ``(a, q)`` measured at two widths (``curves.fit_curve``; ``(1, 0)`` for the others).
 
 Where the values of a tensor were measured (``choices.py``), its item lists explicit options instead: every way it may
 be stored (a width of uniform codes, of normal-fitted levels, a sketch of its rows) with the bytes it holds and the

@@ -164,7 +164,7 @@ def choice_options(
     every measured choice of at least ``min_bits`` (the class's narrowest width), the 16- and 32-bit widths, and
     each measured sketch with its kept rows at every width (``sketch_scale``: :func:`calibration`). ``response``:
     ``(a, q)``, the variance per unit of sensitivity is ``a x + q x**2`` at the choice's ``x = S(probe) V(choice) /
-    V(probe)`` (``sensitivity.fit_curve``; linear, ``(1, 0)``, but for a normalisation's input)."""
+    V(probe)`` (``curves.fit_curve``; linear, ``(1, 0)``, but for a normalisation's input)."""
     numel = torch.Size(shape).numel()
     reference = measured.get(Choice(probe_bits), 0.0)
     scale = variance_factor(probe_bits) / reference if reference > 0 else math.inf

@@ -151,6 +151,7 @@ def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float | 
 def probe_in_groups(
     members: Mapping[Hashable, tuple[object, object, torch.Tensor]],
     run: Callable[[dict, dict | None], torch.Tensor],
+    formed: Callable[[list[list[Hashable]]], None] | None = None,
 ) -> tuple[dict, dict]:
     """Measure in groups the ``members`` (slot -> ``(first, second, expected)``: the probe of its first pass, that of
     its second or ``None`` where its first is read against the base, and what it is expected to put in each parameter's
@@ -158,11 +159,12 @@ def probe_in_groups(
     group the passes do not explain (:func:`_fit`) has the members it names measured alone, each drawn as in the
     group's passes, so that what each put there is taken out of them, and the rest solved again. Returns ``(slot ->
     its squared distance D, slot -> its profile measured alone)`` for the members measured so; a slot in no group is
-    left out of both."""
+    left out of both. ``formed(groups)`` is told the groups before their passes run."""
     found, shares = {}, {}
-    for group in form_groups({s: m[2] for s, m in members.items()}):
-        if len(group) < 2:
-            continue
+    groups = [g for g in form_groups({s: m[2] for s, m in members.items()}) if len(g) >= 2]
+    if formed is not None:
+        formed(groups)
+    for group in groups:
         against = members[group[0]][1] is None
         measured = run({s: members[s][0] for s in group}, None if against else {s: members[s][1] for s in group})
         while group:
@@ -234,9 +236,14 @@ class Passes:
                 if share is not None and c is not None and math.isfinite(c) and c > 0 and unit > 0:
                     expected[slot] = c * unit * share
             expected = self._agreed(list(row), expected)
-        before = self.done
-        found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run)
-        self.total += self.done - before - sum(1 if row[s][1] is None else 2 for s in found)
+        before, planned = self.done, [0]
+
+        def formed(groups: list) -> None:  # each group's passes for its members' own: the progress's total exact
+            planned[0] = sum(1 if row[g[0]][1] is None else 2 for g in groups)
+            self.total += planned[0] - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
+
+        found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
+        self.total += self.done - before - planned[0]  # members the groups' passes did not explain, measured alone
         for slot, (first, second, _) in row.items():
             if slot not in found:
                 measure_alone(slot, first, second, self.run, found, fresh)

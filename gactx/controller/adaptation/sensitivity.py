@@ -22,9 +22,9 @@ lands in the gradient and those places overlap little (``groups.py``).
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
 quadratic part makes the 1-bit variance 10 times what the 2-bit probe extrapolates and the 4-bit one a tenth of it.
-Such a tensor is probed at :data:`CURVE_WIDTHS`, a pair of passes each (two more than the others), ``C_lin`` and
-``Q`` are fitted through the two (:func:`fit_curve`), and its ``C`` is the fit's variance at ``probe_bits`` over
-``S(probe_bits)``; :attr:`Estimate.curves` hands the shape to the allocator. Around them, the
+Such a tensor is probed at two widths, a pair of passes each or one against the base (``curves.py``), ``C_lin`` and
+``Q`` are fitted through the two, and its ``C`` is the fit's variance at ``probe_bits`` over ``S(probe_bits)``;
+:attr:`Estimate.curves` hands the shape to the allocator. Around them, the
 estimator saves and restores the RNG states (CPU and CUDA: dropout draws the same masks in every pass, and training
 continues with the stream it had), the model's buffers (BatchNorm running statistics, batch counters)
 and every parameter's ``.grad``. Parameters are never written: the closure runs forward and backward only.
@@ -40,20 +40,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
 from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts
 from gactx.controller.adaptation.ranks import mean_over_ranks
 from gactx.controller.adaptation.widths import variance_factor
 
-__all__ = ["Probe", "Estimate", "ModelSnapshot", "CURVE_WIDTHS", "PARTS", "estimate_sensitivities", "fit_curve"]
+__all__ = ["Probe", "Estimate", "ModelSnapshot", "PARTS", "estimate_sensitivities"]
 
 # Sensitivities legitimately span orders of magnitude (first layers vs last); one that is not finite, or
 # more than a million times the median, is a blown-up pass and is capped there, so that it cannot make the
 # allocator starve every other tensor.
 CAP_FACTOR = 1e6
-# The widths a curved tensor is probed at: the narrowest, where the quadratic part shows, and one where it has faded.
-# Every width the allocator may give lies between them or past 4 bits, where the fit is the 4-bit point's line:
-# nothing is extrapolated towards narrower widths.
-CURVE_WIDTHS = (1, 4)
 # Probe a tensor whose stored noise in the pass is known in one pass against a shared base pass, not a pair (see
 # estimate_sensitivities); False: every tensor by pairs.
 BASE = True
@@ -150,7 +147,7 @@ def estimate_sensitivities(
     ``choices_of(slot)``: pairs of storage
     choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
-    (``Estimate.probed``). ``curved(slot)``: the slot is probed at :data:`CURVE_WIDTHS` instead of ``probe_bits``.
+    (``Estimate.probed``). ``curved(slot)``: the slot is probed at ``curves.CURVE_WIDTHS`` instead of ``probe_bits``.
     ``weights_of(slot)``: the parameters whose gradients alone the slot's noise reaches (the weights of the products it
     is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`). ``context_of(slot)``: the
     variance, in units of ``S(b)``, of what the slot stores when nothing is probed (``S(b)`` of uniform codes at ``b``
@@ -184,7 +181,8 @@ def estimate_sensitivities(
         stored = {s: stored_of(s) for s in slots if s not in single} if BASE and STORED_BASE and stored_of else {}
         based = {
             s: form for s, form in stored.items()
-            if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0])
+            if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0]
+                                     or any(partner(form, w) is not None for w in plans[s][0]))
         }  # fmt: skip
         blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
         together = len(blocks) > 1
@@ -232,11 +230,14 @@ def estimate_sensitivities(
             for slot, d in found.items():
                 if what == ("one",):
                     raw[slot] = d / row[slot][2] if row[slot][2] > 0 else math.inf
-        variances: dict = {}
+        variances, partners = {}, {}
         for what, found in measured.items():
             if what[0] == "width":
                 for slot, d in found.items():
-                    variances.setdefault(slot, {})[what[1]] = 0.5 * d
+                    x = partner(based.get(slot), what[1]) if what[2] is None else None
+                    variances.setdefault(slot, {})[what[1]] = 0.5 * d if x is None else d
+                    if x is not None:
+                        partners.setdefault(slot, {})[what[1]] = x
             elif what[0] == "choice":
                 for slot, d in found.items():
                     probed.setdefault(slot, {}).setdefault(plans[slot][1][what[1]][0], []).append(0.25 * d)
@@ -244,7 +245,7 @@ def estimate_sensitivities(
             if len(variance) == 1:
                 raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
             else:
-                curves[slot], raw[slot] = fit_curve(variance, probe_bits)
+                curves[slot], raw[slot] = fit_curve(variance, probe_bits, partners.get(slot))
         for slot, row in probed.items():  # a choice probed by several pairs (several seeds): their mean
             probed[slot] = {c: v if not isinstance(v, list) else sum(v) / len(v) for c, v in row.items()}
     finally:
@@ -279,8 +280,11 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
             for k, bits in enumerate(widths):
                 x = variance_factor(bits)
                 first = Probe(slot, bits, seed_of(slot, 2 * k + 1))
+                against = partner(based.get(slot), bits)
                 if based.get(slot, (None,))[0] == bits:  # the base's draw at this width is the pair's other one
                     measures.setdefault(("width", bits, None), {})[slot] = (first, None, unit(x))
+                elif against is not None:  # against the base's draw of the stored form: both variances
+                    measures.setdefault(("width", bits, None), {})[slot] = (first, None, (unit(x) + unit(against)) / 2)
                 else:
                     second = Probe(slot, bits, seed_of(slot, 2 * k + 2))
                     measures.setdefault(("width", bits, 2), {})[slot] = (first, second, unit(x))
@@ -363,30 +367,6 @@ def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_b
             probed.setdefault(s, {}).setdefault(plans[s][1][n][0], []).append(found[s])
     probed = {s: {c: sum(v) / len(v) for c, v in row.items()} for s, row in probed.items()}
     return (raw, probed), passes
-
-
-def fit_curve(variance: dict[int, float], probe_bits: int) -> tuple[tuple[float, float], float]:
-    """Fit ``v(b) = C_lin S(b) + Q S(b)**2`` through the gradient variances measured at two widths, ``C_lin`` and
-    ``Q`` at least 0 (where the two points say otherwise, the noise of one pair each, the larger of the two that
-    either point alone gives: the allocator then overrates the tensor, never underrates it). Returns ``((a, q),
-    C)``: the sensitivity ``C = v(probe_bits) / S(probe_bits)`` and the shape of the curve per unit of it,
-    ``v = C (a x + q x**2)`` at ``x = S(b)``. A variance that is not finite is returned as ``C`` (``cap`` ends it)."""
-    (wide, v_wide), (narrow, v_narrow) = sorted(variance.items(), reverse=True)
-    x_wide, x_narrow = variance_factor(wide), variance_factor(narrow)
-    if not (math.isfinite(v_wide) and math.isfinite(v_narrow)):
-        return (1.0, 0.0), math.inf
-    r_wide, r_narrow = v_wide / x_wide, v_narrow / x_narrow
-    q = (r_narrow - r_wide) / (x_narrow - x_wide)
-    lin = r_wide - q * x_wide
-    if q < 0:
-        lin, q = max(r_wide, r_narrow), 0.0
-    elif lin < 0:
-        lin, q = 0.0, max(v_wide / x_wide**2, v_narrow / x_narrow**2)
-    x = variance_factor(probe_bits)
-    c = lin + q * x
-    if c <= 0:
-        return (1.0, 0.0), 0.0
-    return (lin / c, q / c), c
 
 
 def cap(raw: dict) -> dict:
