@@ -236,14 +236,15 @@ class Passes:
                 if share is not None and c is not None and math.isfinite(c) and c > 0 and unit > 0:
                     expected[slot] = c * unit * share
             expected = self._agreed(list(row), expected)
-        before, planned = self.done, [0]
+        before, planned = self.done, 0
 
         def formed(groups: list) -> None:  # each group's passes for its members' own: the progress's total exact
-            planned[0] = sum(1 if row[g[0]][1] is None else 2 for g in groups)
-            self.total += planned[0] - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
+            nonlocal planned
+            planned = sum(1 if row[g[0]][1] is None else 2 for g in groups)
+            self.total += planned - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
 
         found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
-        self.total += self.done - before - planned[0]  # members the groups' passes did not explain, measured alone
+        self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone
         for slot, (first, second, _) in row.items():
             if slot not in found:
                 measure_alone(slot, first, second, self.run, found, fresh)

@@ -280,7 +280,8 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
             for k, bits in enumerate(widths):
                 x = variance_factor(bits)
                 first = Probe(slot, bits, seed_of(slot, 2 * k + 1))
-                form, against = based.get(slot), partner(based.get(slot), bits)
+                form = based.get(slot)
+                against = partner(form, bits)
                 if form is not None and form[1] is None and form[0] == bits:  # the base's draw: the pair's other one
                     measures.setdefault(("width", bits, None), {})[slot] = (first, None, unit(x))
                 elif against is not None:  # against the base's draw of the stored form: both variances
