@@ -187,9 +187,8 @@ class Controller:
         """Measure every compressed tensor's sensitivity with ``backprop`` and allocate bits now.
 
         The model is left as it was: parameters untouched, buffers (BatchNorm statistics) and every
-        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose (the first adaptation
-        of GACT's estimator estimates twice, the second time around the allocation the first found: its passes and
-        seconds are both rounds'). With
+        ``.grad`` restored, RNG states (CPU and CUDA) restored. Returns what it cost and chose (where GACT's estimator
+        estimates twice, its passes and seconds are both rounds': ``sensitivity.EXACT_BASE``). With
         ``estimator="actnn"``: the estimate collected in the last step if there is one (no pass), else one
         ordinary pass of ``backprop`` read the same way.
         """
@@ -202,10 +201,11 @@ class Controller:
             raise RuntimeError("adapt() needs one training forward pass under the controller first")
         plan = self.plan
         before = {slot: plan.choices.get(slot, Choice(bits)) for slot, bits in plan.allocation.items()}
-        rounds = self.estimator.rounds(bool(before))
-        progress, estimates = ProgressLog(self.step, rounds), []
-        for progress.round in range(1, rounds + 1):
+        progress, estimates = ProgressLog(self.step, self.estimator.rounds(bool(before))), []
+        while len(estimates) < progress.rounds:  # an estimate may find that one more is needed (its rounds)
+            progress.round = len(estimates) + 1
             estimates.append(self._adapt_once(backprop, progress, before))
+            progress.rounds = self.estimator.rounds(bool(before))
         self._schedule.adapted(self.step, estimates[-1].stable)
         seconds, step_seconds = sum(e.seconds for e in estimates), self._clock.seconds
         interval = self._schedule.interval  # the steps this adaptation's cost is spread over
@@ -233,6 +233,8 @@ class Controller:
             if not was_installed:
                 self.uninstall_hook()
             discovered, self._pass, self._path.fresh = self._pass, training_pass, True
+        if self.estimator.discovered is not None:  # the estimator's first pass, where it ran one of its own
+            discovered = self.estimator.discovered
         # A training pass of compiled graphs names its saves by graph; the allocation is by eager slot, and
         # compiled saves take widths from it by module, shape and dtype (plan.compiled_width).
         eager = training_pass if not training_pass.graph_runs else discovered

@@ -35,7 +35,7 @@ from gactx.controller.rules import (
     linear_power,
     sketchable,
 )
-from gactx.controller.stats import AS_IS
+from gactx.controller.stats import AS_IS, EXACT
 from gactx.kernels.format import as_is_width
 
 __all__ = ["BOOL_MASK", "Decision", "decide", "kept", "may_share", "node_rule"]
@@ -83,7 +83,8 @@ def decide(
     """The decision for ``t``, saved under ``rule`` in ``slot`` (``number``: the save's, as the pack path numbers
     them, for its noise seed): 1 bit for a bool mask, the level's ``checkpoint_bits`` for a checkpointed region's
     input, the plan's width for an allocated class (at least ``ATTENTION_BITS`` for attention; a uniformly quantized
-    one, whatever its class, where the sensitivity probe perturbs the slot), else the rule's own form."""
+    one, whatever its class, where the sensitivity probe perturbs the slot; as it is where a probe keeps the slots it
+    does not perturb exact), else the rule's own form."""
     if rule is BOOL_MASK:
         return _BOOL
     if rule is CHECKPOINT_INPUT:
@@ -101,6 +102,8 @@ def decide(
     bits, choice, probing = plan.width(slot)
     if probing:
         rule = LINEAR  # the probe's choice, if it measures one
+    elif plan.exact:  # a probe pass that keeps every slot it does not probe as it is
+        return Decision(rule, bits, None, EXACT)
     elif rule.kind != "quantize":
         choice = None
     elif rule.cls == "attention" and bits < ATTENTION_BITS:

@@ -50,7 +50,7 @@ from gactx.controller.rules import (
     sketchable,
     weight_only,
 )
-from gactx.controller.stats import AS_IS, PassStats
+from gactx.controller.stats import AS_IS, EXACT, PassStats
 from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
 from gactx.controller.watch import OpWatcher
 from gactx.kernels import QuantizedTensor
@@ -358,7 +358,8 @@ class PackPath:
             for observe in self.observers:
                 observe(key, t, rule)
         if decision.reason:
-            self.stats.record(t, key, ptr, site, rule, bits, decision.reason)
+            if decision.reason is not EXACT:  # a probe's exact save: not what training stores, and no view shares it
+                self.stats.record(t, key, ptr, site, rule, bits, decision.reason)
             return as_is(t)
         stored = encode(t, rule, bits, decision.seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):  # a mask the dtype cannot make exactly, a FewBit class at 16 or 32 bits

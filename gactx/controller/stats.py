@@ -16,6 +16,7 @@ from gactx.controller.identity import Key
 from gactx.controller.rules import ALLOCATED
 
 AS_IS = "as is"  # the reason of a tensor stored as it is at the width it was given (16 or 32 bits)
+EXACT = "exact"  # ... of one a probe pass keeps as it is to measure another (plan.Plan.exact): not recorded
 __all__ = ["MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
 
 

@@ -138,9 +138,9 @@ def announce(adaptation, interval: int, first_only: bool) -> None:
         return
     warnings.warn(
         describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (GACT's "
-        "estimator: 1 or 2 passes each, 4 a normalization input, the inputs of linear and convolution layers 1 or 2 "
-        "for all; after the first estimate, tensors whose noise lands apart share passes); a smaller batch in the "
-        "closure, a longer adapt_interval or estimator='actnn' costs less (docs/adaptive.md)",
+        "estimator: a pass each, two a normalization input's first, one for all the inputs of linear and convolution "
+        "layers; tensors whose noise was seen to land apart share passes); a smaller batch in the closure, a longer "
+        "adapt_interval or estimator='actnn' costs less (docs/adaptive.md)",
         SlowAdaptationWarning,
         stacklevel=4,
     )

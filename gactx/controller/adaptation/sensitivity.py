@@ -1,28 +1,33 @@
 """How much each saved tensor's compression perturbs the gradient: GACT's sensitivity estimator.
 
-For every compressed tensor ``l`` (named by its slot: module, call, index) the user's ``backprop`` closure
-runs twice with every tensor at its current bits and the same noise, except that ``l`` is quantized at
-``probe_bits`` with two different seeds; the two parameter gradients ``g_a``, ``g_b`` differ by ``l``'s
-noise alone, so::
+For every compressed tensor ``l`` (named by its slot: module, call, index) the user's ``backprop`` closure runs once
+with ``l`` quantized at ``probe_bits`` and every other tensor stored as it is (:data:`EXACT_BASE`), against one base
+pass that stores every tensor as it is (its gradients are plain PyTorch's, bit for bit). The two parameter gradients
+differ by ``l``'s noise alone, so::
 
-    C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)
+    C_l = ||g_l - g_base||^2 / S(probe_bits)
 
-That is ``1 + 2 L`` passes for ``L`` tensors (one pass finds the tensors), and two more for each storage choice
-whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). A tensor whose
-op's backward is linear in it and whose stored noise in these passes is known (``context_of``: ``S(b)`` of uniform
-codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, against one base pass with nothing
-probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
+That is ``2 + L`` passes for ``L`` tensors (one pass finds the tensors, one is the base), and one more for each
+storage choice whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). Whatever
+the op's backward, ``||g_l - g_base||^2`` is what ``l`` alone adds to the gradient's squared error: its variance, and
+the square of any bias its rounding puts into the gradient's mean. Tensors whose noise reaches only their own weights'
+gradients are probed all at once (:func:`_probe_together`). Every other measurement (a tensor at a width, a storage
+choice) is made for several tensors at once where the estimate knows where each one's noise lands in the gradient and
+those places overlap little (``groups.py``).
+
+With :data:`EXACT_BASE` off, every pass stores the other tensors at their widths, with the same noise, and ``l`` is
+quantized at ``probe_bits`` with two different seeds: ``C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)``, ``1 + 2 L``
+passes. A tensor whose op's backward is linear in it and whose stored noise in these passes is known (``context_of``:
+``S(b)`` of uniform codes at ``b`` bits, 0 where it is stored as it is) takes one pass instead, against a base pass with
+nothing probed: ``g - g_base = J (e_probe - e_context)``, so ``C_l = ||g - g_base||^2 / (S(probe_bits) + S(b))``
 (:data:`BASE`). Any other tensor stored in a form a probe can store too (uniform codes, the normal scheme's) takes one
 pass in that form against the base, whatever its op's backward: the base's draw of it is a pair's other draw
-(:data:`STORED_BASE`). Tensors whose noise reaches only their own weights' gradients are probed all at once
-(:func:`_probe_together`), by a pair or against the base. Every other measurement (a pass against the base, a pair at
-a width, a storage choice's pair) is made for several tensors at once where the estimate knows where each one's noise
-lands in the gradient and those places overlap little (``groups.py``).
+(:data:`STORED_BASE`).
 
 GACT's model, ``C_l S(b)``, holds where backward is linear in the saved tensor. The input of a normalisation is
 read twice over (``rules.curved``): its gradient variance is ``C_lin S(b) + Q S(b)**2``, and on a BERT layer the
 quadratic part makes the 1-bit variance 10 times what the 2-bit probe extrapolates and the 4-bit one a tenth of it.
-Such a tensor is probed at two widths, a pair of passes each or one against the base (``curves.py``), ``C_lin`` and
+Such a tensor is probed at two widths, a pass each against the base (or a pair, ``curves.py``), ``C_lin`` and
 ``Q`` are fitted through the two, and its ``C`` is the fit's variance at ``probe_bits`` over ``S(probe_bits)``;
 :attr:`Estimate.curves` hands the shape to the allocator. Around them, the
 estimator saves and restores the RNG states (CPU and CUDA: dropout draws the same masks in every pass, and training
@@ -58,6 +63,13 @@ BASE = True
 # is probed in one pass against the base, in that form, not by a pair (estimate_sensitivities' ``stored_of``); False:
 # a pair.
 STORED_BASE = True
+# Every probe pass stores the tensors it does not probe as they are, and every measurement is one pass against a base
+# pass that stores every tensor as it is: ``D = ||g - g_exact||^2`` is what the probed tensor alone adds to the
+# gradient's squared error (its variance, and any bias), whatever its op's backward, so no measurement needs a pair, no
+# pass pays for the other tensors' kernels, and an estimate does not depend on how the others are stored (the first
+# adaptation estimates once). False: the others at their widths, pairs where the base's draw is not a pair's other
+# one (BASE, STORED_BASE).
+EXACT_BASE = True
 # What Estimate.parts calls each kind of measurement (besides "discovery" and "base", a pass each).
 PARTS = {"together": "linear inputs together", "one": "against the base", "width": "by pairs",
          "curves": "curve widths", "choice": "calibration pairs"}  # fmt: skip
@@ -87,6 +99,8 @@ class Estimate:
     measured: dict = field(default_factory=dict)  # slot -> {choice: its stored error} (choices.ChoiceMeter)
     profiles: Profiles | None = None  # where each probed tensor's noise landed in the gradient (groups.py)
     parts: dict = field(default_factory=dict)  # where the passes went: part -> (measurements, passes) (PARTS)
+    # the first pass's squared distance from the exact base over what the estimate predicts for it (_unexplained)
+    unexplained: float | None = None
 
 
 class ModelSnapshot:
@@ -140,6 +154,8 @@ def estimate_sensitivities(
     stored_of: Callable[[Hashable], tuple[int, object, float] | None] | None = None,
     shape_of: Callable[[Hashable], tuple[float, float] | None] | None = None,
     profiles: Profiles | None = None,
+    exact: bool | None = None,
+    noise_of: Callable[[Hashable], float] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -161,11 +177,16 @@ def estimate_sensitivities(
     is. A slot probed at one width gets ``C = v / (a x + q x**2)``, ``(a, q)`` its curve's shape (``shape_of(slot)``, a
     normalisation input's kept curve) or ``(1, 0)``; one whose curve is fitted at two widths takes that pass where a
     width is the one its uniform codes have. ``profiles``: the last estimate's (:attr:`Estimate.profiles`); a slot
-    whose profile is known, kept or measured earlier in this estimate, is measured in groups (``groups.py``)."""
+    whose profile is known, kept or measured earlier in this estimate, is measured in groups (``groups.py``).
+    ``exact``: every probe pass stores what it does not probe as it is (:data:`EXACT_BASE` where ``None``);
+    ``context_of`` and ``stored_of`` then go unread, and ``noise_of(slot)``, the noise in units of ``S`` of what the
+    first pass stored for the slot, gives :attr:`Estimate.unexplained`."""
     start = time.perf_counter()
+    exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
+    first: list = []  # the first pass's gradient: every tensor as training stores it
     try:
-        slots = discover(lambda: _gradient(model, backprop, snapshot))
+        slots = discover(lambda: first.append(_gradient(model, backprop, snapshot)))
         layout, sizes = layout_of(model)
         plans = {
             slot: (
@@ -174,37 +195,43 @@ def estimate_sensitivities(
             )
             for slot in slots
         }
-        # A slot probed at one width whose context is known: one pass against the base (BASE), else a pair.
-        context = {s: context_of(s) for s in slots} if BASE and context_of is not None else {}
-        single = {s for s in slots if plans[s][0] == (probe_bits,) and context.get(s) is not None}
-        # Else the form it is stored in when nothing is probed, where a probe can store it so: against the base.
-        stored = {s: stored_of(s) for s in slots if s not in single} if BASE and STORED_BASE and stored_of else {}
-        based = {
-            s: form for s, form in stored.items()
-            if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0]
-                                     or any(partner(form, w) is not None for w in plans[s][0]))
-        }  # fmt: skip
+        if exact:  # every slot at one width against the exact base, its context nothing
+            context = {s: 0.0 for s in slots if len(plans[s][0]) == 1}
+            single, based = set(context), {}
+        else:  # a slot probed at one width whose context is known: one pass against the base (BASE), else a pair
+            context = {s: context_of(s) for s in slots} if BASE and context_of is not None else {}
+            single = {s for s in slots if plans[s][0] == (probe_bits,) and context.get(s) is not None}
+            # Else the form it is stored in when nothing is probed, where a probe can store it so: against the base.
+            stored = {s: stored_of(s) for s in slots if s not in single} if BASE and STORED_BASE and stored_of else {}
+            based = {
+                s: form for s, form in stored.items()
+                if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0]
+                                         or any(partner(form, w) is not None for w in plans[s][0]))
+            }  # fmt: skip
         blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
         together = len(blocks) > 1
         alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
-        if len(single - set(blocks) if together else single) + (together and alone) + len(set(based) - set(blocks)) < 2:
+        if not exact and (
+            len(single - set(blocks) if together else single) + (together and alone) + len(set(based) - set(blocks)) < 2
+        ):
             single, alone, based = set(), False, {}  # the base pass would save fewer passes than it costs
         passes = Passes(lambda: _gradient(model, backprop, snapshot), set_probe, sizes, progress)
-        planned = (1 if alone else 2) + 2 * max(len(plans[s][1]) for s in blocks) if together else 0
+        each = 1 if alone else 2  # passes a measurement of the block: against the base, or a pair
+        planned = each + (each if exact else 2) * max(len(plans[s][1]) for s in blocks) if together else 0
         measures = _measures(
             {s: plans[s] for s in plans if not (together and s in blocks)}, single, based, context, probe_bits,
-            seed_of, shape_of,
+            seed_of, shape_of, exact,
         )  # fmt: skip
         passes.total = 1 + (1 if single or based else 0) + planned
         passes.total += sum((1 if m[1] is None else 2) for row in measures.values() for m in row.values())
-        if single or based:
-            passes.base = passes.gradient(None)  # every tensor stored as when nothing is probed
+        if single or based:  # every tensor stored as when nothing is probed, or as it is (exact)
+            passes.base = passes.gradient({} if exact else None)
             passes.spent("base", 0, 1)
         raw, probed, curves = {}, {}, {}
         if together:
             against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
             joint, runs = _probe_together(
-                model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against
+                model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against, exact
             )
             passes.done += runs
             passes.total += runs - planned
@@ -215,7 +242,9 @@ def estimate_sensitivities(
                 raw.update(joint[0])
                 probed.update(joint[1])
             else:  # what they reached is not what their weights say: each measured as the others are
-                more = _measures({s: plans[s] for s in blocks}, single, based, context, probe_bits, seed_of, shape_of)
+                more = _measures(
+                    {s: plans[s] for s in blocks}, single, based, context, probe_bits, seed_of, shape_of, exact
+                )
                 for what, row in more.items():
                     measures.setdefault(what, {}).update(row)
                 passes.total += sum((1 if m[1] is None else 2) for row in more.values() for m in row.values())
@@ -235,12 +264,14 @@ def estimate_sensitivities(
             if what[0] == "width":
                 for slot, d in found.items():
                     x = partner(based.get(slot), what[1]) if what[2] is None else None
-                    variances.setdefault(slot, {})[what[1]] = 0.5 * d if x is None else d
+                    paired = what[2] is not None or x is None and not exact  # D twice the variance
+                    variances.setdefault(slot, {})[what[1]] = 0.5 * d if paired else d
                     if x is not None:
                         partners.setdefault(slot, {})[what[1]] = x
             elif what[0] == "choice":
                 for slot, d in found.items():
-                    probed.setdefault(slot, {}).setdefault(plans[slot][1][what[1]][0], []).append(0.25 * d)
+                    v = d if exact else 0.25 * d  # against the exact base, or a pair (4 times the variance)
+                    probed.setdefault(slot, {}).setdefault(plans[slot][1][what[1]][0], []).append(v)
         for slot, variance in variances.items():
             if len(variance) == 1:
                 raw[slot] = variance[probe_bits] / variance_factor(probe_bits)
@@ -253,11 +284,34 @@ def estimate_sensitivities(
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
     profiles = Profiles(layout, {**kept.shares, **shares}, {**kept.sensitivity, **raw})
-    return Estimate(cap(raw), passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
-                    parts=passes.parts)  # fmt: skip
+    capped = cap(raw)
+    unexplained = None
+    if exact and noise_of is not None and passes.base is not None and first:
+        shape = (lambda s: curves.get(s) or shape_of(s)) if shape_of is not None else curves.get
+        unexplained = _unexplained(first[0], passes.base, capped, shape, noise_of)
+    return Estimate(capped, passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
+                    parts=passes.parts, unexplained=unexplained)  # fmt: skip
 
 
-def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: int, seed_of, shape_of) -> dict:
+def _unexplained(first: list, base: list, sensitivity: dict, shape_of, noise_of) -> float:
+    """How many times what the estimate predicts for its first pass (every tensor as training stores it), ``sum C (a
+    x + q x**2)`` at each tensor's noise ``x`` there, its squared distance from the exact base is: about 1 where the
+    tensors' noises add (0.24 to 1.07 on 13 of the 15 models of ``benchmarks.schemes``, ``x`` pricing every scheme
+    as uniform codes at its width; ViT-B/16 35 at the first adaptation's uniform 2 bits), far more where they interact,
+    one tensor's noise in the gradient that another's backward reads against its own (the zoo transformer layer, 8e5:
+    its attention's weights get almost no gradient but what the other tensors' noise puts there)."""
+    predicted = 0.0
+    for slot, c in sensitivity.items():
+        x = noise_of(slot)
+        a, q = shape_of(slot) or (1.0, 0.0)
+        predicted += c * (a * x + q * x * x)
+    measured = float(mean_over_ranks(parts(first, base)).sum())
+    return measured / predicted if predicted > 0 else math.inf if measured > 0 else 1.0
+
+
+def _measures(
+    plans: dict, single: set, based: dict, context: dict, probe_bits: int, seed_of, shape_of, exact: bool
+) -> dict:
     """What measures each slot of ``plans``: ``what -> slot -> (the probe of the first pass, that of the second or
     None: against the base, the squared distance D it adds per unit of sensitivity)``, ``what`` being ``("one",)`` for a
     slot probed at one width against the base, ``("width", bits, 2 or None)`` for a pair at a width (or a pass against
@@ -271,7 +325,8 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
 
         if slot in single:  # g - base = J (e_probe - e_context): its variance is C (S(probe) + context)
             probe = Probe(slot, probe_bits, seed_of(slot, 1))
-            measures.setdefault(("one",), {})[slot] = (probe, None, variance_factor(probe_bits) + context[slot])
+            d = unit(variance_factor(probe_bits)) / 2 + context[slot]  # against the exact base: the variance alone
+            measures.setdefault(("one",), {})[slot] = (probe, None, d)
         elif slot in based and len(widths) == 1:  # in the form it is stored in: the base's draw is the other
             bits, choice, x = based[slot]
             probe = Probe(slot, bits, seed_of(slot, 1), choice)
@@ -282,7 +337,9 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
                 first = Probe(slot, bits, seed_of(slot, 2 * k + 1))
                 form = based.get(slot)
                 against = partner(form, bits)
-                if form is not None and form[1] is None and form[0] == bits:  # the base's draw: the pair's other one
+                if exact:  # against the exact base: the variance at the width
+                    measures.setdefault(("width", bits, None), {})[slot] = (first, None, unit(x) / 2)
+                elif form is not None and form[1] is None and form[0] == bits:  # the base's draw: the pair's other one
                     measures.setdefault(("width", bits, None), {})[slot] = (first, None, unit(x))
                 elif against is not None:  # against the base's draw of the stored form: both variances
                     measures.setdefault(("width", bits, None), {})[slot] = (first, None, (unit(x) + unit(against)) / 2)
@@ -293,7 +350,10 @@ def _measures(plans: dict, single: set, based: dict, context: dict, probe_bits: 
         for n, pair in enumerate(pairs):
             seed = seed_of(slot, 2 * len(widths) + 1 + n)
             first, second = Probe(slot, pair[0].bits, seed, pair[0]), Probe(slot, pair[1].bits, seed, pair[1])
-            measures.setdefault(("choice", n), {})[slot] = (first, second, 4.0 * variance_factor(probe_bits))
+            if exact:  # the first against the exact base: its variance
+                measures.setdefault(("choice", n), {})[slot] = (first, None, variance_factor(probe_bits))
+            else:
+                measures.setdefault(("choice", n), {})[slot] = (first, second, 4.0 * variance_factor(probe_bits))
     return measures
 
 
@@ -313,7 +373,9 @@ def _blocks(model: nn.Module, weights: dict) -> dict:
     return out
 
 
-def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against=None):
+def _probe_together(
+    model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against=None, exact=False
+):
     """Probe every slot of ``blocks`` at once: a pair of passes for the probe width and one for each storage choice
     pair, each slot with its own seeds (those it would have alone). A slot's noise reaches only its weights' gradients
     (a weight's gradient reads the saved operand linearly, and no other gradient reads it), so the two gradients
@@ -359,9 +421,14 @@ def _probe_together(model, backprop, snapshot, set_probe, plans, blocks, probe_b
         members = [s for s in blocks if len(plans[s][1]) > n]
         seeds = {s: seed_of(s, 2 + 1 + n) for s in members}
         probes = [{s: Probe(s, plans[s][1][n][k].bits, seeds[s], plans[s][1][n][k]) for s in members} for k in (0, 1)]
-        a, b = pair(probes)
-        passes += 2
-        found = spread(a, b, 0.25, members)
+        if exact and against is not None:  # the first against the exact base
+            set_probe(probes[0])
+            passes += 1
+            found = spread(_gradient(model, backprop, snapshot), against[0], 1.0, members)
+        else:
+            a, b = pair(probes)
+            passes += 2
+            found = spread(a, b, 0.25, members)
         if found is None:
             return None, passes
         for s in members:

@@ -2,6 +2,7 @@
 among them."""
 
 import itertools
+import math
 import statistics
 
 import pytest
@@ -215,14 +216,14 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import estimators, groups, sensitivity
+    from gactx.controller.adaptation import estimators, groups
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
-    # Pairs for every tensor (no base pass, no groups): the two controllers' passes then differ by the calibration
-    # pairs alone, measured by every estimate (else by the first alone: kept, below).
-    monkeypatch.setattr(sensitivity, "BASE", False)
+    # No groups: the two controllers' passes then differ by the calibration pairs alone, measured by every estimate
+    # (else by the first alone: kept, below), the first of each pair in a pass against the exact base.
     monkeypatch.setattr(groups, "GROUPED", False)
     monkeypatch.setattr(estimators, "KEEP_CALIBRATION", False)
+    monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))
     sketching = gactx.Controller(model, "L2.2", schemes=("uniform", "sketch"))
@@ -235,10 +236,10 @@ def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pair
     sketchable = [slot for slot in sketching.sensitivity if sketching.sketchable(slot)]
     # The inputs of linear1 and linear2 (modules that own their weight) are probed together, their pairs in one set of
     # passes; nn.MultiheadAttention's two projection inputs are made in one module that owns one of their two
-    # weights (the other is its submodule's), so each is probed with its pairs alone.
+    # weights (the other is its submodule's), so each is probed with its calibrations alone.
     alone = [slot for slot in sketchable if slot.module == "self_attn"]
     assert len(sketchable) == 4 and len(alone) == 2
-    assert passes["sketching"] == passes["plain"] + 2 * CALIBRATION_PAIRS * (1 + len(alone))
+    assert passes["sketching"] == passes["plain"] + CALIBRATION_PAIRS * (1 + len(alone))
     # Kept: an adaptation after the first measures no calibration (the sketches priced on the kept ratios).
     monkeypatch.setattr(estimators, "KEEP_CALIBRATION", True)
     for name, offered in (("plain", ("uniform",)), ("sketching", ("uniform", "sketch"))):
