@@ -83,8 +83,10 @@ def decide(
     """The decision for ``t``, saved under ``rule`` in ``slot`` (``number``: the save's, as the pack path numbers
     them, for its noise seed): 1 bit for a bool mask, the level's ``checkpoint_bits`` for a checkpointed region's
     input, the plan's width for an allocated class (at least ``ATTENTION_BITS`` for attention; a uniformly quantized
-    one, whatever its class, where the sensitivity probe perturbs the slot; as it is where a probe keeps the slots it
-    does not perturb exact), else the rule's own form."""
+    one, whatever its class, where the sensitivity probe perturbs the slot), else the rule's own form; any save a probe
+    pass that keeps what it does not perturb exact does not perturb, as it is."""
+    if plan.exact and slot not in plan.probe:  # a probe pass against the exact base: what it does not probe, as it is
+        return Decision(rule, None, None, EXACT)
     if rule is BOOL_MASK:
         return _BOOL
     if rule is CHECKPOINT_INPUT:
@@ -102,8 +104,6 @@ def decide(
     bits, choice, probing = plan.width(slot)
     if probing:
         rule = LINEAR  # the probe's choice, if it measures one
-    elif plan.exact:  # a probe pass that keeps every slot it does not probe as it is
-        return Decision(rule, bits, None, EXACT)
     elif rule.kind != "quantize":
         choice = None
     elif rule.cls == "attention" and bits < ATTENTION_BITS:

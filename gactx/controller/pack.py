@@ -98,6 +98,7 @@ class PackPath:
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
         self._eager = None
+        self._measured: frozenset[Slot] | None = None  # a probe pass against the exact base: the slots it stores
         self._claimed: set[int] = set()  # nodes whose result save was seen (unwatched passes)
         self._ptrs: frozenset[int] | None = None  # the model's storages, read at the pass's first eager save
         self._model_storages = ModelStorages(model)
@@ -121,6 +122,10 @@ class PackPath:
             old.allocation, old.choices, old.probe, old.bits, old.adaptive
         ) or plan.probe is not None:  # fmt: skip
             self.replays.clear()
+        # Against the exact base only the probed slots, and the later saves that share what they store, are stored.
+        self._measured = (
+            frozenset(plan.probe).union(*(self.sharers.get(s, ()) for s in plan.probe)) if plan.exact else None
+        )
 
     # -- passes ---------------------------------------------------------------------------------------------
 
@@ -195,6 +200,8 @@ class PackPath:
             # the node that made it, so no node holds its own output; store.as_is)
             return Kept(t, t._version)
         key = self.tracker.key(t)
+        if self._measured is not None and key.slot not in self._measured:
+            return Kept.of(t)  # a probe pass against the exact base: a save it does not probe, as it is
         if reason is None:
             replay = self.replays.get(key)
             if replay is not None and replay.matches(t) and not (self.watching or SAVING.inputs):

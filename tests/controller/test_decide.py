@@ -82,17 +82,16 @@ def test_the_probe_quantizes_its_slot_uniformly_whatever_its_class():
 
 def test_an_exact_probe_keeps_every_allocated_slot_it_does_not_probe_as_it_is():
     """``Plan.probing(..., exact=True)`` (the sensitivity estimator's passes against an exact base): the probed slot is
-    quantized at the probe's width, every other allocated slot kept as it is, whatever its class; rules the allocator
-    does not serve keep their own form."""
+    quantized at the probe's width, every other save kept as it is, whatever its rule: the gradients of the pass
+    differ from plain PyTorch's by the probe's noise alone."""
     smooth = rule_for(Site("gelu", role="self"))
     other = gactx.Slot("block", 1, 1)
     plan = _plan(2).probing({SLOT: Probe(SLOT, 4, 123)}, exact=True)
     probed = decide(X, smooth, plan, SLOT, make_config("L2"))
     assert (probed.rule, probed.bits, probed.reason, probed.seed) == (LINEAR, 4, "", 123)
-    for rule in (smooth, LINEAR, ATTENTION):
-        kept_exact = decide(X, rule, plan, other, make_config("L2"))
+    for rule in (smooth, LINEAR, ATTENTION, BOOL_MASK, EQUALITY, CHECKPOINT_INPUT):
+        kept_exact = decide(X, rule, plan, other, make_config("L2", checkpoint_bits=2))
         assert (kept_exact.rule, kept_exact.reason) == (rule, "exact")
-    assert decide(X, BOOL_MASK, plan, other, make_config("L2")).bits == 1
     base = _plan(2).probing({}, exact=True)  # the base pass: nothing probed, everything exact
     assert decide(X, LINEAR, base, SLOT, make_config("L2")).reason == "exact"
     assert not _plan(2).probing(None, exact=True).exact  # no probe: the plan's own widths
