@@ -34,6 +34,7 @@ from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
 from gactx.controller.policy import KEEP_PARAMETER, ModelStorages, keep_reason, storage_ptr
+from gactx.controller.probes import Deferred
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
@@ -123,9 +124,9 @@ class PackPath:
         ) or plan.probe is not None:  # fmt: skip
             self.replays.clear()
         # Against the exact base only the probed slots, and the later saves that share what they store, are stored.
-        self._measured = (
-            frozenset(plan.probe).union(*(self.sharers.get(s, ()) for s in plan.probe)) if plan.exact else None
-        )
+        self._measured = None
+        if plan.exact and not plan.deferred:
+            self._measured = frozenset(plan.probe).union(*(self.sharers.get(s, ()) for s in plan.probe))
 
     # -- passes ---------------------------------------------------------------------------------------------
 
@@ -201,7 +202,9 @@ class PackPath:
             return Kept(t, t._version)
         key = self.tracker.key(t)
         if self._measured is not None and key.slot not in self._measured:
-            return Kept.of(t)  # a probe pass against the exact base: a save it does not probe, as it is
+            # A probe pass against the exact base: a save it does not probe, as it is, by an alias of its own (the
+            # tensor lives on only where something else holds it, as in training: store.Packed reads it there).
+            return Kept(t.detach(), t._version)
         if reason is None:
             replay = self.replays.get(key)
             if replay is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
@@ -314,6 +317,9 @@ class PackPath:
             self._calls.setdefault(slot[:2], {})[slot.index] = learned
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
+        if self._plan.deferred and rule.cls in ALLOCATED and handle is None:  # kept for each backward's probe
+            target = next((first for first, later in self.sharers.items() if slot in later), slot)
+            return Deferred(t, key, target, self, site, ptr, rule)
         number = self.key_ids.setdefault(key, len(self.key_ids))
         decision = decide(t, rule, self._plan, slot, cfg, number)
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
@@ -365,8 +371,9 @@ class PackPath:
             for observe in self.observers:
                 observe(key, t, rule)
         if decision.reason:
-            if decision.reason is not EXACT:  # a probe's exact save: not what training stores, and no view shares it
-                self.stats.record(t, key, ptr, site, rule, bits, decision.reason)
+            if decision.reason is EXACT:  # a probe's exact save: not what training stores, and an alias of its own
+                return t.detach()
+            self.stats.record(t, key, ptr, site, rule, bits, decision.reason)
             return as_is(t)
         stored = encode(t, rule, bits, decision.seed, cfg.group_size, cfg.stochastic, cfg.backend, choice, site)
         if isinstance(stored, torch.Tensor):  # a mask the dtype cannot make exactly, a FewBit class at 16 or 32 bits

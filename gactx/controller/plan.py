@@ -69,6 +69,7 @@ class Plan:
     seed_base: int = 0
     compiled: tuple[tuple[str, tuple, torch.dtype, int], ...] | None = None
     exact: bool = False  # while probing: the slots not probed are stored as they are (sensitivity.EXACT_BASE)
+    deferred: bool = False  # ... and an allocated class's saves are kept for each backward to probe (probes.py)
 
     def __post_init__(self) -> None:
         """``probe`` given as one :class:`Probe`, or a mutable mapping, is held as a read-only mapping by slot."""
@@ -97,10 +98,12 @@ class Plan:
             self, allocation=MappingProxyType(dict(bits)), choices=MappingProxyType(dict(choices)), compiled=compiled
         )
 
-    def probing(self, probe: Probe | Mapping[Slot, Probe] | None, exact: bool = False) -> Plan:
+    def probing(self, probe: Probe | Mapping[Slot, Probe] | None, exact: bool = False, deferred: bool = False) -> Plan:
         """This plan perturbing one slot (a :class:`Probe`), several (probes by slot), or none; ``exact``: every slot
-        it does not probe stored as it is (an empty mapping: every slot)."""
-        return dataclasses.replace(self, probe=probe, exact=exact and probe is not None)
+        it does not probe stored as it is (an empty mapping: every slot); ``deferred`` (with ``exact``): the saves of
+        allocated classes kept for the probes of later backward passes (``probes.py``)."""
+        exact = exact and probe is not None
+        return dataclasses.replace(self, probe=probe, exact=exact, deferred=deferred and exact)
 
     def width(self, slot: Slot | GraphSlot) -> tuple[int | None, Choice | None, bool]:
         """``(bits, choice, probing)`` of an allocated class's save in ``slot``: the probe's while it perturbs the

@@ -155,7 +155,9 @@ def _bound(options: list, budget: int) -> tuple[float, float, np.ndarray] | None
     (each item's option of least ``variance + lam * bytes``, ``lam`` the least of a bisection that fits), and ``R[i]``
     the sum of that least over the items from ``i`` on. Any completion of a partial choice of ``b`` bytes and variance
     ``v`` then has a variance of at least ``v + R[i] - lam * (budget - b)`` (weak duality), so a partial choice whose
-    bound exceeds ``U`` cannot lead to the optimum. ``None`` where no such ``lam`` is found."""
+    bound exceeds ``U`` cannot lead to the optimum. ``None`` where there is nothing to bound."""
+    if not options:
+        return None
     width = max(o[1].size for o in options)
     nbytes = np.full((len(options), width), np.iinfo(np.int64).max // 4, dtype=np.int64)
     var = np.full((len(options), width), np.inf)

@@ -228,6 +228,7 @@ class GactEstimator(_Measuring):
             lambda slot: self._stored.get(slot),  # filled by the first pass too
             kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
             self._profiles, exact, lambda slot: self._noise[slot],  # filled by the first pass too
+            self._defer,
         )  # fmt: skip
         self._profiles = estimate.profiles
         switch = exact and estimate.unexplained is not None and estimate.unexplained > UNEXPLAINED
@@ -333,6 +334,9 @@ class GactEstimator(_Measuring):
 
     def _set_probe(self, probe: Probe | None) -> None:
         self.path.plan = self.path.plan.probing(probe, exact=self._exact)
+
+    def _defer(self, on: bool) -> None:
+        self.path.plan = self.path.plan.probing(self.path.plan.probe, exact=True, deferred=on)
 
     def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient is measured for ``slot``: a sketch of half the rows, where a sketch may

@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
 from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts
-from gactx.controller.adaptation.ranks import mean_over_ranks
+from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "PARTS", "estimate_sensitivities"]
@@ -156,6 +157,7 @@ def estimate_sensitivities(
     profiles: Profiles | None = None,
     exact: bool | None = None,
     noise_of: Callable[[Hashable], float] | None = None,
+    defer: Callable[[bool], None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -180,13 +182,17 @@ def estimate_sensitivities(
     whose profile is known, kept or measured earlier in this estimate, is measured in groups (``groups.py``).
     ``exact``: every probe pass stores what it does not probe as it is (:data:`EXACT_BASE` where ``None``);
     ``context_of`` and ``stored_of`` then go unread, and ``noise_of(slot)``, the noise in units of ``S`` of what the
-    first pass stored for the slot, gives :attr:`Estimate.unexplained`."""
+    first pass stored for the slot, gives :attr:`Estimate.unexplained`; ``defer(on)`` puts the pack path's plan in and
+    out of deferring (``Plan.deferred``), where the passes after the first replay the closure's backward
+    (``replayed.py``)."""
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
     first: list = []  # the first pass's gradient: every tensor as training stores it
     try:
         slots = discover(lambda: first.append(_gradient(model, backprop, snapshot)))
+        if exact and defer is not None and replayed.REPLAY and not distributed():  # DDP, FSDP: a forward each
+            backprop = replayed.Replayed(model, backprop, defer)
         layout, sizes = layout_of(model)
         plans = {
             slot: (
@@ -280,6 +286,8 @@ def estimate_sensitivities(
         for slot, row in probed.items():  # a choice probed by several pairs (several seeds): their mean
             probed[slot] = {c: v if not isinstance(v, list) else sum(v) / len(v) for c, v in row.items()}
     finally:
+        if isinstance(backprop, replayed.Replayed):
+            backprop.close()
         set_probe(None)
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed

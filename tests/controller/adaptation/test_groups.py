@@ -74,6 +74,9 @@ def _later_adaptation(grouped: bool, seed: int, monkeypatch) -> tuple[dict, int,
         torch.manual_seed(0)
         run().backward()
 
+    from gactx.controller.adaptation import replayed
+
+    monkeypatch.setattr(replayed, "REPLAY", False)  # every pass runs the closure: the passes counted are its calls
     controller = gactx.Controller(model, "L2.2", seed=seed)
     with controller:
         backprop()

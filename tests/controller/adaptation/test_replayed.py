@@ -1,0 +1,107 @@
+"""gactx/controller/adaptation/replayed.py and gactx/controller/probes.py: an estimate's passes from one forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gactx
+from benchmarks.digits import digits_cnn, digits_data
+from gactx.controller.adaptation import replayed
+
+
+def _adapt(replay: bool, monkeypatch, grad_only: bool = False) -> tuple[dict, dict, int, int]:
+    """The digits CNN (BatchNorm, dropout) adapted twice at L2.2: its sensitivities, allocation, passes and how many
+    times the closure ran."""
+    monkeypatch.setattr(replayed, "REPLAY", replay)
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()
+    runs = 0
+
+    def backprop():
+        nonlocal runs
+        runs += 1
+        loss = F.cross_entropy(model(x[:16]), y[:16])
+        if grad_only:  # gradients written by hand: no backward call to replay
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+                p.grad = g
+        else:
+            loss.backward()
+
+    with gactx.Controller(model, level="L2.2") as controller:
+        F.cross_entropy(model(x[:64]), y[:64]).backward()
+        first = controller.adapt(backprop)
+        later = controller.adapt(backprop)
+    return dict(controller.sensitivity), dict(controller.allocation), first.passes + later.passes, runs
+
+
+def test_replaying_the_backward_measures_what_running_the_closure_measures(monkeypatch):
+    """Each pass after an estimate's first two replays the closure's backward: the same sensitivities to the last bit
+    and the same allocation as running the closure every pass, which ran once for each pass; with replays, twice an
+    estimate (the training widths' pass, and the forward every probe reads)."""
+    whole = _adapt(False, monkeypatch)
+    replays = _adapt(True, monkeypatch)
+    assert replays[0] == whole[0] and replays[1] == whole[1] and replays[2] == whole[2]
+    assert whole[3] == whole[2] and replays[3] == 4
+
+
+def test_a_closure_without_a_backward_call_runs_whole_every_pass(monkeypatch):
+    """A closure that writes gradients from ``torch.autograd.grad`` has no backward call to replay: it runs every pass,
+    and measures what the backward closure measures."""
+    whole = _adapt(False, monkeypatch)
+    by_hand = _adapt(True, monkeypatch, grad_only=True)
+    assert by_hand[0] == pytest.approx(whole[0], rel=1e-6) and by_hand[3] == by_hand[2]
+
+
+def test_the_forward_the_probes_read_is_freed_after_the_estimate(monkeypatch):
+    """The recorded backward calls keep their graphs (and the saves a deferring forward kept) only while the estimate
+    runs."""
+    import weakref
+
+    monkeypatch.setattr(replayed, "REPLAY", True)
+    (x, y), _ = digits_data()
+    torch.manual_seed(0)
+    model = digits_cnn()
+    losses = []
+
+    def backprop():
+        loss = F.cross_entropy(model(x[:16]), y[:16])
+        losses.append(weakref.ref(loss))
+        loss.backward()
+
+    with gactx.Controller(model, level="L2.2") as controller:
+        F.cross_entropy(model(x[:64]), y[:64]).backward()
+        controller.adapt(backprop)
+    assert len(losses) == 2 and all(ref() is None for ref in losses)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64)) for _ in range(3)
+        )
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
+    """Checkpointed regions recompute inside each replayed backward; a reentrant checkpoint's own backward call, made
+    inside the closure's, is replayed with it, not recorded as one of the closure's."""
+    results = []
+    for replay in (False, True):
+        monkeypatch.setattr(replayed, "REPLAY", replay)
+        torch.manual_seed(0)
+        model, x = _Checkpointed(reentrant), torch.randn(32, 64, requires_grad=reentrant)
+        with gactx.Controller(model, "L2.2") as controller:
+            model(x).square().mean().backward()
+            controller.adapt(lambda model=model, x=x: model(x).square().mean().backward())
+        results.append(dict(controller.sensitivity))
+    assert results[0] == results[1] and len(results[0]) >= (4 if reentrant else 1)
