@@ -19,7 +19,7 @@ import torch
 
 from gactx.controller.adaptation.budget import default_width
 from gactx.controller.adaptation.choices import Choice
-from gactx.controller.adaptation.sensitivity import Probe
+from gactx.controller.adaptation.probe import Probe
 from gactx.controller.identity import Slot
 
 __all__ = ["GraphSlot", "Plan", "mix"]

@@ -11,9 +11,12 @@ That is ``2 + L`` passes for ``L`` tensors (one pass finds the tensors, one is t
 storage choice whose effect on the gradient is measured rather than predicted (a row sketch: ``choices.py``). Whatever
 the op's backward, ``||g_l - g_base||^2`` is what ``l`` alone adds to the gradient's squared error: its variance, and
 the square of any bias its rounding puts into the gradient's mean. Tensors whose noise reaches only their own weights'
-gradients are probed all at once (:func:`_probe_together`). Every other measurement (a tensor at a width, a storage
+gradients are probed all at once (``together.py``). Every other measurement (a tensor at a width, a storage
 choice) is made for several tensors at once where the estimate knows where each one's noise lands in the gradient and
-those places overlap little (``groups.py``).
+those places overlap little (``groups.py``). The passes after the first two replay the second's backward calls, its
+forward run once (``replayed.py``). The first pass stores every tensor as training does; how far its gradients are
+from the base's, over what the estimate predicts for it, is :attr:`Estimate.unexplained` (about 1 where the tensors'
+noises add; the estimator measures with the others at their widths where they interact).
 
 With :data:`EXACT_BASE` off, every pass stores the other tensors at their widths, with the same noise, and ``l`` is
 quantized at ``probe_bits`` with two different seeds: ``C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)``, ``1 + 2 L``
@@ -48,7 +51,9 @@ from torch import nn
 from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
 from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts
+from gactx.controller.adaptation.probe import Probe
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
+from gactx.controller.adaptation.together import probe_together, weight_blocks
 from gactx.controller.adaptation.widths import variance_factor
 
 __all__ = ["Probe", "Estimate", "ModelSnapshot", "PARTS", "estimate_sensitivities"]
@@ -74,17 +79,6 @@ EXACT_BASE = True
 # What Estimate.parts calls each kind of measurement (besides "discovery" and "base", a pass each).
 PARTS = {"together": "linear inputs together", "one": "against the base", "width": "by pairs",
          "curves": "curve widths", "choice": "calibration pairs"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Quantize the tensor of ``slot`` at ``bits`` with ``seed`` (other tensors as usual); ``choice``: store it
-    under that storage choice instead (``choices.py``), to measure what the choice itself does to the gradient."""
-
-    slot: Hashable
-    bits: int
-    seed: int
-    choice: object = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +161,7 @@ def estimate_sensitivities(
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
     (``Estimate.probed``). ``curved(slot)``: the slot is probed at ``curves.CURVE_WIDTHS`` instead of ``probe_bits``.
     ``weights_of(slot)``: the parameters whose gradients alone the slot's noise reaches (the weights of the products it
-    is an operand of), or ``()``; such slots are probed together (:func:`_probe_together`). ``context_of(slot)``: the
+    is an operand of), or ``()``; such slots are probed together (``together.py``). ``context_of(slot)``: the
     variance, in units of ``S(b)``, of what the slot stores when nothing is probed (``S(b)`` of uniform codes at ``b``
     bits, 0 where it is stored as it is), or ``None`` where that is not known (another scheme): a slot probed at one
     width whose context is known takes one pass, against a base pass of the context (:data:`BASE`), not a pair.
@@ -214,7 +208,9 @@ def estimate_sensitivities(
                 if form is not None and (len(plans[s][0]) == 1 or form[1] is None and form[0] in plans[s][0]
                                          or any(partner(form, w) is not None for w in plans[s][0]))
             }  # fmt: skip
-        blocks = _blocks(model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {})
+        blocks = weight_blocks(
+            model, {s: weights_of(s) for s in slots if plans[s][0] == (probe_bits,)} if weights_of else {}
+        )
         together = len(blocks) > 1
         alone = bool(single) and all(s in single for s in blocks)  # the block's probe against the base too
         if not exact and (
@@ -236,8 +232,15 @@ def estimate_sensitivities(
         raw, probed, curves = {}, {}, {}
         if together:
             against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
-            joint, runs = _probe_together(
-                model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against, exact
+            joint, runs = probe_together(
+                lambda: _gradient(model, backprop, snapshot),
+                set_probe,
+                plans,
+                blocks,
+                probe_bits,
+                seed_of,
+                against,
+                exact,
             )
             passes.done += runs
             passes.total += runs - planned
@@ -363,86 +366,6 @@ def _measures(
             else:
                 measures.setdefault(("choice", n), {})[slot] = (first, second, 4.0 * variance_factor(probe_bits))
     return measures
-
-
-def _blocks(model: nn.Module, weights: dict) -> dict:
-    """``slot -> positions`` in the gradient's layout (``_gradient``) of each slot's weights, for the slots whose
-    weights no other slot claims; the others are left out."""
-    claims: dict[int, int] = {}
-    for params in weights.values():
-        for p in params:
-            claims[id(p)] = claims.get(id(p), 0) + 1
-    # the parameters the discovering pass gave a gradient: _gradient's layout
-    position = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.grad is not None)}
-    out = {}
-    for slot, params in weights.items():
-        if params and all(claims[id(p)] == 1 and id(p) in position for p in params):
-            out[slot] = tuple(position[id(p)] for p in params)
-    return out
-
-
-def _probe_together(
-    model, backprop, snapshot, set_probe, plans, blocks, probe_bits, seed_of, against=None, exact=False
-):
-    """Probe every slot of ``blocks`` at once: a pair of passes for the probe width and one for each storage choice
-    pair, each slot with its own seeds (those it would have alone). A slot's noise reaches only its weights' gradients
-    (a weight's gradient reads the saved operand linearly, and no other gradient reads it), so the two gradients
-    differ in its weights' ranges by its noise alone, exactly as when it is probed alone, and nowhere else. Returns
-    ``((sensitivities, probed), passes)``, or ``(None, passes)`` where the gradients also differ elsewhere (a weight
-    shared beyond what the slots say, a nondeterministic backward): then each slot is probed alone. ``against``:
-    ``(the base pass's gradient, each slot's context)``, where every slot's context is known: then one pass with
-    every slot probed, against the base, instead of the pair (``estimate_sensitivities``)."""
-
-    def pair(probes: list[dict]) -> tuple[list, list]:
-        grads = []
-        for mapping in probes:
-            set_probe(mapping)
-            grads.append(_gradient(model, backprop, snapshot))
-        return grads[0], grads[1]
-
-    def spread(a: list, b: list, scale: float, members) -> dict | None:
-        each = parts(a, b)  # a host read, outside any hook: once per pass
-        total, found = float(each.sum()), {}
-        for slot in members:
-            found[slot] = sum(float(each[i]) for i in blocks[slot])
-        inside = sum(found.values())
-        if not (math.isfinite(total) and abs(total - inside) <= 1e-6 * total):
-            return None
-        return {slot: scale * v for slot, v in found.items()}
-
-    if against is None:
-        passes = 2
-        first = spread(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5, blocks)
-        if first is None:
-            return None, passes
-        raw = {slot: v / variance_factor(probe_bits) for slot, v in first.items()}
-    else:
-        base, context = against
-        passes = 1
-        set_probe({s: Probe(s, probe_bits, seed_of(s, 1)) for s in blocks})
-        first = spread(_gradient(model, backprop, snapshot), base, 1.0, blocks)
-        if first is None:
-            return None, passes
-        raw = {slot: v / (variance_factor(probe_bits) + context[slot]) for slot, v in first.items()}
-    probed: dict = {}
-    for n in range(max(len(plans[s][1]) for s in blocks)):
-        members = [s for s in blocks if len(plans[s][1]) > n]
-        seeds = {s: seed_of(s, 2 + 1 + n) for s in members}
-        probes = [{s: Probe(s, plans[s][1][n][k].bits, seeds[s], plans[s][1][n][k]) for s in members} for k in (0, 1)]
-        if exact and against is not None:  # the first against the exact base
-            set_probe(probes[0])
-            passes += 1
-            found = spread(_gradient(model, backprop, snapshot), against[0], 1.0, members)
-        else:
-            a, b = pair(probes)
-            passes += 2
-            found = spread(a, b, 0.25, members)
-        if found is None:
-            return None, passes
-        for s in members:
-            probed.setdefault(s, {}).setdefault(plans[s][1][n][0], []).append(found[s])
-    probed = {s: {c: sum(v) / len(v) for c, v in row.items()} for s, row in probed.items()}
-    return (raw, probed), passes
 
 
 def cap(raw: dict) -> dict:
