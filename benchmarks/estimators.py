@@ -1,4 +1,4 @@
-"""Two sensitivity estimators on the same batch: GACT's (1 + 2L extra passes) and ActNN's free estimate.
+"""Two sensitivity estimators on the same batch: GACT's (about 2 + L extra passes) and ActNN's free estimate.
 
     python -m benchmarks.estimators                  # the zoo models and the workloads at size "small"
     python -m benchmarks.estimators --update-results # the same, into the committed results

@@ -60,8 +60,9 @@ class Config:
             new one's predicted gradient variance, the interval to the next doubles, up to this many times
             ``adapt_interval`` (an adaptation that gains more brings it back; see docs/adaptive.md). 1: a fixed
             interval.
-        estimator: adaptive only: how sensitivities are measured (see docs/adaptive.md). ``"gact"`` runs the
-            ``backprop`` closure ``1 + 2 L`` times for ``L`` compressed tensors (GACT's estimator); ``"actnn"``
+        estimator: adaptive only: how sensitivities are measured (see docs/adaptive.md). ``"gact"`` measures each of
+            ``L`` compressed tensors in a pass of its own against an exact base, about ``2 + L`` passes of the
+            ``backprop`` closure, of which all but two replay its backward only (GACT's estimator); ``"actnn"``
             reads each tensor's group ranges and the gradient reaching its module during the ordinary step
             before an adaptation (ActNN's estimate: no extra pass, no closure needed).
         probe_bits: adaptive only: the width at which the ``"gact"`` estimator perturbs one tensor at a time.

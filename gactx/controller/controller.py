@@ -56,9 +56,10 @@ class Controller:
     Use ``install_hook()`` / ``uninstall_hook()`` or ``with Controller(model) as controller:``, and call
     ``controller.iterate(backprop)`` once per training step, after ``optimizer.step()``. At the adaptive
     levels ``backprop`` is a closure that runs forward and backward on a (small) batch: after the first
-    step and every ``adapt_interval`` steps the controller runs it ``1 + 2 L`` times (``L`` compressed
-    tensors) to measure sensitivities, then allocates bits under the budget. With ``estimator="actnn"`` the
-    sensitivities are read during the training step before each adaptation instead (no closure needed).
+    step and every ``adapt_interval`` steps the controller runs it about ``2 + L`` times (``L`` compressed
+    tensors; all but two a replay of its backward) to measure sensitivities, then allocates bits under the
+    budget. With ``estimator="actnn"`` the sensitivities are read during the training step before each adaptation
+    instead (no closure needed).
     """
 
     def __init__(self, model: nn.Module, level: str | None = None, *, config: Config | None = None, **options) -> None:

@@ -7,8 +7,8 @@ where an adaptation is due whether it can adapt now (:meth:`Estimator.ready`), a
 plan, the free collector's hooks, the storage choices' meter. It reaches the saves through the pack path
 (``pack.py``: its plan, its pass statistics, the ops it learned), never through the controller.
 
-- :class:`GactEstimator` (GACT): up to ``1 + 2 L`` extra forward and backward passes of a closure, each perturbing
-  one tensor or a group of tensors whose noise lands apart (``sensitivity.py``, ``groups.py``).
+- :class:`GactEstimator` (GACT): about ``2 + L`` extra passes of a closure, each perturbing one tensor or a group of
+  tensors whose noise lands apart, all but two a replay of its backward (``sensitivity.py``, ``groups.py``).
 - :class:`ActnnEstimator` (ActNN): read in the ordinary training step before an adaptation, no extra pass
   (``free_sensitivity.py``).
 """
