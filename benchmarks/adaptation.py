@@ -151,9 +151,9 @@ def render(rows: list[dict], env: dict, plan: dict) -> str:
         "",
         f"- torch {env['torch']}; run {env['date']}; level L2.2, default interval {INTERVAL} steps",
         "- share = adaptation / (interval x step + adaptation); step time at L2.2 without the adaptation",
-        "- first: the adaptation after step 1 (two estimates); later: one after training, on the trained model "
-        "(one estimate, the normalisation inputs' curves kept); backed off: at the longest interval the schedule "
-        f"reaches while allocations hold ({BACKOFF} x {INTERVAL} steps)",
+        "- first: the adaptation after step 1 (the sketches' calibration and the normalisation inputs' curves "
+        "measured); later: one after training, on the trained model (both kept); backed off: at the longest "
+        f"interval the schedule reaches while allocations hold ({BACKOFF} x {INTERVAL} steps)",
         "",
     ]
     lines += markdown_table(
