@@ -268,6 +268,8 @@ def estimate_sensitivities(
             for slot, d in found.items():
                 if what == ("one",):
                     raw[slot] = d / row[slot][2] if row[slot][2] > 0 else math.inf
+                elif what[0] == "width" and slot not in raw and row[slot][2] > 0:  # a curve's first width: what its
+                    raw[slot] = d / row[slot][2]  # other width's measurement expects, until the fit replaces it
         variances, partners = {}, {}
         for what, found in measured.items():
             if what[0] == "width":

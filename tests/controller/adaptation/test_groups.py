@@ -120,10 +120,11 @@ def _first_adaptation(name: str, grouped: bool, monkeypatch) -> tuple[int, float
     return controller.last_adaptation.passes, gradient_error(model, loss, controller, draws=4)
 
 
-@pytest.mark.parametrize("name", ["transformer_layer", "bert"])
+@pytest.mark.parametrize("name", ["transformer_layer", "bert", "resnet"])
 def test_a_first_adaptation_in_groups_holds_the_gradient_error_for_fewer_passes(name, monkeypatch):
     """The first adaptation measures in groups the tensors whose profiles it measured before (a curve's second width,
-    the sketches' calibration after the tensors' own passes; by two estimates, the second's tensors): fewer passes,
+    expected from its first; the sketches' calibration after the tensors' own passes; by two estimates, the second's
+    tensors; the zoo ResNet's BatchNorm inputs: 8 passes for their 10 curve widths): fewer passes,
     the gradient error at the allocation it makes within 10% of measuring each alone. On the zoo BERT, whose first
     adaptation against the exact base groups nothing (one estimate, each tensor's first measurement alone), the
     estimate of the other tensors at their widths (``sensitivity.EXACT_BASE`` off: two estimates)."""
