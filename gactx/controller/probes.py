@@ -22,8 +22,9 @@ __all__ = ["Deferred"]
 
 
 class Deferred(Kept):
-    """A save of a deferring forward (the module docstring), kept as it is until a probe perturbs ``target``, the slot
-    whose probe perturbs it (a :class:`Kept`, so that the unpack hook takes it as one)."""
+    """A save of a deferring forward (the module docstring): kept as it is, except in a backward whose probe perturbs
+    ``target`` (its own slot, or the slot whose stored values it shares in training). A :class:`Kept`, so that the
+    unpack hook takes it as one."""
 
     __slots__ = ("target", "path", "site", "packed", "rule")
 
@@ -48,4 +49,5 @@ class Deferred(Kept):
             self.tensor, LINEAR, probe.bits, probe.seed, cfg.group_size, cfg.stochastic, cfg.backend, probe.choice,
             self.site,
         )  # fmt: skip
-        return self.packed.unpack()
+        out, self.packed.stored = self.packed.unpack(), None  # the codes live only while this backward reads them
+        return out
