@@ -180,7 +180,6 @@ class GactEstimator(_Measuring):
         self._profiles: Profiles | None = None  # where each tensor's noise landed in the gradient (groups.py)
         self._noise: dict[Slot, float] = {}  # each slot's noise in the first pass, in units of S (_discover)
         self._paired = False  # an exact estimate left most of the gradient's error unexplained (UNEXPLAINED)
-        self._exact = gact.EXACT_BASE  # the estimate under way keeps what it does not probe exact
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated or (gact.EXACT_BASE and not self._paired) else 2
@@ -206,7 +205,7 @@ class GactEstimator(_Measuring):
         if FREE_FIRST and not self.path.plan.allocation:
             return self._free(backprop)
         seed = self.config.seed
-        self._exact = exact = gact.EXACT_BASE and not self._paired
+        exact = self._exact
 
         def seed_of(slot: Slot, k: int) -> int:
             return mix(seed, step, zlib.crc32(repr(slot).encode()), k)
@@ -334,6 +333,12 @@ class GactEstimator(_Measuring):
 
     def _set_probe(self, probe: Probe | None) -> None:
         self.path.plan = self.path.plan.probing(probe, exact=self._exact)
+
+    @property
+    def _exact(self) -> bool:
+        """Whether an estimate keeps what it does not probe exact: :data:`sensitivity.EXACT_BASE`, until an estimate
+        found the tensors' noises interacting (:data:`UNEXPLAINED`)."""
+        return gact.EXACT_BASE and not self._paired
 
     def _defer(self, on: bool) -> None:
         self.path.plan = self.path.plan.probing(self.path.plan.probe, exact=True, deferred=on)

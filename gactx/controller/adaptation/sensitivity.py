@@ -182,7 +182,7 @@ def estimate_sensitivities(
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
-    first: list = []  # the first pass's gradient: every tensor as training stores it
+    first: list = []  # the first pass's gradient (every tensor as training stores it), then its distance from the base
     try:
         slots = discover(lambda: first.append(_gradient(model, backprop, snapshot)))
         if exact and defer is not None and replayed.REPLAY and not distributed():  # DDP, FSDP: a forward each
@@ -224,11 +224,14 @@ def estimate_sensitivities(
             {s: plans[s] for s in plans if not (together and s in blocks)}, single, based, context, probe_bits,
             seed_of, shape_of, exact,
         )  # fmt: skip
-        passes.total = 1 + (1 if single or based else 0) + planned
+        based_on = exact or bool(single or based)  # a base pass (exact: every measurement is against it)
+        passes.total = 1 + (1 if based_on else 0) + planned
         passes.total += sum((1 if m[1] is None else 2) for row in measures.values() for m in row.values())
-        if single or based:  # every tensor stored as when nothing is probed, or as it is (exact)
+        if based_on:  # every tensor stored as when nothing is probed, or as it is (exact)
             passes.base = passes.gradient({} if exact else None)
             passes.spent("base", 0, 1)
+            if first:  # the first pass's distance from the base, read now: its gradients are not held on
+                first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}
         if together:
             against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
@@ -301,24 +304,24 @@ def estimate_sensitivities(
     unexplained = None
     if exact and noise_of is not None and passes.base is not None and first:
         shape = (lambda s: curves.get(s) or shape_of(s)) if shape_of is not None else curves.get
-        unexplained = _unexplained(first[0], passes.base, capped, shape, noise_of)
+        unexplained = _unexplained(first[0], capped, shape, noise_of)
     return Estimate(capped, passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
                     parts=passes.parts, unexplained=unexplained)  # fmt: skip
 
 
-def _unexplained(first: list, base: list, sensitivity: dict, shape_of, noise_of) -> float:
+def _unexplained(measured: float, sensitivity: dict, shape_of, noise_of) -> float:
     """How many times what the estimate predicts for its first pass (every tensor as training stores it), ``sum C (a
-    x + q x**2)`` at each tensor's noise ``x`` there, its squared distance from the exact base is: about 1 where the
-    tensors' noises add (0.24 to 1.07 on 13 of the 15 models of ``benchmarks.schemes``, ``x`` pricing every scheme
-    as uniform codes at its width; ViT-B/16 35 at the first adaptation's uniform 2 bits), far more where they interact,
-    one tensor's noise in the gradient that another's backward reads against its own (the zoo transformer layer, 8e5:
-    its attention's weights get almost no gradient but what the other tensors' noise puts there)."""
+    x + q x**2)`` at each tensor's noise ``x`` there, its squared distance from the exact base, ``measured``, is:
+    about 1 where the tensors' noises add (0.24 to 1.07 on 13 of the 15 models of ``benchmarks.schemes``, ``x``
+    pricing every scheme as uniform codes at its width; ViT-B/16 35 at the first adaptation's uniform 2 bits), far
+    more where they interact, one tensor's noise in the gradient that another's backward reads against its own (the
+    zoo transformer layer, 8e5: its attention's weights get almost no gradient but what the other tensors' noise puts
+    there)."""
     predicted = 0.0
     for slot, c in sensitivity.items():
         x = noise_of(slot)
         a, q = shape_of(slot) or (1.0, 0.0)
         predicted += c * (a * x + q * x * x)
-    measured = float(mean_over_ranks(parts(first, base)).sum())
     return measured / predicted if predicted > 0 else math.inf if measured > 0 else 1.0
 
 
