@@ -107,6 +107,9 @@ class PackPath:
         # a tensor shared through dedupe): what the estimators measure on the values themselves. Device work
         # only, never a host read (a hook must not synchronize).
         self.observers: list[Callable[[Key, torch.Tensor, Rule], None]] = []
+        # Called as unpacked(target, forward) at each unpack of a deferred save (probes.py), while an estimate
+        # watches which backward nodes read each slot (adaptation/replayed.py).
+        self.unpacked: Callable[[Slot, bool], None] | None = None
         # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
         self.before_save: Callable[[], None] | None = None
 

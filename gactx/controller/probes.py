@@ -6,7 +6,8 @@ group) stores, and only backward reads what a save stores. Where the estimator c
 of an allocated class is kept as it is in a :class:`Deferred` handle, and each backward stores and decodes it at unpack,
 as the probe then in force says, where that probe perturbs its slot (or the slot whose stored values it shares in
 training, ``PackPath.sharers``): the same encoding, width, scheme and seed as a forward under that probe would have
-stored, so one forward serves every probe. Elsewhere the handle gives the tensor back as it is.
+stored, so one forward serves every probe. Elsewhere the handle gives the tensor back as it is. Each unpack is told
+to the path's ``unpacked`` where one is set: which backward nodes read a slot (``adaptation/replayed.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from gactx.controller.decide import Decision, may_share
-from gactx.controller.identity import Key, Slot
+from gactx.controller.identity import Key, Slot, in_backward
 from gactx.controller.rules import LINEAR, Rule
 from gactx.controller.store import Kept, Packed, encode
 
@@ -26,7 +27,7 @@ class Deferred(Kept):
     ``target`` (its own slot, or the slot whose stored values it shares in training). A :class:`Kept`, so that the
     unpack hook takes it as one."""
 
-    __slots__ = ("target", "path", "site", "packed", "rule")
+    __slots__ = ("target", "path", "site", "packed", "rule", "forward")
 
     def __init__(self, t: torch.Tensor, key: Key, target: Slot, path, site, ptr: int, rule: Rule) -> None:
         super().__init__(t.detach(), t._version)  # an alias of its own: ``t`` lives on only where others hold it
@@ -37,8 +38,11 @@ class Deferred(Kept):
         # What a probe stores goes through a handle of the whole path: a tensor alive elsewhere (a batch the caller
         # holds) is read from where it lives, as training reads it.
         self.packed = Packed(None, key, t, path.config.backend, ptr)
+        self.forward = not in_backward()  # made by the closure's forward, not by a recomputation inside backward
 
     def unpack(self) -> torch.Tensor:
+        if self.path.unpacked is not None:
+            self.path.unpacked(self.target, self.forward)
         probes = self.path.plan.probe
         probe = probes.get(self.target) if probes else None
         if probe is None or self.rule is not None and not may_share(Decision(LINEAR, probe.bits, probe.choice),

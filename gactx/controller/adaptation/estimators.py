@@ -340,8 +340,9 @@ class GactEstimator(_Measuring):
         found the tensors' noises interacting (:data:`UNEXPLAINED`)."""
         return gact.EXACT_BASE and not self._paired
 
-    def _defer(self, on: bool) -> None:
+    def _defer(self, on: bool, watch: Callable[[Slot, bool], None] | None = None) -> None:
         self.path.plan = self.path.plan.probing(self.path.plan.probe, exact=True, deferred=on)
+        self.path.unpacked = watch if on else None
 
     def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient is measured for ``slot``: a sketch of half the rows, where a sketch may

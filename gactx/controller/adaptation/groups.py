@@ -30,7 +30,7 @@ from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
 __all__ = [
     "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
-    "solve",
+    "solve", "squares",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
@@ -68,6 +68,21 @@ def parts(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     if not a:  # no parameter has a gradient: nothing to measure
         return torch.zeros(0, dtype=torch.float64)
     return torch.stack([_squared_distance(x, y) for x, y in zip(a, b, strict=True)]).cpu()
+
+
+def squares(difference: list[torch.Tensor | None]) -> torch.Tensor:
+    """:func:`parts` of a pass whose gradients' difference from the base is given (``replayed.Replayed.difference``;
+    ``None``: no difference there)."""
+    if not difference:
+        return torch.zeros(0, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.stack([zero if d is None else _square(d) for d in difference]).cpu()
+
+
+def _square(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return x.square().sum().double()
 
 
 def _squared_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -203,6 +218,9 @@ class Passes:
         self._gradient, self.set_probe, self.sizes, self.progress = gradient, set_probe, sizes, progress
         self.done, self.total = 1, 1  # the discovering pass
         self.base: list[torch.Tensor] | None = None
+        # probes -> the gradients' difference from the base, from the nodes the probes perturb, or None where it
+        # cannot (replayed.Replayed.difference); None: every pass against the base is a whole one
+        self.difference: Callable[[dict], list | None] | None = None
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
 
     def spent(self, part: str, measurements: int, passes: int) -> None:
@@ -211,17 +229,33 @@ class Passes:
         self.parts[part] = (had[0] + measurements, had[1] + passes)
 
     def gradient(self, probes) -> list[torch.Tensor]:
+        self._tick()
+        self.set_probe(probes)
+        return self._gradient()
+
+    def _tick(self) -> None:
         if self.progress is not None:
             self.progress(self.done, self.total)
-        self.set_probe(probes)
         self.done += 1
-        return self._gradient()
 
     def run(self, first: dict, second: dict | None) -> torch.Tensor:
         """The squared distance in each parameter's gradient (``groups.parts``) between a pass with the ``first``
         probes and one with the ``second``, or the base where ``second`` is ``None``."""
+        if second is None:
+            self._tick()
+            return mean_over_ranks(self.distance(first))
         a = self.gradient(first)
-        return mean_over_ranks(parts(a, self.base if second is None else self.gradient(second)))
+        return mean_over_ranks(parts(a, self.gradient(second)))
+
+    def distance(self, probes: dict) -> torch.Tensor:
+        """The squared distance in each parameter's gradient of a pass with ``probes`` from the base, this process's
+        (not counted): from the nodes the probes perturb where it can (:attr:`difference`), else a whole pass."""
+        if self.difference is not None:
+            difference = self.difference(probes)
+            if difference is not None:
+                return squares(difference)
+        self.set_probe(probes)
+        return parts(self._gradient(), self.base)
 
     def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str) -> tuple[dict, dict]:
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups

@@ -1,38 +1,72 @@
-"""An estimate's passes against the exact base from one forward of the closure: its backward, replayed for each probe.
+"""An estimate's passes against the exact base from one forward of the closure: its backward, replayed for each probe,
+and where it can, only the part of it below what the probe perturbs.
 
 A probe pass against the exact base (``sensitivity.EXACT_BASE``) changes nothing in the forward: only what backward
 reads of the probed tensor. So the closure runs once, under a plan that defers (``Plan.deferred``: every save of an
 allocated class kept for later probes, ``gactx/controller/probes.py``), with its backward calls recorded and their
 graphs kept (``retain_graph``); each later pass replays those calls under the probe then in force. A pass then costs a
 backward, not a forward and a backward: on the LoRA decoder (small) the forward was two thirds of a pass.
+
+A probe changes what backward computes only from the nodes that read a probed save on (:data:`PARTIAL`). Every node
+above them gets the gradient it got in the base, and backward is linear in the gradient it is given, so::
+
+    g_probe - g_base = B_probe(sum_N N_probe(g_N) - N_exact(g_N))
+
+where ``N`` runs over the nodes that read a probed save, ``g_N`` is the gradient ``N`` was given in the base replay
+(kept: a post-hook on each node that read a deferred save), and ``B_probe`` is backward from those nodes' inputs on,
+under the probe (a node below another one that reads a probed save reads it probed, as in a whole pass). So a pass
+runs each such node twice, on its kept gradient, and backward from their inputs down (``torch.autograd.grad`` from
+their edges), not the whole backward: a tensor saved near the loss costs the nodes below it, one whose noise reaches
+only its weight's gradient (a product's activation operand) costs its node alone. The difference is the same as a
+whole pass's up to rounding (tested), computed without the cancellation of two whole gradients. A probe of a save that
+a recomputation inside backward made (a reentrant checkpoint), one read by a node that is not a C++ node or that ran
+more than once in the base, runs the whole replay. So does a closure whose gradients pass through hooks that are not
+linear in the gradient (clipping in a tensor hook): the difference of two clipped gradients is not the clipped
+difference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from gactx.controller.identity import in_backward
 
-__all__ = ["REPLAY", "Replayed"]
+__all__ = ["PARTIAL", "REPLAY", "Replayed"]
 
 # Replay the closure's backward for each pass of an estimate against the exact base; False: run the closure whole.
 REPLAY = True
+# A replayed pass runs backward from the nodes that read what it probes (module docstring); False: the whole replay.
+PARTIAL = True
 
 
 class Replayed:
     """``backprop`` as the passes of one estimate (called as the closure is, once a pass). The first call runs it whole,
-    under a deferring plan (``defer(True)``, then ``defer(False)``), recording its backward calls; every later call
-    replays them. The first call's gradients are a replay's too (the calls replayed once after the closure returns), so
-    that whatever the closure does to the gradients after its backward (clipping) is in no pass. Where the closure made
-    no backward call that can be replayed (``torch.autograd.grad``, ``create_graph``), every call runs it whole, under
-    the probe then in force. :meth:`close` frees the kept graphs."""
+    under a deferring plan (``defer(True, watch)``, then ``defer(False)``), recording its backward calls and which
+    backward nodes read each slot's deferred saves; every later call replays them. The first call's gradients are a
+    replay's too (the calls replayed once after the closure returns; that replay keeps the gradient each of those
+    nodes is given), so that whatever the closure does to the gradients after its backward (clipping) is in no pass.
+    Where the closure made no backward call that can be replayed (``torch.autograd.grad``, ``create_graph``), every
+    call runs it whole, under the probe then in force. :meth:`difference` is a pass from the nodes a probe perturbs.
+    :meth:`close` frees the kept graphs."""
 
-    def __init__(self, model: nn.Module, backprop: Callable[[], object], defer: Callable[[bool], None]) -> None:
+    def __init__(
+        self, model: nn.Module, backprop: Callable[[], object], defer: Callable[[bool, Callable | None], None]
+    ) -> None:
         self.model, self.backprop, self.defer = model, backprop, defer
         self.calls: list[tuple] | None = None  # (tensors, grad_tensors, inputs) of each backward call, once recorded
+        self._nodes: dict[Hashable, list] = {}  # slot -> the nodes that read its deferred saves
+        self._broken: set[Hashable] = set()  # slots a pass from their nodes cannot probe (module docstring)
+        self._given: dict[object, tuple | None] = {}  # node -> the gradient it was given in the base replay
+        self._hooks: list = []
+        self._keeping = False  # the base replay runs: the nodes' hooks keep what they are given
+        self._seen: set = set()  # the nodes given a gradient in the base replay
+        self._results: dict = {}  # node -> a fingerprint of what it gave in the base replay (_fingerprint)
+        self._checked: dict = {}  # node -> whether a call outside the engine gives what the engine's did (_same)
 
     def __call__(self) -> None:
         if self.calls is None:
@@ -41,15 +75,118 @@ class Replayed:
                 return  # the whole closure ran, with its own gradients
             for p in self.model.parameters():
                 p.grad = None
-        elif not self.calls:
+            self._keeping = True
+            try:
+                self._replay()
+            finally:
+                self._keeping = False
+                for hook in self._hooks:
+                    hook.remove()
+                self._hooks = []
+            return
+        if not self.calls:
             self.backprop()
             return
+        self._replay()
+
+    def _replay(self) -> None:
         for tensors, grad_tensors, inputs in self.calls:
             torch.autograd.backward(tensors, grad_tensors, retain_graph=True, inputs=inputs)
 
+    def difference(
+        self, probes: dict, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None] | None:
+        """The gradient of each of ``params`` (the estimate's layout) under ``probes`` less the base's, from the nodes
+        that read the probed slots (module docstring; ``None`` where no probed noise reaches it), the probes left in
+        force as a pass leaves them; ``None`` where such a pass cannot measure them (then a whole replay does)."""
+        if not PARTIAL or not self.calls:
+            return None
+        nodes: list = []
+        for slot in probes:
+            if slot in self._broken or slot not in self._nodes:
+                return None
+            for node in self._nodes[slot]:
+                if self._given.get(node) is None or self._checked.get(node) is False:  # never ran in the base
+                    return None  # replay, ran more than once, or its call outside the engine is not the engine's
+                if all(node is not n for n in nodes):
+                    nodes.append(node)
+        # Each node's result under the probes, copied before it runs again: a node may hand back buffers that its
+        # next call writes over.
+        set_probe(probes)
+        results = [self._call(node) for node in nodes]
+        if any(out is None for out in results):
+            return None
+        results = [tuple(None if t is None else t.clone() for t in out) for out in results]
+        set_probe({})
+        exact = [self._call(node) for node in nodes]
+        if any(out is None for out in exact) or not all(map(self._same, nodes, exact)):
+            return None
+        set_probe(probes)  # backward below them reads the probed saves that lie there probed
+        edges, deltas = [], []
+        for node, mine, base in zip(nodes, results, exact, strict=True):
+            for (after, n), probed, was in zip(node.next_functions, mine, base, strict=True):
+                if after is None or probed is None:
+                    continue
+                delta = probed if was is None else probed - was
+                if bool(delta.any()):  # an edge the probe's noise does not reach costs no backward below it
+                    edges.append(GradientEdge(after, n))
+                    deltas.append(delta)
+        if not edges:
+            return [None] * len(params)
+        return list(torch.autograd.grad(edges, list(params), deltas, retain_graph=True, allow_unused=True))
+
+    def _call(self, node) -> tuple | None:
+        """``node`` called on the gradient it was given in the base replay, each result as the engine hands it to the
+        next node: summed over the dimensions its input was broadcast along in the forward, in the input's dtype;
+        ``None`` where a result goes to a nested tensor, or the results are not one an edge."""
+        with torch.no_grad():  # as the engine calls it: its results build no graph of their own
+            results = _outputs(node(*self._given[node]))
+        if len(results) != len(node.next_functions):
+            return None
+        out = []
+        for (after, n), t in zip(node.next_functions, results, strict=True):
+            if after is not None and t is not None:
+                meta = after._input_metadata[n]
+                if meta.is_nested_tensor:
+                    return None
+                if t.shape != meta.shape:
+                    t = t.sum_to_size(meta.shape)
+                t = t.to(meta.dtype)
+            out.append(t)
+        return tuple(out)
+
     def close(self) -> None:
         """Drop the recorded calls, and with them the graphs and the saves they keep."""
-        self.calls = []
+        self.calls, self._nodes, self._given, self._results, self._checked, self._seen = [], {}, {}, {}, {}, set()
+
+    def _watch(self, slot: Hashable, forward: bool) -> None:
+        """A deferred save of ``slot`` is unpacked (``PackPath.unpacked``), in the recording run's backward."""
+        node = torch._C._current_autograd_node()
+        if node is None or not forward or isinstance(node, torch._C._FunctionBase):
+            self._broken.add(slot)  # read outside a backward, made by a recomputation, or a Python function's node
+            return
+        nodes = self._nodes.setdefault(slot, [])
+        if all(node is not n for n in nodes):
+            nodes.append(node)
+        if node not in self._given:
+            self._given[node] = None
+            self._hooks.append(node.register_hook(functools.partial(self._keep, node)))
+
+    def _keep(self, node, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if not self._keeping:
+            return
+        # A node given a gradient twice (two of the closure's backward calls through it) has no one gradient to
+        # start from: its slots take whole replays.
+        self._given[node] = grad_outputs if node not in self._seen else None
+        self._seen.add(node)
+        self._results[node] = _fingerprint(grad_inputs)
+
+    def _same(self, node, exact: tuple) -> bool:
+        """Whether a call of ``node`` outside the engine gave what the engine's call gave it in the base replay (the
+        oneDNN LSTM's does not: its weights' gradients then read its input); checked at its first call."""
+        if node not in self._checked:
+            self._checked[node] = bool(torch.equal(_fingerprint(exact), self._results.pop(node)))
+        return self._checked[node]
 
     def _record(self) -> list[tuple]:
         calls, replayable = [], True
@@ -64,11 +201,22 @@ class Replayed:
             calls.append((tensors, grad_tensors, inputs))
             return original(tensors, grad_tensors, retain_graph=True, create_graph=create_graph, inputs=inputs)
 
-        self.defer(True)
+        self.defer(True, self._watch if PARTIAL else None)
         torch.autograd.backward = recording
         try:
             self.backprop()
         finally:
             torch.autograd.backward = original
-            self.defer(False)
+            self.defer(False, None)
         return calls if replayable else []
+
+
+def _fingerprint(results: tuple) -> torch.Tensor:
+    """Sums of a node's results and of their squares, in float64: equal where the results are, bit for bit."""
+    sums = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in results if t is not None]
+    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+
+def _outputs(out) -> tuple:
+    """A node's call's gradients as a tuple (a node of one input returns its tensor)."""
+    return out if isinstance(out, tuple) else (out,)

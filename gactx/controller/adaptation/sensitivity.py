@@ -230,11 +230,15 @@ def estimate_sensitivities(
         if based_on:  # every tensor stored as when nothing is probed, or as it is (exact)
             passes.base = passes.gradient({} if exact else None)
             passes.spent("base", 0, 1)
+            if isinstance(backprop, replayed.Replayed):  # a probe pass from the nodes it perturbs, where it can
+                params = [p for p in model.parameters() if p.grad is not None]
+                if len(params) == len(sizes):
+                    passes.difference = lambda probes: backprop.difference(probes, set_probe, params)
             if first:  # the first pass's distance from the base, read now: its gradients are not held on
                 first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}
         if together:
-            against = (passes.base, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
+            against = (passes.distance, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
             joint, runs = probe_together(
                 lambda: _gradient(model, backprop, snapshot),
                 set_probe,

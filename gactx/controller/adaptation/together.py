@@ -52,8 +52,9 @@ def probe_together(
     differ in its weights' ranges by its noise alone, exactly as when it is probed alone, and nowhere else. Returns
     ``((sensitivities, probed), passes)``, or ``(None, passes)`` where the gradients also differ elsewhere (a weight
     shared beyond what the slots say, a nondeterministic backward): then each slot is probed alone. ``gradient()``
-    runs a pass. ``against``: ``(the base pass's gradient, each slot's context)``, where every slot's context is
-    known: then one pass with every slot probed, against the base, instead of the pair
+    runs a pass. ``against``: ``(probes -> the squared distance of a pass with them from the base pass in each
+    parameter's gradient, each slot's context)``, where every slot's context is known: then one pass with every slot
+    probed, against the base, instead of the pair
     (``sensitivity.estimate_sensitivities``); ``exact``: the base is exact, and each storage choice's first is measured
     against it too, not by a pair."""
 
@@ -64,9 +65,8 @@ def probe_together(
             grads.append(gradient())
         return grads[0], grads[1]
 
-    def spread(a: list, b: list, scale: float, members) -> dict | None:
-        each = parts(a, b)  # a host read, outside any hook: once per pass
-        total, found = float(each.sum()), {}
+    def spread(each: torch.Tensor, scale: float, members) -> dict | None:
+        total, found = float(each.sum()), {}  # a host read, outside any hook: once per pass
         for slot in members:
             found[slot] = sum(float(each[i]) for i in blocks[slot])
         inside = sum(found.values())
@@ -76,15 +76,15 @@ def probe_together(
 
     if against is None:
         passes = 2
-        first = spread(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5, blocks)
+        first = spread(parts(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)])), 0.5,
+                       blocks)  # fmt: skip
         if first is None:
             return None, passes
         raw = {slot: v / variance_factor(probe_bits) for slot, v in first.items()}
     else:
-        base, context = against
+        distance, context = against
         passes = 1
-        set_probe({s: Probe(s, probe_bits, seed_of(s, 1)) for s in blocks})
-        first = spread(gradient(), base, 1.0, blocks)
+        first = spread(distance({s: Probe(s, probe_bits, seed_of(s, 1)) for s in blocks}), 1.0, blocks)
         if first is None:
             return None, passes
         raw = {slot: v / (variance_factor(probe_bits) + context[slot]) for slot, v in first.items()}
@@ -94,13 +94,11 @@ def probe_together(
         seeds = {s: seed_of(s, 2 + 1 + n) for s in members}
         probes = [{s: Probe(s, plans[s][1][n][k].bits, seeds[s], plans[s][1][n][k]) for s in members} for k in (0, 1)]
         if exact and against is not None:  # the first against the exact base
-            set_probe(probes[0])
             passes += 1
-            found = spread(gradient(), against[0], 1.0, members)
+            found = spread(against[0](probes[0]), 1.0, members)
         else:
-            a, b = pair(probes)
             passes += 2
-            found = spread(a, b, 0.25, members)
+            found = spread(parts(*pair(probes)), 0.25, members)
         if found is None:
             return None, passes
         for s in members:

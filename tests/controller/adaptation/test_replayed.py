@@ -9,10 +9,11 @@ from benchmarks.digits import digits_cnn, digits_data
 from gactx.controller.adaptation import replayed
 
 
-def _adapt(replay: bool, monkeypatch, grad_only: bool = False) -> tuple[dict, dict, int, int]:
+def _adapt(replay: bool, monkeypatch, grad_only: bool = False, partial: bool = False) -> tuple[dict, dict, int, int]:
     """The digits CNN (BatchNorm, dropout) adapted twice at L2.2: its sensitivities, allocation, passes and how many
     times the closure ran."""
     monkeypatch.setattr(replayed, "REPLAY", replay)
+    monkeypatch.setattr(replayed, "PARTIAL", partial)
     (x, y), _ = digits_data()
     torch.manual_seed(0)
     model = digits_cnn()
@@ -44,6 +45,57 @@ def test_replaying_the_backward_measures_what_running_the_closure_measures(monke
     replays = _adapt(True, monkeypatch)
     assert replays[0] == whole[0] and replays[1] == whole[1] and replays[2] == whole[2]
     assert whole[3] == whole[2] and replays[3] == 4
+
+
+def _spied(monkeypatch) -> dict:
+    """How many passes :meth:`replayed.Replayed.difference` measured from the nodes, and how many it left whole."""
+    counts = {"from the nodes": 0, "whole": 0}
+    difference = replayed.Replayed.difference
+
+    def spy(self, *args):
+        out = difference(self, *args)
+        counts["whole" if out is None else "from the nodes"] += 1
+        return out
+
+    monkeypatch.setattr(replayed.Replayed, "difference", spy)
+    return counts
+
+
+def test_a_pass_from_the_probed_nodes_measures_what_the_whole_backward_measures(monkeypatch):
+    """Every probe pass of the digits CNN runs backward from the nodes that read what it probes: the same
+    sensitivities as whole replays up to rounding, and the same allocation."""
+    whole = _adapt(True, monkeypatch)
+    counts = _spied(monkeypatch)
+    partial = _adapt(True, monkeypatch, partial=True)
+    assert partial[1] == whole[1] and partial[2] == whole[2] and partial[3] == 4
+    assert partial[0] == pytest.approx(whole[0], rel=1e-5)
+    assert counts["from the nodes"] > 0 and counts["whole"] == 0
+
+
+@pytest.mark.parametrize("name", ["bert", "lstm", "custom_function", "checkpointed", "gat"])
+def test_a_pass_from_the_probed_nodes_measures_alike_on_other_models(name, monkeypatch):
+    """A position embedding added by broadcasting (BERT: the node's result summed as the engine sums it), oneDNN's
+    LSTM, a Python autograd function's saves (whole replays), a checkpointed model, GAT's shared saves: the same
+    sensitivities as whole replays up to rounding (a sensitivity a millionth of the largest is rounding in both), and
+    the same allocation."""
+    from benchmarks.zoo import build
+
+    results = []
+    for partial in (False, True):
+        monkeypatch.setattr(replayed, "PARTIAL", partial)
+        counts = _spied(monkeypatch)
+        model, run = build(name, 1)
+        with gactx.Controller(model, "L2.2", seed=0) as controller:
+            torch.manual_seed(0)
+            run().backward()
+            controller.adapt(lambda run=run: (torch.manual_seed(0), run().backward()))
+        results.append((dict(controller.sensitivity), dict(controller.allocation), dict(counts)))
+    (whole, whole_bits, _), (partial, partial_bits, counts) = results
+    largest = max(whole.values())
+    assert partial_bits == whole_bits and partial == pytest.approx(whole, rel=1e-4, abs=1e-6 * largest)
+    assert counts["from the nodes"] > 0
+    if name == "custom_function":
+        assert counts["whole"] > 0  # read by a Python function's node
 
 
 def test_a_closure_without_a_backward_call_runs_whole_every_pass(monkeypatch):
