@@ -72,7 +72,7 @@ def parts(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
 
 def squares(difference: list[torch.Tensor | None]) -> torch.Tensor:
     """:func:`parts` of a pass whose gradients' difference from the base is given (``replayed.Replayed.difference``;
-    ``None``: no difference there)."""
+    ``None``: no difference there), squared in place."""
     if not difference:
         return torch.zeros(0, dtype=torch.float64)
     zero = torch.zeros((), dtype=torch.float64)
@@ -80,9 +80,11 @@ def squares(difference: list[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _square(x: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of ``x``'s elements (squared in place: ``x`` is the caller's to spend) as a float64
+    scalar, summed in ``x``'s precision (half precision's in float32)."""
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
-    return x.square().sum().double()
+    return x.pow_(2).sum().double()
 
 
 def _squared_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,8 @@ class Passes:
         # probes -> the gradients' difference from the base, from the nodes the probes perturb, or None where it
         # cannot (replayed.Replayed.difference); None: every pass against the base is a whole one
         self.difference: Callable[[dict], list | None] | None = None
+        # told the slots the next passes probe, in order, where difference reads what it needs by windows
+        self.expect: Callable[[list], None] | None = None
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
 
     def spent(self, part: str, measurements: int, passes: int) -> None:
@@ -262,6 +266,8 @@ class Passes:
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
         or ``kept``), else alone; the passes counted to ``part``. Returns ``(slot -> D, slot -> profile measured
         alone)``."""
+        if self.expect is not None:
+            self.expect(list(row))
         expected = {}
         if GROUPED:
             for slot, (_, _, unit) in row.items():
@@ -276,6 +282,9 @@ class Passes:
             nonlocal planned
             planned = sum(1 if row[g[0]][1] is None else 2 for g in groups)
             self.total += planned - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
+            if self.expect is not None:  # the groups first, then the slots measured alone
+                grouped = [s for g in groups for s in g]
+                self.expect(grouped + [s for s in row if s not in set(grouped)])
 
         found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone

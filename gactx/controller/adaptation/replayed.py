@@ -8,20 +8,26 @@ graphs kept (``retain_graph``); each later pass replays those calls under the pr
 backward, not a forward and a backward: on the LoRA decoder (small) the forward was two thirds of a pass.
 
 A probe changes what backward computes only from the nodes that read a probed save on (:data:`PARTIAL`). Every node
-above them gets the gradient it got in the base, and backward is linear in the gradient it is given, so::
+above them gets the gradient it gets in the base, and backward is linear in the gradient a node is given, so::
 
     g_probe - g_base = B_probe(sum_N N_probe(g_N) - N_exact(g_N))
 
-where ``N`` runs over the nodes that read a probed save, ``g_N`` is the gradient ``N`` was given in the base replay
-(kept: a post-hook on each node that read a deferred save), and ``B_probe`` is backward from those nodes' inputs on,
-under the probe (a node below another one that reads a probed save reads it probed, as in a whole pass). So a pass
-runs each such node twice, on its kept gradient, and backward from their inputs down (``torch.autograd.grad`` from
-their edges), not the whole backward: a tensor saved near the loss costs the nodes below it, one whose noise reaches
-only its weight's gradient (a product's activation operand) costs its node alone. The difference is the same as a
-whole pass's up to rounding (tested), computed without the cancellation of two whole gradients. A probe of a save that
-a recomputation inside backward made (a reentrant checkpoint), one read by a node that is not a C++ node or that ran
-more than once in the base, runs the whole replay. So does a closure whose gradients pass through hooks that are not
-linear in the gradient (clipping in a tensor hook): the difference of two clipped gradients is not the clipped
+where ``N`` runs over the nodes that read a probed save, ``g_N`` is the gradient ``N`` is given in the base, and
+``B_probe`` is backward from those nodes' inputs on, under the probe (a node below another one that reads a probed
+save reads it probed, as in a whole pass). So a pass runs each such node twice on ``g_N`` and backward from their
+inputs down (``torch.autograd.grad`` from their edges), not the whole backward: a tensor saved near the loss costs the
+nodes below it, one whose noise reaches only its weight's gradient (a product's activation operand) costs its node
+alone. The difference is a whole pass's up to rounding (tested), without the cancellation of two whole gradients.
+
+The ``g_N`` are read by a backward from the closure's roots that stops below the nodes it reads them for (``inputs``
+at their edges), with a hook on each, for at most :data:`WINDOW` nodes at a time: the nodes of the pass that needs
+them, and those of the slots the estimate says it probes next (:meth:`Replayed.expect`); the window before is dropped.
+Kept for every node at once, they were about one more set of the closure's activations (the LoRA decoder's adaptation
+peak 36 to 75 MiB). A pass whose probes need more nodes than a window (linear layers' inputs probed together) replays
+the whole backward, as does a probe of a save that a recomputation inside backward made (a reentrant checkpoint), one
+read by a node that is not a C++ node, that ran more than once in a backward, or whose call outside the engine does not
+give what the engine's call gave (checked once a node). So does a closure whose gradients pass through hooks that are
+not linear in the gradient (clipping in a tensor hook): the difference of two clipped gradients is not the clipped
 difference.
 """
 
@@ -36,23 +42,24 @@ from torch.autograd.graph import GradientEdge
 
 from gactx.controller.identity import in_backward
 
-__all__ = ["PARTIAL", "REPLAY", "Replayed"]
+__all__ = ["PARTIAL", "REPLAY", "WINDOW", "Replayed"]
 
 # Replay the closure's backward for each pass of an estimate against the exact base; False: run the closure whole.
 REPLAY = True
 # A replayed pass runs backward from the nodes that read what it probes (module docstring); False: the whole replay.
 PARTIAL = True
+# The most nodes whose given gradients are kept at a time (module docstring).
+WINDOW = 16
 
 
 class Replayed:
     """``backprop`` as the passes of one estimate (called as the closure is, once a pass). The first call runs it whole,
     under a deferring plan (``defer(True, watch)``, then ``defer(False)``), recording its backward calls and which
     backward nodes read each slot's deferred saves; every later call replays them. The first call's gradients are a
-    replay's too (the calls replayed once after the closure returns; that replay keeps the gradient each of those
-    nodes is given), so that whatever the closure does to the gradients after its backward (clipping) is in no pass.
-    Where the closure made no backward call that can be replayed (``torch.autograd.grad``, ``create_graph``), every
-    call runs it whole, under the probe then in force. :meth:`difference` is a pass from the nodes a probe perturbs.
-    :meth:`close` frees the kept graphs."""
+    replay's too (the calls replayed once after the closure returns), so that whatever the closure does to the
+    gradients after its backward (clipping) is in no pass. Where the closure made no backward call that can be
+    replayed (``torch.autograd.grad``, ``create_graph``), every call runs it whole, under the probe then in force.
+    :meth:`difference` is a pass from the nodes a probe perturbs. :meth:`close` frees the kept graphs."""
 
     def __init__(
         self, model: nn.Module, backprop: Callable[[], object], defer: Callable[[bool, Callable | None], None]
@@ -61,12 +68,11 @@ class Replayed:
         self.calls: list[tuple] | None = None  # (tensors, grad_tensors, inputs) of each backward call, once recorded
         self._nodes: dict[Hashable, list] = {}  # slot -> the nodes that read its deferred saves
         self._broken: set[Hashable] = set()  # slots a pass from their nodes cannot probe (module docstring)
-        self._given: dict[object, tuple | None] = {}  # node -> the gradient it was given in the base replay
-        self._hooks: list = []
-        self._keeping = False  # the base replay runs: the nodes' hooks keep what they are given
-        self._seen: set = set()  # the nodes given a gradient in the base replay
-        self._results: dict = {}  # node -> a fingerprint of what it gave in the base replay (_fingerprint)
+        self._given: dict = {}  # node -> the gradient it is given in the base (the window's nodes)
+        self._results: dict = {}  # node -> a fingerprint of what the engine's call gave (_fingerprint), until checked
         self._checked: dict = {}  # node -> whether a call outside the engine gives what the engine's did (_same)
+        self._bad: set = set()  # nodes not given one gradient in a backward: never, or more than once
+        self._upcoming: list = []  # the slots the estimate probes next, in order (expect)
 
     def __call__(self) -> None:
         if self.calls is None:
@@ -75,23 +81,16 @@ class Replayed:
                 return  # the whole closure ran, with its own gradients
             for p in self.model.parameters():
                 p.grad = None
-            self._keeping = True
-            try:
-                self._replay()
-            finally:
-                self._keeping = False
-                for hook in self._hooks:
-                    hook.remove()
-                self._hooks = []
-            return
-        if not self.calls:
+        elif not self.calls:
             self.backprop()
             return
-        self._replay()
-
-    def _replay(self) -> None:
         for tensors, grad_tensors, inputs in self.calls:
             torch.autograd.backward(tensors, grad_tensors, retain_graph=True, inputs=inputs)
+
+    def expect(self, slots: Sequence[Hashable]) -> None:
+        """The slots the next passes probe, in their order: a window of given gradients read for one pass holds
+        theirs too (module docstring)."""
+        self._upcoming = list(slots)
 
     def difference(
         self, probes: dict, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
@@ -101,15 +100,15 @@ class Replayed:
         force as a pass leaves them; ``None`` where such a pass cannot measure them (then a whole replay does)."""
         if not PARTIAL or not self.calls:
             return None
-        nodes: list = []
-        for slot in probes:
-            if slot in self._broken or slot not in self._nodes:
-                return None
-            for node in self._nodes[slot]:
-                if self._given.get(node) is None or self._checked.get(node) is False:  # never ran in the base
-                    return None  # replay, ran more than once, or its call outside the engine is not the engine's
-                if all(node is not n for n in nodes):
-                    nodes.append(node)
+        self._upcoming = [slot for slot in self._upcoming if slot not in probes]  # probed now, not next
+        nodes = self._needed(probes)
+        if nodes is None:
+            return None
+        if any(node not in self._given for node in nodes):
+            set_probe({})  # the base's: no probe of a pass before
+            self._read(nodes, probes)
+        if any(node in self._bad or self._checked.get(node) is False for node in nodes):
+            return None
         # Each node's result under the probes, copied before it runs again: a node may hand back buffers that its
         # next call writes over.
         set_probe(probes)
@@ -135,10 +134,59 @@ class Replayed:
             return [None] * len(params)
         return list(torch.autograd.grad(edges, list(params), deltas, retain_graph=True, allow_unused=True))
 
+    def _needed(self, probes: dict) -> list | None:
+        """The nodes that read the probed slots' saves, or ``None`` where a pass from them cannot stand for the whole
+        one (module docstring)."""
+        nodes: list = []
+        for slot in probes:
+            if slot in self._broken or slot not in self._nodes:
+                return None
+            for node in self._nodes[slot]:
+                if node in self._bad or self._checked.get(node) is False:
+                    return None
+                if all(node is not n for n in nodes):
+                    nodes.append(node)
+        return nodes if len(nodes) <= WINDOW else None
+
+    def _read(self, nodes: list, probes: dict) -> None:
+        """Read the gradient each of ``nodes`` is given in the base, and those of the nodes of the slots expected next,
+        up to :data:`WINDOW` nodes, by a backward from the closure's roots to their edges (module docstring); the
+        window before is dropped."""
+        window = list(nodes)
+        for slot in self._upcoming:
+            if slot in self._broken:
+                continue
+            more = [n for n in self._nodes.get(slot, ()) if n not in self._bad and all(n is not m for m in window)]
+            if len(window) + len(more) > WINDOW:
+                break
+            window += more
+        self._given, seen = {}, set()
+
+        def keep(node, grad_inputs: tuple, grad_outputs: tuple) -> None:
+            if node in seen:  # given a gradient twice (two of the closure's backward calls through it)
+                self._bad.add(node)
+            seen.add(node)
+            self._given[node] = grad_outputs
+            if node not in self._checked:
+                self._results[node] = _fingerprint(grad_inputs)
+
+        edges = [GradientEdge(after, n) for node in window for after, n in node.next_functions if after is not None]
+        if not edges:  # nothing below them: a pass from them has nothing to reach
+            self._bad.update(window)
+            return
+        hooks = [node.register_hook(functools.partial(keep, node)) for node in window]
+        try:
+            for tensors, grad_tensors, _ in self.calls:
+                torch.autograd.grad(tensors, edges, grad_tensors, retain_graph=True, allow_unused=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self._bad.update(node for node in window if node not in seen)
+
     def _call(self, node) -> tuple | None:
-        """``node`` called on the gradient it was given in the base replay, each result as the engine hands it to the
-        next node: summed over the dimensions its input was broadcast along in the forward, in the input's dtype;
-        ``None`` where a result goes to a nested tensor, or the results are not one an edge."""
+        """``node`` called on the gradient it is given in the base, each result as the engine hands it to the next
+        node: summed over the dimensions its input was broadcast along in the forward, in the input's dtype; ``None``
+        where a result goes to a nested tensor, or the results are not one an edge."""
         with torch.no_grad():  # as the engine calls it: its results build no graph of their own
             results = _outputs(node(*self._given[node]))
         if len(results) != len(node.next_functions):
@@ -155,9 +203,16 @@ class Replayed:
             out.append(t)
         return tuple(out)
 
+    def _same(self, node, exact: tuple) -> bool:
+        """Whether a call of ``node`` outside the engine gave what the engine's call gave (a call that builds a graph
+        of its own, as oneDNN's LSTM's did outside ``torch.no_grad``, need not); checked at its first call."""
+        if node not in self._checked:
+            self._checked[node] = bool(torch.equal(_fingerprint(exact), self._results.pop(node)))
+        return self._checked[node]
+
     def close(self) -> None:
         """Drop the recorded calls, and with them the graphs and the saves they keep."""
-        self.calls, self._nodes, self._given, self._results, self._checked, self._seen = [], {}, {}, {}, {}, set()
+        self.calls, self._nodes, self._given, self._results, self._checked, self._bad = [], {}, {}, {}, {}, set()
 
     def _watch(self, slot: Hashable, forward: bool) -> None:
         """A deferred save of ``slot`` is unpacked (``PackPath.unpacked``), in the recording run's backward."""
@@ -168,25 +223,6 @@ class Replayed:
         nodes = self._nodes.setdefault(slot, [])
         if all(node is not n for n in nodes):
             nodes.append(node)
-        if node not in self._given:
-            self._given[node] = None
-            self._hooks.append(node.register_hook(functools.partial(self._keep, node)))
-
-    def _keep(self, node, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if not self._keeping:
-            return
-        # A node given a gradient twice (two of the closure's backward calls through it) has no one gradient to
-        # start from: its slots take whole replays.
-        self._given[node] = grad_outputs if node not in self._seen else None
-        self._seen.add(node)
-        self._results[node] = _fingerprint(grad_inputs)
-
-    def _same(self, node, exact: tuple) -> bool:
-        """Whether a call of ``node`` outside the engine gave what the engine's call gave it in the base replay (the
-        oneDNN LSTM's does not: its weights' gradients then read its input); checked at its first call."""
-        if node not in self._checked:
-            self._checked[node] = bool(torch.equal(_fingerprint(exact), self._results.pop(node)))
-        return self._checked[node]
 
     def _record(self) -> list[tuple]:
         calls, replayable = [], True
@@ -212,9 +248,19 @@ class Replayed:
 
 
 def _fingerprint(results: tuple) -> torch.Tensor:
-    """Sums of a node's results and of their squares, in float64: equal where the results are, bit for bit."""
-    sums = [torch.stack([t.double().sum(), t.double().square().sum()]) for t in results if t is not None]
-    return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+    """The sums of a node's results and of their squares: equal where the results are, bit for bit (the same
+    reductions of the same values)."""
+    sums = [torch.stack([t.sum(), _dot(t)]).float() for t in results if t is not None]
+    return torch.cat(sums) if sums else torch.zeros(0)
+
+
+def _dot(t: torch.Tensor) -> torch.Tensor:
+    """The sum of the squares of ``t``'s elements, in its precision (half precision's in float32): one pass of a dot
+    product, no squared copy, no float64 copy (a 7.8M-element gradient's double sums took 40 ms on this CPU)."""
+    flat = t.reshape(-1)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    return torch.dot(flat, flat)
 
 
 def _outputs(out) -> tuple:

@@ -234,6 +234,7 @@ def estimate_sensitivities(
                 params = [p for p in model.parameters() if p.grad is not None]
                 if len(params) == len(sizes):
                     passes.difference = lambda probes: backprop.difference(probes, set_probe, params)
+                    passes.expect = backprop.expect
             if first:  # the first pass's distance from the base, read now: its gradients are not held on
                 first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}

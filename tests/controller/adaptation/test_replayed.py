@@ -157,3 +157,32 @@ def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
             controller.adapt(lambda model=model, x=x: model(x).square().mean().backward())
         results.append(dict(controller.sensitivity))
     assert results[0] == results[1] and len(results[0]) >= (4 if reentrant else 1)
+
+
+def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
+    """The gradients the probed nodes are given in the base are read for at most ``WINDOW`` nodes at a time, those the
+    pass needs first and then those of the slots expected next: with a window of 2 the zoo ResNet's BatchNorm inputs
+    measure what whole replays measure, and no more than 2 nodes' gradients are ever held."""
+    from benchmarks.zoo import build
+
+    held, reads = [], []
+    read = replayed.Replayed._read
+
+    def spy(self, nodes, probes):
+        read(self, nodes, probes)
+        reads.append(len(nodes))
+        held.append(len(self._given))
+
+    results = []
+    for partial in (False, True):
+        monkeypatch.setattr(replayed, "PARTIAL", partial)
+        monkeypatch.setattr(replayed, "WINDOW", 2)
+        monkeypatch.setattr(replayed.Replayed, "_read", spy)
+        model, run = build("resnet", 1)
+        with gactx.Controller(model, "L2.2", seed=0) as controller:
+            torch.manual_seed(0)
+            run().backward()
+            controller.adapt(lambda run=run: (torch.manual_seed(0), run().backward()))
+        results.append((dict(controller.sensitivity), dict(controller.allocation)))
+    assert results[1][1] == results[0][1] and results[1][0] == pytest.approx(results[0][0], rel=1e-4)
+    assert reads and max(held) <= 2 and len(reads) < sum(1 for _ in results[0][0])
