@@ -14,9 +14,10 @@ the square of any bias its rounding puts into the gradient's mean. Tensors whose
 gradients are probed all at once (``together.py``). Every other measurement (a tensor at a width, a storage
 choice) is made for several tensors at once where the estimate knows where each one's noise lands in the gradient and
 those places overlap little (``groups.py``). The passes after the first two replay the second's backward calls, its
-forward run once (``replayed.py``). The first pass stores every tensor as training does; how far its gradients are
-from the base's, over what the estimate predicts for it, is :attr:`Estimate.unexplained` (about 1 where the tensors'
-noises add; the estimator measures with the others at their widths where they interact).
+forward run once, from the nodes that read what a pass probes down (``replayed.py``). The first pass stores every
+tensor as training does; how far its gradients are from the base's, over what the estimate predicts for it, is
+:attr:`Estimate.unexplained` (about 1 where the tensors' noises add; the estimator measures with the others at their
+widths where they interact).
 
 With :data:`EXACT_BASE` off, every pass stores the other tensors at their widths, with the same noise, and ``l`` is
 quantized at ``probe_bits`` with two different seeds: ``C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)``, ``1 + 2 L``
