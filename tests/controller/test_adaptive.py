@@ -169,6 +169,7 @@ def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
             "params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.clone() for b in model.buffers()],
             "grads": [p.grad.clone() for p in model.parameters()],
+            "gradients": [p.grad for p in model.parameters()],  # kept as they are, not copied (ModelSnapshot)
             "rng": torch.get_rng_state(),
         }
         adaptation = controller.adapt(lambda: F.cross_entropy(model(x[:8]), y[:8]).backward())
@@ -177,6 +178,7 @@ def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
     assert all(torch.equal(a, p) for a, p in zip(before["params"], model.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before["buffers"], model.buffers(), strict=True))
     assert all(torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters(), strict=True))
+    assert all(g is p.grad for g, p in zip(before["gradients"], model.parameters(), strict=True))
     assert torch.equal(before["rng"], torch.get_rng_state())
     # One estimate, each measurement a pass against the exact base (sensitivity.EXACT_BASE): one pass finds the
     # tensors, one is the base, one probes the inputs of the convolutions and the linear layer together (each owns its

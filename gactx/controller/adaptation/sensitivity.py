@@ -100,14 +100,21 @@ class Estimate:
 
 
 class ModelSnapshot:
-    """RNG states, buffers and gradients of a model, to put back exactly as they were."""
+    """RNG states, buffers and gradients of a model, to put back exactly as they were. The gradients are kept as they
+    are, not copied: every pass of an estimate sets each ``.grad`` to ``None`` before it runs, so none writes into them
+    (a copy was one more set of the trainable parameters' size in the adaptation's peak). Under ``torch.distributed``
+    they are copied: a reducer may hand its buckets out as the gradients (DDP's ``gradient_as_bucket_view``) and write
+    them again in the next backward."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         self.buffers = [b.detach().clone() for b in model.buffers()]
-        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        copy = distributed()
+        self.grads = [
+            None if p.grad is None else p.grad.detach().clone() if copy else p.grad for p in model.parameters()
+        ]
 
     def restore_rng(self) -> None:
         torch.set_rng_state(self.cpu_rng)
