@@ -72,12 +72,27 @@ def test_a_pass_from_the_probed_nodes_measures_what_the_whole_backward_measures(
     assert counts["from the nodes"] > 0 and counts["whole"] == 0
 
 
-@pytest.mark.parametrize("name", ["bert", "lstm", "custom_function", "checkpointed", "gat"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bert",
+        "lstm",
+        "custom_function",
+        "checkpointed",
+        "gat",
+        "mlp",
+        "resnet",
+        "transformer_layer",
+        "gcn",
+        "sage",
+        "conv3d",
+    ],
+)
 def test_a_pass_from_the_probed_nodes_measures_alike_on_other_models(name, monkeypatch):
     """A position embedding added by broadcasting (BERT: the node's result summed as the engine sums it), oneDNN's
-    LSTM, a Python autograd function's saves (whole replays), a checkpointed model, GAT's shared saves: the same
-    sensitivities as whole replays up to rounding (a sensitivity a millionth of the largest is rounding in both), and
-    the same allocation."""
+    LSTM, a Python autograd function's saves (whole replays), a checkpointed model, GAT's shared saves, and the rest
+    of the zoo that ``benchmarks.schemes`` measures: the same sensitivities as whole replays up to rounding (a
+    sensitivity a millionth of the largest is rounding in both), and the same allocation."""
     from benchmarks.zoo import build
 
     results = []
