@@ -106,7 +106,7 @@ class Replayed:
             return None
         if any(node not in self._given for node in nodes):
             set_probe({})  # the base's: no probe of a pass before
-            self._read(nodes, probes)
+            self._read(nodes)
         if any(node in self._bad or self._checked.get(node) is False for node in nodes):
             return None
         # Each node's result under the probes, copied before it runs again: a node may hand back buffers that its
@@ -148,7 +148,7 @@ class Replayed:
                     nodes.append(node)
         return nodes if len(nodes) <= WINDOW else None
 
-    def _read(self, nodes: list, probes: dict) -> None:
+    def _read(self, nodes: list) -> None:
         """Read the gradient each of ``nodes`` is given in the base, and those of the nodes of the slots expected next,
         up to :data:`WINDOW` nodes, by a backward from the closure's roots to their edges (module docstring); the
         window before is dropped."""

@@ -183,8 +183,8 @@ def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
     held, reads = [], []
     read = replayed.Replayed._read
 
-    def spy(self, nodes, probes):
-        read(self, nodes, probes)
+    def spy(self, nodes):
+        read(self, nodes)
         reads.append(len(nodes))
         held.append(len(self._given))
 
