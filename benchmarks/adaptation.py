@@ -108,6 +108,8 @@ def measure(name: str, quick: bool) -> dict:
         "share_at_interval": round(a.seconds / (INTERVAL * step_s + a.seconds), 4),
         "steps_one_adaptation_costs": round(a.seconds / step_s, 1),
         "later_passes": later.passes,
+        "partial_passes": a.partial_passes,
+        "later_partial_passes": later.partial_passes,
         "later_s": round(later.seconds, 3),
         "later_share_at_interval": round(later.seconds / (INTERVAL * step_s + later.seconds), 4),
         "later_share_backed_off": round(later.seconds / (BACKOFF * INTERVAL * step_s + later.seconds), 4),
@@ -167,10 +169,18 @@ def render(rows: list[dict], env: dict, plan: dict) -> str:
             for r in rows
         ],
     )  # fmt: skip
-    lines += ["", "Where the passes went (`Adaptation.passes_by_part`: passes for measurements, by part):", ""]
+    lines += [
+        "",
+        "Where the passes went (`Adaptation.passes_by_part`: passes for measurements, by part; of them, "
+        "those that ran backward from the probed nodes down, `Adaptation.partial_passes`):",
+        "",
+    ]
     for r in rows:
         first, later = (cost.parts_text(r.get(k) or {}) for k in ("passes_by_part", "later_passes_by_part"))
-        lines.append(f"- {r['model']}: first {r['passes']} ({first}); later {r['later_passes']} ({later})")
+        lines.append(
+            f"- {r['model']}: first {r['passes']} ({first}; {r.get('partial_passes', 0)} from the probed nodes); "
+            f"later {r['later_passes']} ({later}; {r.get('later_partial_passes', 0)} from the probed nodes)"
+        )
     held = list(zip(plan["adapted_at"], plan["stable"], strict=True))
     marks = ", ".join(f"{step}{'' if kept or i == 0 else ' (moved)'}" for i, (step, kept) in enumerate(held))
     lines += [

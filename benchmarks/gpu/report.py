@@ -193,7 +193,10 @@ def _training_table(rows: list[dict], arm: str) -> list[str]:
                "max batch", "vs plain", "warm-up s", "adaptation"]  # fmt: skip
     cells = []
     for r in mine:
-        adapt = f"{r['adapt_s']:.1f} s, {r['adapt_passes']} passes" if r.get("adapt_s") is not None else ""
+        adapt = ""
+        if r.get("adapt_s") is not None:
+            partial = f" ({r['adapt_partial']} from the probed nodes)" if r.get("adapt_partial") else ""
+            adapt = f"{r['adapt_s']:.1f} s, {r['adapt_passes']} passes{partial}"
         best = r.get("max_batch")
         shown_best = "" if best is None else f"{best}" + ("" if r.get("max_batch_ended", True) else " (at least)")
         peak = _num(r["peak_bytes"] / scale) if r.get("peak_bytes") else ""

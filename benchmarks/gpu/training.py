@@ -230,7 +230,8 @@ class Runner:
         self.row["first_step_s"] = time.perf_counter() - begin
         adaptation = self.method.controller.last_adaptation if self.method.controller else None
         if adaptation is not None:
-            self.row |= {"adapt_s": adaptation.seconds, "adapt_passes": adaptation.passes}
+            self.row |= {"adapt_s": adaptation.seconds, "adapt_passes": adaptation.passes,
+                         "adapt_partial": adaptation.partial_passes}  # fmt: skip
         for _ in range(WARMUP - 2):
             step()
         last = time.perf_counter()

@@ -214,6 +214,7 @@ class Controller:
             estimates[-1], passes=sum(e.passes for e in estimates), seconds=seconds, step_seconds=step_seconds,
             share=cost.share(seconds, step_seconds, interval), interval=interval,
             passes_by_part=cost.summed([e.passes_by_part for e in estimates]),
+            partial_passes=sum(e.partial_passes for e in estimates),
         )  # fmt: skip
         self._clock.resume()
         cost.announce(a, interval, self._clock.first_only)  # logged; a warning where it took long
@@ -256,6 +257,7 @@ class Controller:
             feasible=allocation.feasible,
             stable=stable(allocation.variance, allocation.kept_variance),
             passes_by_part=estimate.parts,
+            partial_passes=estimate.partial,
         )
         return self.last_adaptation
 

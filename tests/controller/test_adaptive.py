@@ -376,7 +376,11 @@ def test_an_adaptation_says_where_its_passes_went(monkeypatch):
     assert parts["linear inputs together"][0] >= 2 and parts["against the base"][0] >= 1
     assert parts["curve widths"][0] == 4  # its two LayerNorm inputs, at two widths each
     assert all(p >= 1 for m, p in parts.values())
-    assert f"{first.passes} forward+backward passes (1 discovery, 1 base, " in controller.report()
+    assert f"{first.passes} passes of the closure (1 discovery, 1 base, " in controller.report()
+    # its exact estimate's probe passes ran from the probed nodes down (replayed.PARTIAL); the discovering, base and
+    # paired estimate's passes whole
+    assert 0 < first.partial_passes < first.passes
+    assert f", {first.partial_passes} of them from the probed nodes down" in controller.report()
     with controller:
         later = controller.adapt(lambda: run().backward())
     assert sum(p for _, p in later.passes_by_part.values()) == later.passes

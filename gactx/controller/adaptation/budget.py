@@ -43,7 +43,7 @@ class Adaptation:
     """What the last adaptation measured, chose and cost."""
 
     step: int
-    passes: int  # forward+backward passes of the user's closure
+    passes: int  # passes of the user's closure (a forward and a backward, or its backward replayed: replayed.py)
     seconds: float  # wall time of the estimator and the allocator
     budget_bytes: int  # bytes allowed for the compressed tensors (kept tensors already subtracted)
     allocated_bytes: int
@@ -56,6 +56,7 @@ class Adaptation:
     # Where the passes went: part -> (measurements, passes), GACT's estimator's (Estimate.parts), summed over the
     # adaptation's estimates; empty where no pass ran.
     passes_by_part: dict = field(default_factory=dict)
+    partial_passes: int = 0  # of the passes, those that ran backward from the probed nodes down (replayed.PARTIAL)
 
 
 def default_width(average_bits: float) -> int:

@@ -118,8 +118,9 @@ def report_line(adaptation, config) -> str:
              else f"{config.bits:g} bits an element of what plain PyTorch saves, each storage once, and the groups' "
              "metadata")  # fmt: skip
     return (
-        f"last adaptation at step {a.step}: {a.passes} forward+backward passes"
+        f"last adaptation at step {a.step}: {a.passes} passes of the closure"
         + (f" ({parts_text(a.passes_by_part)})" if a.passes_by_part else "")
+        + (f", {a.partial_passes} of them from the probed nodes down" if a.partial_passes else "")
         + f", {a.seconds:.2f} s{share}; "
         f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
         + ("" if a.feasible else " (budget not met: narrowest widths)")

@@ -225,6 +225,7 @@ class Passes:
         self.difference: Callable[[dict], list | None] | None = None
         # told the slots the next passes probe, in order, where difference reads what it needs by windows
         self.expect: Callable[[list], None] | None = None
+        self.partial = 0  # the passes difference ran from the probed nodes down
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
 
     def spent(self, part: str, measurements: int, passes: int) -> None:
@@ -257,6 +258,7 @@ class Passes:
         if self.difference is not None:
             difference = self.difference(probes)
             if difference is not None:
+                self.partial += 1
                 return squares(difference)
         self.set_probe(probes)
         return parts(self._gradient(), self.base)

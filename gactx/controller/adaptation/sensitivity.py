@@ -97,6 +97,7 @@ class Estimate:
     parts: dict = field(default_factory=dict)  # where the passes went: part -> (measurements, passes) (PARTS)
     # the first pass's squared distance from the exact base over what the estimate predicts for it (_unexplained)
     unexplained: float | None = None
+    partial: int = 0  # of the passes, those that ran backward from the probed nodes down (replayed.PARTIAL)
 
 
 class ModelSnapshot:
@@ -319,7 +320,7 @@ def estimate_sensitivities(
         shape = (lambda s: curves.get(s) or shape_of(s)) if shape_of is not None else curves.get
         unexplained = _unexplained(first[0], capped, shape, noise_of)
     return Estimate(capped, passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
-                    parts=passes.parts, unexplained=unexplained)  # fmt: skip
+                    parts=passes.parts, unexplained=unexplained, partial=passes.partial)  # fmt: skip
 
 
 def _unexplained(measured: float, sensitivity: dict, shape_of, noise_of) -> float:
