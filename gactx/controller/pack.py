@@ -62,6 +62,15 @@ logger = logging.getLogger(__name__)
 MAX_REPLAYS = 16384  # saves kept to be replayed (one a key): a few passes of a large model
 
 
+class _Waiting:
+    """A deferred save of a watched pass waiting for its op (``watch.py`` reads the tensor as ``stored``)."""
+
+    __slots__ = ("stored", "deferred")
+
+    def __init__(self, stored: torch.Tensor, deferred: Deferred) -> None:
+        self.stored, self.deferred = stored, deferred
+
+
 class PackPath:
     """Packs the saved tensors of the passes of one model (see the module docstring).
 
@@ -227,6 +236,10 @@ class PackPath:
             # Compressed at the next op's dispatch, where no mode is active: compressing here would send each
             # of the compression's own ops through the watcher. A result save knows its op already; an input
             # save learns it then.
+            if self._plan.deferred and t.dtype != torch.bool:  # kept for each backward's probe, its op learned too
+                deferred = Deferred(t, key, self._target(slot), self, None, ptr, None)
+                self.watcher.pending.append((_Waiting(t, deferred), self.watcher.result_site(t)))
+                return deferred
             handle = Packed(t, key, t, cfg.backend, ptr)
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
             return handle
@@ -234,6 +247,19 @@ class PackPath:
             return self._finish(t, key, slot, ptr, None, BOOL_MASK)
         site, rule, learned = self._recall(t, key, slot)
         return self._finish(t, key, slot, ptr, site, rule, replay=learned)
+
+    def _learn(self, t: torch.Tensor, slot: Slot, site, rule: Rule, learn) -> None:
+        """What a save's op tells the path: its slot's site and rule where they were ``learn``-ed now, and a result's
+        node claimed."""
+        if learn is not None:
+            self.sites[slot] = learned = (learn[0], learn[1], _signature(t), rule)
+            self._calls.setdefault(slot[:2], {})[slot.index] = learned
+        if site is not None and site.result and t.grad_fn is not None:
+            self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
+
+    def _target(self, slot: Slot) -> Slot:
+        """The slot whose probe a deferred save of ``slot`` follows: the first save of what it stores (sharers)."""
+        return next((first for first, later in self.sharers.items() if slot in later), slot)
 
     def _replayed(self, replay: Replay, t: torch.Tensor, key: Key, ptr: int, stats: PassStats) -> Packed:
         """The save of ``key`` done again (``replay.py``), and what the whole path does after storing it: a result's
@@ -292,6 +318,14 @@ class PackPath:
 
     def _resolve(self, handle: Packed, site: Site, origin: str | None) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
+        if isinstance(handle, _Waiting):  # a deferred save: its op learned, nothing stored
+            deferred, key = handle.deferred, handle.deferred.packed.key
+            rule = _rule(site, origin)
+            self._learn(handle.stored, key.slot, site, rule, (site, origin))
+            deferred.site = site
+            if deferred.target != key.slot:  # a later save of what another slot stores (Deferred.rule)
+                deferred.rule = rule
+            return
         t = handle.stored
         ptr = storage_ptr(t) or 0
         if self.config.dedupe and self.stats.holds(ptr):
@@ -315,14 +349,9 @@ class PackPath:
         the rule was learned for the slot in an unwatched pass, and the save may be kept for the next pass to replay
         (``replay.py``)."""
         cfg = self.config
-        if learn is not None:
-            self.sites[slot] = learned = (learn[0], learn[1], _signature(t), rule)
-            self._calls.setdefault(slot[:2], {})[slot.index] = learned
-        if site is not None and site.result and t.grad_fn is not None:
-            self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
+        self._learn(t, slot, site, rule, learn)
         if self._plan.deferred and rule.cls in ALLOCATED and handle is None:  # kept for each backward's probe
-            target = next((first for first, later in self.sharers.items() if slot in later), slot)
-            return Deferred(t, key, target, self, site, ptr, rule)
+            return Deferred(t, key, self._target(slot), self, site, ptr, rule)
         number = self.key_ids.setdefault(key, len(self.key_ids))
         decision = decide(t, rule, self._plan, slot, cfg, number)
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor

@@ -201,3 +201,30 @@ def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
         results.append((dict(controller.sensitivity), dict(controller.allocation)))
     assert results[1][1] == results[0][1] and results[1][0] == pytest.approx(results[0][0], rel=1e-4)
     assert reads and max(held) <= 2 and len(reads) < sum(1 for _ in results[0][0])
+
+
+def test_a_deferring_forward_that_learns_its_ops_defers_every_save(monkeypatch):
+    """An adaptation of a model switched to eval mode after training (as ``benchmarks.adaptation`` adapts the trained
+    digits CNN): its first pass meets ops the path has not learned (BatchNorm on running statistics, no dropout), so
+    the forward its probes replay is a watched one (each save's op learned at the next op's dispatch). Its saves are
+    deferred all the same: the sensitivities of running the closure every pass, none lost to a save the replays could
+    not probe (all were 0 before)."""
+    (x, y), _ = digits_data()
+    results = []
+    for replay in (False, True):
+        monkeypatch.setattr(replayed, "REPLAY", replay)
+        torch.manual_seed(0)
+        model = digits_cnn()
+        with gactx.Controller(model, level="L2.2") as controller:
+            F.cross_entropy(model(x[:64]), y[:64]).backward()
+            controller.adapt(lambda model=model: F.cross_entropy(model(x[:16]), y[:16]).backward())
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x[:64]), y[:64]).backward()
+            model.eval()
+            later = controller.adapt(lambda model=model: F.cross_entropy(model(x[:16]), y[:16]).backward())
+        results.append((dict(controller.sensitivity), dict(controller.allocation), later))
+    (whole, whole_bits, _), (replays, replay_bits, later) = results
+    assert sum(1 for c in whole.values() if c > 0) >= 3
+    assert replay_bits == whole_bits and replays == pytest.approx(whole, rel=1e-5)
+    assert later.partial_passes > 0
