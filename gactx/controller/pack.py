@@ -34,7 +34,7 @@ from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
 from gactx.controller.policy import KEEP_PARAMETER, ModelStorages, keep_reason, storage_ptr
-from gactx.controller.probes import Deferred
+from gactx.controller.probes import Deferred, Waiting
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
@@ -60,15 +60,6 @@ __all__ = ["MAX_REPLAYS", "PackPath"]
 
 logger = logging.getLogger(__name__)
 MAX_REPLAYS = 16384  # saves kept to be replayed (one a key): a few passes of a large model
-
-
-class _Waiting:
-    """A deferred save of a watched pass waiting for its op (``watch.py`` reads the tensor as ``stored``)."""
-
-    __slots__ = ("stored", "deferred")
-
-    def __init__(self, stored: torch.Tensor, deferred: Deferred) -> None:
-        self.stored, self.deferred = stored, deferred
 
 
 class PackPath:
@@ -238,7 +229,7 @@ class PackPath:
             # save learns it then.
             if self._plan.deferred and t.dtype != torch.bool:  # kept for each backward's probe, its op learned too
                 deferred = Deferred(t, key, self._target(slot), self, None, ptr, None)
-                self.watcher.pending.append((_Waiting(t, deferred), self.watcher.result_site(t)))
+                self.watcher.pending.append((Waiting(t, deferred), self.watcher.result_site(t)))
                 return deferred
             handle = Packed(t, key, t, cfg.backend, ptr)
             self.watcher.pending.append((handle, self.watcher.result_site(t)))
@@ -318,7 +309,7 @@ class PackPath:
 
     def _resolve(self, handle: Packed, site: Site, origin: str | None) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
-        if isinstance(handle, _Waiting):  # a deferred save: its op learned, nothing stored
+        if isinstance(handle, Waiting):  # a deferred save: its op learned, nothing stored
             deferred, key = handle.deferred, handle.deferred.packed.key
             rule = _rule(site, origin)
             self._learn(handle.stored, key.slot, site, rule, (site, origin))

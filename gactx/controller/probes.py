@@ -19,7 +19,7 @@ from gactx.controller.identity import Key, Slot, in_backward
 from gactx.controller.rules import LINEAR, Rule
 from gactx.controller.store import Kept, Packed, encode
 
-__all__ = ["Deferred"]
+__all__ = ["Deferred", "Waiting"]
 
 
 class Deferred(Kept):
@@ -55,3 +55,13 @@ class Deferred(Kept):
         )  # fmt: skip
         out, self.packed.stored = self.packed.unpack(), None  # the codes live only while this backward reads them
         return out
+
+
+class Waiting:
+    """A deferred save of a watched pass, waiting for its op (``watch.py`` reads the tensor as ``stored``; the pack path
+    learns the op's site and rule into the :class:`Deferred` it returned for the save)."""
+
+    __slots__ = ("stored", "deferred")
+
+    def __init__(self, stored: torch.Tensor, deferred: Deferred) -> None:
+        self.stored, self.deferred = stored, deferred
