@@ -252,7 +252,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     bench = Bench("estimators", __doc__, quick="two tiny models")
     parser = bench.parser
     parser.add_argument("--size", default="small", help="workloads' size (small or tiny)")
-    parser.add_argument("--repeats", type=int, default=7, help="ordinary and collecting steps timed, each")
+    parser.add_argument("--repeats", type=int, default=15, help="ordinary and collecting steps timed, each")
     args = bench.parse(argv)
     torch.set_num_threads(2)
     env = bench.environment("cpu", sizes=f"zoo scale 1, workloads {args.size}", load=_load())
