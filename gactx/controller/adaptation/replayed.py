@@ -28,12 +28,14 @@ the whole backward, as does a probe of a save that a recomputation inside backwa
 read by a node that is not a C++ node, that ran more than once in a backward, or whose call outside the engine does not
 give what the engine's call gave (checked once a node). So does a closure whose gradients pass through hooks that are
 not linear in the gradient (clipping in a tensor hook): the difference of two clipped gradients is not the clipped
-difference.
+difference. A pass from the nodes that raises (a device or a kind of node no check here foresaw) is logged at INFO, and
+whole replays measure the rest of the estimate.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -43,6 +45,8 @@ from torch.autograd.graph import GradientEdge
 from gactx.controller.identity import in_backward
 
 __all__ = ["PARTIAL", "REPLAY", "WINDOW", "Replayed"]
+
+logger = logging.getLogger(__name__)
 
 # Replay the closure's backward for each pass of an estimate against the exact base; False: run the closure whole.
 REPLAY = True
@@ -73,6 +77,7 @@ class Replayed:
         self._checked: dict = {}  # node -> whether a call outside the engine gives what the engine's did (_same)
         self._bad: set = set()  # nodes not given one gradient in a backward: never, or more than once
         self._upcoming: list = []  # the slots the estimate probes next, in order (expect)
+        self._failed = False  # a pass from the nodes raised: whole replays for the rest of the estimate
 
     def __call__(self) -> None:
         if self.calls is None:
@@ -98,9 +103,22 @@ class Replayed:
         """The gradient of each of ``params`` (the estimate's layout) under ``probes`` less the base's, from the nodes
         that read the probed slots (module docstring; ``None`` where no probed noise reaches it), the probes left in
         force as a pass leaves them; ``None`` where such a pass cannot measure them (then a whole replay does)."""
-        if not PARTIAL or not self.calls:
+        if not PARTIAL or not self.calls or self._failed:
             return None
         self._upcoming = [slot for slot in self._upcoming if slot not in probes]  # probed now, not next
+        try:
+            return self._difference(probes, set_probe, params)
+        except (RuntimeError, TypeError) as e:
+            # A node that cannot be called outside the engine in a way no check here foresaw (a device or a kind of
+            # node not met): the whole replay stands for every later pass, and raises what is the model's.
+            self._failed = True
+            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
+            return None
+
+    def _difference(
+        self, probes: dict, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None] | None:
+        """:meth:`difference`, where it may run."""
         nodes = self._needed(probes)
         if nodes is None:
             return None

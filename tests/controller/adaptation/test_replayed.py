@@ -228,3 +228,21 @@ def test_a_deferring_forward_that_learns_its_ops_defers_every_save(monkeypatch):
     assert sum(1 for c in whole.values() if c > 0) >= 3
     assert replay_bits == whole_bits and replays == pytest.approx(whole, rel=1e-5)
     assert later.partial_passes > 0
+
+
+def test_a_pass_from_the_nodes_that_fails_leaves_whole_replays(monkeypatch, caplog):
+    """A node that cannot be called outside the engine in a way no check foresaw (here: every call raises) costs the
+    estimate its partial passes, not its result: whole replays from then on, the sensitivities of PARTIAL off to the
+    last bit, and an INFO line that says so."""
+    whole = _adapt(True, monkeypatch)
+
+    def broken(self, node):
+        raise RuntimeError("a node this device cannot call")
+
+    monkeypatch.setattr(replayed.Replayed, "_call", broken)
+    counts = _spied(monkeypatch)
+    with caplog.at_level("INFO", logger=replayed.__name__):
+        failing = _adapt(True, monkeypatch, partial=True)
+    assert failing[0] == whole[0] and failing[1] == whole[1] and failing[2] == whole[2]
+    assert counts["from the nodes"] == 0 and counts["whole"] > 0
+    assert "failed (a node this device cannot call); whole replays from here on" in caplog.text
