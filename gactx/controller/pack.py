@@ -340,7 +340,8 @@ class PackPath:
         the rule was learned for the slot in an unwatched pass, and the save may be kept for the next pass to replay
         (``replay.py``)."""
         cfg = self.config
-        self._learn(t, slot, site, rule, learn)
+        if learn is not None or site is not None and site.result:  # most saves: an input's, its op recalled
+            self._learn(t, slot, site, rule, learn)
         if self._plan.deferred and rule.cls in ALLOCATED and handle is None:  # kept for each backward's probe
             return Deferred(t, key, self._target(slot), self, site, ptr, rule)
         number = self.key_ids.setdefault(key, len(self.key_ids))
