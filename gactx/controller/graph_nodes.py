@@ -14,7 +14,7 @@ import re
 
 import torch
 
-__all__ = ["PASS_THROUGH", "hoist", "module_name", "modules_of", "op_name", "sink", "source"]
+__all__ = ["PASS_THROUGH", "constant_nodes", "hoist", "module_name", "modules_of", "op_name", "sink", "source"]
 
 
 def op_name(node) -> str:
@@ -85,15 +85,21 @@ def hoist(fw_graph, start: int) -> None:
 
 
 def sink(bw_graph, name: str) -> None:
-    """Move the nodes that decode save ``name`` (those computed from its ``{name}_hook_*`` inputs alone) to
-    right before the first node that uses what they decode."""
+    """Move the nodes that decode save ``name`` (those computed from its ``{name}_hook_*`` inputs alone, and from
+    constants, such as the shifts a decoding makes with ``arange``, which stay where they are) to right before the
+    first node that uses what they decode."""
     prefix = f"{name}_hook_"
     nodes = list(bw_graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     block: set = {n for n in nodes if n.op == "placeholder" and (n.name.startswith(prefix) or n.name == name)}
     inputs = set(block)
+    constants = constant_nodes(nodes)
     for n in nodes:
-        if n.op not in ("placeholder", "output") and n.all_input_nodes and all(a in block for a in n.all_input_nodes):
+        if (
+            n.op not in ("placeholder", "output")
+            and n not in constants
+            and all(a in block or a in constants for a in n.all_input_nodes)
+        ):
             block.add(n)
     block -= inputs
     users = [u for n in block for u in n.users if u not in block]
@@ -102,3 +108,13 @@ def sink(bw_graph, name: str) -> None:
     first = min(users, key=order.__getitem__)
     for n in sorted(block, key=order.__getitem__):
         first.prepend(n)
+
+
+def constant_nodes(nodes) -> set:
+    """The nodes of ``nodes`` (in graph order) computed from no input of the graph: constants a graph makes, such as
+    an ``arange`` and what follows from it alone."""
+    constants: set = set()
+    for n in nodes:
+        if n.op == "call_function" and all(a in constants for a in n.all_input_nodes):
+            constants.add(n)
+    return constants

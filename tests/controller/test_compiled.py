@@ -13,7 +13,7 @@ from torch import nn
 
 import gactx
 from gactx.controller.compiled import HookGraph
-from gactx.controller.graph_nodes import module_name
+from gactx.controller.graph_nodes import constant_nodes, module_name
 from gactx.controller.pack import PackPath
 
 WIDTH = 128
@@ -307,6 +307,47 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
     for d in dequantize[:-1]:  # the last save's stays first: backward uses it first
         user = min(bw.index(u) for v in (d, *d.users) for u in v.users if "gactx" not in str(u.target))
         assert user - bw.index(d) <= 3, "decoded right before its first use"
+
+
+def test_decodings_in_torch_ops_are_moved_whole_to_their_first_use():
+    """With ``backend="torch"`` a save is decoded by traced ops, among them constants made from nothing (the
+    ``arange`` of the planes' shifts) that the decoding's later nodes read: those are moved with the rest of the
+    decoding to right before its first use, not left at the start of the backward graph, where every save would be
+    decoded before backward begins."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm.graph
+            return gm
+
+        return compiler
+
+    model, x = mlp(3), torch.randn(64, WIDTH)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    with gactx.Controller(model, level="L1", backend="torch"):
+        grads(compiled, model, x)
+    bw = list(graphs["bw"].nodes)
+    constants = constant_nodes(bw)
+    saves = sorted({n.name.rsplit("_hook_", 1)[0] for n in bw if n.op == "placeholder" and "_hook_" in n.name})
+    assert len(saves) >= 6
+    decoded = []
+    for name in saves:
+        block = {n for n in bw if n.op == "placeholder" and n.name.startswith(f"{name}_hook_")}
+        for n in bw:
+            made_of = n.all_input_nodes
+            if n.op == "call_function" and n not in constants and all(a in block or a in constants for a in made_of):
+                block.add(n)
+        decoding = sorted(bw.index(n) for n in block if n.op == "call_function")
+        if len(decoding) < 10:  # the ticks' counts, a save kept as it is
+            continue
+        first_use = min(bw.index(u) for n in block for u in n.users if u not in block)
+        decoded.append((decoding[0], first_use == decoding[-1] + 1 and decoding[-1] - decoding[0] < 100, name))
+    # the last save's decoding stays first (backward uses it first); every other one ends right before its first use
+    decoded.sort()
+    assert len(decoded) >= 6 and all(right for _, right, _ in decoded[1:]), decoded
 
 
 class RMSNorm(nn.Module):

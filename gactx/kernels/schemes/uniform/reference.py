@@ -91,7 +91,7 @@ def torch_dequantize(
     wide = (base < -1) & (levels * step > FLT_MAX)  # see the module docstring
     half, twice = torch.where(wide, 0.5, 1.0), torch.where(wide, 2.0, 1.0)
     step, base = step * half, base * half
-    centre = torch.where(special, (levels - 1) // 2, 0)
+    centre = torch.where(special, (levels - 1) // 2, 0).to(torch.int32)  # q's type: no int64 arithmetic
     out_max = torch.finfo(dtype).max  # the output's largest finite value: finite values saturate there
     top = torch.where(special, lo, ((levels * step + base) * twice).clamp(-out_max, out_max))
     value = (((q - centre).float() * step + base) * twice).clamp(-out_max, out_max)
