@@ -293,8 +293,7 @@ class CompiledPath:
         if t.dtype == torch.bool:
             return (CPP_BOOL, ops.pack_bool_saved(t, token), shape)
         salt = _salt(cfg.seed, salted)
-        stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token,
-                                    *cpu.step_factors(save.bits))  # fmt: skip
+        stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token)
         return (CPP, stored, save.bits, cfg.group_size, shape, FLOAT_DTYPES.index(t.dtype))
 
     def unpack(self, packed):
@@ -313,7 +312,7 @@ class CompiledPath:
             return torch.ops.gactx_cpu.unpack_bool_saved(data, shape)
         if tag == CPP:
             _, stored, bits, group_size, shape, dtype = packed
-            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, FLOAT_DTYPES[dtype])
+            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, dtype)  # FLOAT_DTYPES[dtype]
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:

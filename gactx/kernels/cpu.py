@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from gactx.kernels.format import expected_nbytes
+from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.schemes.normal.format import SHAPES
 from gactx.kernels.schemes.normal.format import factors as _normal_factors
 from gactx.kernels.schemes.uniform.format import step_factor
@@ -90,12 +90,15 @@ def _register_fakes() -> None:
     def stored(t, nbytes):
         return t.new_empty(nbytes, dtype=torch.uint8)
 
-    def quantize_saved(t, bits, group, stochastic, salt, token, factor, factor_special):
+    def quantize_saved(t, bits, group, stochastic, salt, token):
         return stored(t, expected_nbytes(t.numel(), t.dtype, bits, group))  # codes, then each group's (lo, step)
+
+    def dequantize_saved(buffer, bits, group, shape, dtype):  # dtype: its index in FLOAT_DTYPES
+        return buffer.new_empty(shape, dtype=FLOAT_DTYPES[dtype])
 
     fakes = {
         "quantize_saved": quantize_saved,
-        "dequantize_saved": lambda stored, bits, group, shape, dtype: stored.new_empty(shape, dtype=dtype),
+        "dequantize_saved": dequantize_saved,
         "pack_bool_saved": lambda t, token: stored(t, expected_nbytes(t.numel(), torch.bool, 1)),
         "unpack_bool_saved": lambda packed, shape: packed.new_empty(shape, dtype=torch.bool),
         "keep_saved": lambda t, token: stored(t, 1),

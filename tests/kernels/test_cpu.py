@@ -464,3 +464,21 @@ def test_bound_encoders_store_what_the_kernels_api_stores(dtype):
         coded = bound_encode_bins(t, edges, 4, points)(t, 0)
         assert torch.equal(bound_decode_codes(coded)(coded), decode_codes(encode_bins(t, edges, 4, points)))
         assert torch.equal(coded.codes, encode_bins(t, edges, 4, points).codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_compiled_graphs_ops_store_and_decode_what_the_kernels_do(dtype, bits):
+    """``gactx_cpu::quantize_saved`` (its step factors derived from ``bits`` in C++) stores the kernel's codes then its
+    ``(lo, step)`` in one buffer, and ``dequantize_saved`` (the dtype by its index in ``FLOAT_DTYPES``) decodes them
+    in the saved shape to the kernel's values."""
+    from gactx.kernels.format import FLOAT_DTYPES
+
+    x = torch.cat([special_input(900, dtype, 5, 3.0, [float("nan"), float("inf")], every=61), extreme_input(dtype)])
+    x = x[: x.numel() // 5 * 5].view(-1, 5)
+    codes, meta = cpu.quantize(x.reshape(-1), bits, 32, False, 0)
+    stored = torch.ops.gactx_cpu.quantize_saved(x, bits, 32, False, 0, -1)  # token -1: nothing logged
+    assert torch.equal(stored, torch.cat([codes, meta.view(torch.uint8).reshape(-1)]))
+    decoded = torch.ops.gactx_cpu.dequantize_saved(stored, bits, 32, list(x.shape), FLOAT_DTYPES.index(dtype))
+    assert decoded.shape == x.shape and decoded.dtype == dtype
+    assert same_values(decoded, cpu.dequantize(codes, meta, bits, 32, x.shape, dtype))

@@ -71,11 +71,22 @@ int64_t next_seed(int64_t salt) {  // as schemes/uniform/traced.py's draws: ((dr
 
 int64_t code_bytes(int64_t n, int64_t bits, int64_t group) { return (n + group - 1) / group * group * bits / 8; }
 
+// format.py's step_factor: (1 + 2**-20) / intervals in double, rounded to float32 (0 for no interval).
+double step_factor(int64_t intervals) {
+  return intervals ? double(float((1.0 + std::ldexp(1.0, -20)) / double(intervals))) : 0.0;
+}
+
+// format.py's FLOAT_DTYPES, in order: what dequantize_saved's ``dtype`` indexes (an int is parsed faster than a dtype).
+constexpr at::ScalarType kFloatDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16};
+
 }  // namespace
 
-// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group.
+// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group. The
+// step factors follow from ``bits`` (cpu.py's step_factors): each argument costs a graph's Python wrapper its parsing.
 at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool stochastic, int64_t salt,
-                          int64_t token, double factor, double factor_special) {
+                          int64_t token) {
+  const int64_t levels = (int64_t(1) << bits) - 1;
+  const double factor = step_factor(levels), factor_special = step_factor(levels - 1);
   const at::Tensor x = t.is_contiguous() ? t : t.contiguous();  // the kernel reads the elements in order, any shape
   const int64_t n = x.numel(), groups = (n + group - 1) / group, codes = code_bytes(n, bits, group);
   at::Tensor out = logged_buffer(t, token, codes + groups * 8);
@@ -88,9 +99,9 @@ at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool
 // Decoded in the saved tensor's shape: a graph's code then needs no view of the result (a call of its own).
 // (SymInt[]: what a graph with dynamic shapes passes; Inductor's C++ wrapper boxes it as a list of SymInts.)
 at::Tensor dequantize_saved(const at::Tensor& stored, int64_t bits, int64_t group, c10::SymIntArrayRef shape,
-                            at::ScalarType dtype) {
-  TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
-  at::Tensor out = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype));
+                            int64_t dtype) {
+  TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte && dtype >= 0 && dtype < 3);
+  at::Tensor out = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(kFloatDtypes[dtype]));
   const uint8_t* data = stored.data_ptr<uint8_t>();
   dequantize_into(data, reinterpret_cast<const float*>(data + code_bytes(out.numel(), bits, group)), out, bits, group);
   return out;
@@ -123,9 +134,8 @@ std::vector<int64_t> drain_log() {
 
 TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
-  m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token, float factor, "
-        "float factor_special) -> Tensor", flexible);
-  m.def("dequantize_saved(Tensor stored, int bits, int group, SymInt[] shape, ScalarType dtype) -> Tensor");
+  m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token) -> Tensor", flexible);
+  m.def("dequantize_saved(Tensor stored, int bits, int group, SymInt[] shape, int dtype) -> Tensor");
   m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("unpack_bool_saved(Tensor packed, SymInt[] shape) -> Tensor");
   m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
