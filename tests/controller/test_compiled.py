@@ -274,7 +274,9 @@ def test_module_names(path, name):
     assert module_name(path) == name
 
 
-def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
+def _traced_graphs(**options) -> tuple[list, list]:
+    """The nodes of the forward and backward graphs AOTAutograd hands its compilers for a 3-block MLP under a controller
+    of ``options``, after one step."""
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = {}
@@ -288,9 +290,13 @@ def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
 
     model, x = mlp(3), torch.randn(64, WIDTH)
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
-    with gactx.Controller(model, level="L1.1"):
+    with gactx.Controller(model, **options):
         grads(compiled, model, x)
-    fw, bw = list(graphs["fw"].nodes), list(graphs["bw"].nodes)
+    return list(graphs["fw"].nodes), list(graphs["bw"].nodes)
+
+
+def test_pack_nodes_follow_what_they_read_and_unpack_nodes_precede_their_use():
+    fw, bw = _traced_graphs(level="L1.1")
     quantize = [n for n in fw if n.target is torch.ops.gactx_cpu.quantize_saved.default]  # CPU tensors: the C++ ops
     assert len(quantize) >= 6
     for q in quantize:
@@ -314,22 +320,7 @@ def test_decodings_in_torch_ops_are_moved_whole_to_their_first_use():
     ``arange`` of the planes' shifts) that the decoding's later nodes read: those are moved with the rest of the
     decoding to right before its first use, not left at the start of the backward graph, where every save would be
     decoded before backward begins."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = {}
-
-    def keep(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind] = gm.graph
-            return gm
-
-        return compiler
-
-    model, x = mlp(3), torch.randn(64, WIDTH)
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
-    with gactx.Controller(model, level="L1", backend="torch"):
-        grads(compiled, model, x)
-    bw = list(graphs["bw"].nodes)
+    _, bw = _traced_graphs(level="L1", backend="torch")
     constants = constant_nodes(bw)
     saves = sorted({n.name.rsplit("_hook_", 1)[0] for n in bw if n.op == "placeholder" and "_hook_" in n.name})
     assert len(saves) >= 6
