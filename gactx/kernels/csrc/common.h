@@ -26,6 +26,7 @@ namespace gactx {
 constexpr float kFltMax = 3.4028234663852886e38f;
 constexpr float kMinStep = 1.1754943508222875e-38f;  // 2**-126
 constexpr int64_t kGrainBytes = 1 << 16;              // work a task at least: about 64 KiB of input
+constexpr int64_t kMaxGroup = 4096;                   // format.py's largest group size
 
 // A float64 sum of many terms in kLanes independent lanes (term k in lane k % kLanes), added pairwise at the end: one
 // chain of dependent additions costs an addition's latency a term, and the lanes vectorize.

@@ -35,12 +35,12 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
   const uint32_t k0 = uint32_t(uint64_t(seed)), k1 = uint32_t(uint64_t(seed) >> 32);
   const float top = float(L + 1);
   at::parallel_for(0, groups, grain(G * int64_t(sizeof(T))), [&](int64_t g0, int64_t g1) {
-    std::vector<float> v(G);
-    std::vector<uint8_t> q(G);
+    alignas(64) float v[kMaxGroup];  // a group's values and codes: on the stack, no allocation a call
+    alignas(64) uint8_t q[kMaxGroup];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t start = g * G, m = std::min(G, n - start);
       const T* xg = x + start;
-      const GroupRange r = read_group(xg, m, v.data());
+      const GroupRange r = read_group(xg, m, v);
       const Grid grid = group_grid(r, L, factor, factor_special);
       const float step = grid.step, scale = grid.scale, inv = grid.inv, origin = grid.origin, shift = grid.shift;
       meta[2 * g] = r.special() ? r.kind() : r.fmin;
@@ -61,10 +61,10 @@ void quantize_impl(const T* x, int64_t n, uint8_t* codes, float* meta, int bits,
       for (int64_t k = m; k < G; ++k) q[k] = 0;
       uint8_t* out = codes + g * W;
       switch (bits) {
-        case 1: pack_planes<1>(q.data(), out, W); break;
-        case 2: pack_planes<2>(q.data(), out, W); break;
-        case 4: pack_planes<4>(q.data(), out, W); break;
-        default: pack_planes<8>(q.data(), out, W); break;
+        case 1: pack_planes<1>(q, out, W); break;
+        case 2: pack_planes<2>(q, out, W); break;
+        case 4: pack_planes<4>(q, out, W); break;
+        default: pack_planes<8>(q, out, W); break;
       }
     }
   });
@@ -170,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t 
 void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bits, int64_t group, bool stochastic,
                    int64_t seed, double factor, double factor_special) {
   const int64_t n = x.numel();
+  TORCH_CHECK(group >= 1 && group <= kMaxGroup, "gactx quantize: group size ", group, " is not in 1..", kMaxGroup);
   if (!n) return;
   GACTX_DISPATCH(x.scalar_type(), quantize_impl<scalar>(x.data_ptr<scalar>(), n, codes, meta, int(bits), group,
                  stochastic, seed, float(factor), float(factor_special)));
