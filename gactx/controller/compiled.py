@@ -311,8 +311,8 @@ class CompiledPath:
             _, data, shape = packed
             return torch.ops.gactx_cpu.unpack_bool_saved(data, shape)
         if tag == CPP:
-            _, stored, bits, group_size, shape, dtype = packed
-            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, dtype)  # FLOAT_DTYPES[dtype]
+            _, stored, bits, group_size, shape, dtype = packed  # dtype: an index of FLOAT_DTYPES, as the op takes it
+            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, dtype)
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:
