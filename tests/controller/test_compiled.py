@@ -15,6 +15,7 @@ import gactx
 from gactx.controller.compiled import HookGraph
 from gactx.controller.graph_nodes import constant_nodes, module_name
 from gactx.controller.pack import PackPath
+from gactx.kernels import cpu
 
 WIDTH = 128
 
@@ -145,6 +146,27 @@ def test_deterministic_bytes_are_the_eager_quantizers():
     full = grads(model, model, x)[WIDTH * WIDTH :]
     assert not torch.equal(eager, full), "the inputs were quantized"
     torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # Inductor's C++ wrapper compiles each graph with the C++ compiler: about 30 s here
+@pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
+def test_inductors_cpp_wrapper_calls_the_ops_from_its_own_code():
+    """``torch.compile(model, options={"cpp_wrapper": True})``: the graph's C++ code calls gactx's ops (their schemas
+    as C++ boxes them: ints, a dtype's index, a shape's SymInts), static shapes and then dynamic ones (a second batch
+    size), with the records at the shapes that ran and the gradients as close as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.2), nn.Linear(WIDTH, 8)).eval()
+    compiled = torch.compile(model, options={"cpp_wrapper": True})
+    controller = gactx.Controller(model, level="L1", stochastic=False)
+    for batch in (32, 48):  # the second: recompiled with a dynamic batch (a size guard failed)
+        x = torch.randn(batch, WIDTH)
+        full = grads(model, model, x)
+        with controller:
+            eager, comp = grads(model, model, x), grads(compiled, model, x)
+            records = [r for r in controller.records if r.compressed]
+            assert torch.equal(grads(compiled, model, x), comp), "deterministic rounding: the same codes each step"
+        assert len(records) == 3 and all(r.key.shape[0] == batch for r in records)
+        assert F.cosine_similarity(comp, full, 0) > F.cosine_similarity(eager, full, 0) - 0.001 > 0.99
 
 
 def test_noise_is_new_every_step_without_recompiling():
