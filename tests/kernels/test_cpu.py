@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import gactx
 from gactx.kernels import cpu
 from gactx.kernels.codes import decode_codes, encode_bins
+from gactx.kernels.format import FLOAT_DTYPES
 from gactx.kernels.schemes.normal import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 from tests.helpers import assert_unbiased_at_the_edges, extreme_input, group_steps, same_values, special_input
@@ -472,8 +473,6 @@ def test_compiled_graphs_ops_store_and_decode_what_the_kernels_do(dtype, bits):
     """``gactx_cpu::quantize_saved`` (its step factors derived from ``bits`` in C++) stores the kernel's codes then its
     ``(lo, step)`` in one buffer, and ``dequantize_saved`` (the dtype by its index in ``FLOAT_DTYPES``) decodes them
     in the saved shape to the kernel's values."""
-    from gactx.kernels.format import FLOAT_DTYPES
-
     x = torch.cat([special_input(900, dtype, 5, 3.0, [float("nan"), float("inf")], every=61), extreme_input(dtype)])
     x = x[: x.numel() // 5 * 5].view(-1, 5)
     codes, meta = cpu.quantize(x.reshape(-1), bits, 32, False, 0)
