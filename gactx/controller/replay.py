@@ -5,9 +5,11 @@ key goes the whole path (``pack.py``): the policy, the site learned for its slot
 kernel, the record. Where that save was stored by its rule alone (no scheme the allocation chose, no probe, nothing
 offloaded) and no other save of its storage came first, its key keeps a :class:`Replay`: the rule's encoder with its
 arguments bound (``bound_quantize``, ``bound_encode_bins`` of the kernels), and the record. The next pass's save of
-the same key (slot and shape) with the same dtype, device and ``grad_fn`` node, whose storage no earlier save of the
-pass holds, is encoded, recorded and handed back by :meth:`Replay.pack` without the rest: what the whole path would
-do, in fewer steps.
+the same key (slot and shape) with the same dtype, device and ``grad_fn`` node is encoded, recorded and handed back by
+:meth:`Replay.pack` without the rest: what the whole path would do, in fewer steps. Its storage is new to the pass, or
+an earlier save of the pass holds it in another form (a ReLU's mask of the tensor a convolution then saves as its
+input) and no save of the pass stored this view in this form (the whole path would share that one) or kept it as it
+is (then another view of it costs nothing).
 
 A replayed save registers its handle for later saves of the same tensor (the pack path's dedupe table) only where a
 later save shared what the whole path stored for it: the entry and its weak reference to the storage cost more than
@@ -81,11 +83,11 @@ class Replay:
         """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device."""
         return t.dtype is self.dtype and type(t.grad_fn) is self.node and t.device == self.device
 
-    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan) -> Packed:
-        """Encode ``t`` (its storage at ``ptr``, new to the pass) with the step's seed, record it in ``stats``, and
-        return its handle."""
+    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan, held: bool = False) -> Packed:
+        """Encode ``t`` (its storage at ``ptr``, new to the pass, or ``held`` by an earlier save of it in another form)
+        with the step's seed, record it in ``stats``, and return its handle."""
         stored = self.encode(t, (plan.seed_base + self.weyl) & MASK62)
-        self.record = stats.record_new(t, key, ptr, self.record)
+        self.record = (stats.record_again if held else stats.record_new)(t, key, ptr, self.record)
         return Packed(stored, key, t, self.backend, ptr, self.decode)
 
 

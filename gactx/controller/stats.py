@@ -171,6 +171,24 @@ class PassStats:
         self.packed_bytes += record.packed_bytes
         return record
 
+    def record_again(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
+        """:meth:`record_new` of a compressed save whose storage an earlier save of the pass holds in another form (a
+        ReLU's mask of what a convolution saves as its input): the storage counted once, the bytes of it this save
+        covers that no save covered yet added."""
+        seen = self.live.get(ptr)
+        if seen is None or seen[0]() is None:
+            return self.record_new(t, key, ptr, like)
+        start, end = counted_range(t)
+        self.original_bytes += cover(seen[1], start, end)
+        record = like
+        if like.storage != seen[2] or like.storage_bytes != end - start:
+            record = KeyRecord(key, like.dtype, like.bits, like.original_bytes, like.packed_bytes, end - start, like.op,
+                               like.cls, like.form, like.reason, seen[2])  # fmt: skip
+        self.records.append(record)
+        self.compressed += 1
+        self.packed_bytes += record.packed_bytes
+        return record
+
     def extend(self, t: torch.Tensor, ptr: int) -> None:
         """Another view of a storage this pass keeps as it is (no record of its own): a deduplicated save, and the
         bytes it covers that no saved view covered yet."""

@@ -53,6 +53,54 @@ def test_a_replayed_pass_stores_and_records_what_the_whole_path_did(level):
     assert replayed[2].deduplicated > 0, "the shared input is stored once"
 
 
+class Held(nn.Module):
+    """Saves whose storage an earlier save of the pass holds in another form: an in-place ReLU's mask of what a
+    convolution and a linear layer then save as their inputs, and another linear layer's input, a strided view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.relu = nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True)
+        self.fc, self.fc2 = nn.Linear(8 * 8 * 8, 16), nn.Linear(8 * 8 * 4, 16)
+
+    def forward(self, x):
+        h = self.relu(self.norm(self.conv(x)))
+        h = self.relu(self.conv2(h)).flatten(1)
+        return self.fc(h) * self.fc2(h[:, ::2])
+
+
+@pytest.mark.parametrize("level", ["L1", "L1.1"])
+def test_a_save_of_a_storage_held_in_another_form_is_replayed_as_the_whole_path_stored_it(level, monkeypatch):
+    """A convolution's input that a ReLU saved first as a mask: replayed from the second unwatched pass on, with the
+    gradients, records and memory statistics of the whole path; the storage counted once."""
+    from gactx.controller.pack import PackPath
+
+    torch.manual_seed(0)
+    model, x = Held(), torch.randn(16, 4, 8, 8)
+    whole_path = []
+    finish = PackPath._finish
+
+    def counted(self, t, *args, **kwargs):
+        whole_path.append(t.dtype)
+        return finish(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(PackPath, "_finish", counted)
+    with gactx.Controller(model, level=level):
+        for _ in range(4):
+            whole_path.clear()
+            model(x).sum().backward()
+    assert whole_path == [], "the last pass stored every save by its replay"
+    passes = _passes(model, x, level)
+    whole, replayed = passes[1], passes[3]
+    for g, h in zip(whole[0], replayed[0], strict=True):
+        assert torch.equal(g, h)
+    assert whole[1] == replayed[1]
+    assert whole[2] == replayed[2]
+    inputs = [r for r in replayed[1] if r[5].startswith(("convolution:input", "addmm:mat1")) and r[8]]
+    shared = [r for r in replayed[1] if r[5].startswith("relu") and any(r[8] == i[8] for i in inputs)]
+    assert len(inputs) >= 3 and shared, "the inputs share their storage's number with the ReLU's mask"
+
+
 def test_a_save_whose_dtype_changed_goes_the_whole_path():
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(64, 64)
