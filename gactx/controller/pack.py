@@ -211,13 +211,15 @@ class PackPath:
         if reason is None:
             replay = self.replays.get(key)
             if replay is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
+                # No save of the pass holds its storage yet (most saves), or one holds it in another form (a ReLU's
+                # mask of a convolution's input) and the whole path would neither share what a save of this view
+                # stored in this form nor find the storage kept as is.
                 seen = stats.live.get(ptr)
-                if seen is None or seen[0]() is None:  # no save of the pass holds its storage yet
+                if (
+                    seen is None or seen[0]() is None
+                    or not stats.holds(ptr) and _view(t, key, ptr, replay.form) not in self.dedupe
+                ):  # fmt: skip
                     return self._replayed(replay, t, key, ptr, stats)
-                # An earlier save holds it in another form (a ReLU's mask of a convolution's input): replayed unless the
-                # whole path would share what a save of this view stored in this form, or find the storage kept as is.
-                if not stats.holds(ptr) and _view(t, key, ptr, replay.form) not in self.dedupe:
-                    return self._replayed(replay, t, key, ptr, stats, held=True)
         slot, ptr = key.slot, ptr or 0
         if cfg.dedupe and stats.holds(ptr):
             stats.extend(t, ptr)  # its storage is already kept as is: another view of it costs no copy
@@ -256,16 +258,13 @@ class PackPath:
         """The slot whose probe a deferred save of ``slot`` follows: the first save of what it stores (sharers)."""
         return next((first for first, later in self.sharers.items() if slot in later), slot)
 
-    def _replayed(
-        self, replay: Replay, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, held: bool = False
-    ) -> Packed:
-        """The save of ``key`` done again (``replay.py``; ``held``: an earlier save of the pass holds its storage), and
-        what the whole path does after storing it: a result's node claimed, the handle registered for later saves of
-        the same tensor."""
+    def _replayed(self, replay: Replay, t: torch.Tensor, key: Key, ptr: int, stats: PassStats) -> Packed:
+        """The save of ``key`` done again (``replay.py``), and what the whole path does after storing it: a result's
+        node claimed, the handle registered for later saves of the same tensor."""
         if self.observers and replay.observed:  # as _store calls them, before the encoding
             for observe in self.observers:
                 observe(key, t, replay.decision.rule)
-        handle = replay.pack(t, key, ptr, stats, self._plan, held)
+        handle = replay.pack(t, key, ptr, stats, self._plan)
         if replay.claims:
             self._claimed.add(node_id(t.grad_fn))
         if replay.shared and self.config.dedupe:

@@ -83,11 +83,10 @@ class Replay:
         """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device."""
         return t.dtype is self.dtype and type(t.grad_fn) is self.node and t.device == self.device
 
-    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan, held: bool = False) -> Packed:
-        """Encode ``t`` (its storage at ``ptr``, new to the pass, or ``held`` by an earlier save of it in another form)
-        with the step's seed, record it in ``stats``, and return its handle."""
+    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan) -> Packed:
+        """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle."""
         stored = self.encode(t, (plan.seed_base + self.weyl) & MASK62)
-        self.record = (stats.record_again if held else stats.record_new)(t, key, ptr, self.record)
+        self.record = stats.record_replayed(t, key, ptr, self.record)
         return Packed(stored, key, t, self.backend, ptr, self.decode)
 
 

@@ -151,40 +151,27 @@ class PassStats:
         if not compressed:
             self.held[ptr] = owner
 
-    def record_new(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
-        """:meth:`record` of a compressed save whose storage no save of the pass holds, stored as the save of ``like``
-        was (a replayed save, see ``replay.py``): its record, ``like`` itself where nothing differs."""
-        span = counted_range(t)
-        covered = span[1] - span[0]
-        self.storages += 1
-        number = self.storages
-        self.live[ptr] = (weakref.ref(t if t._base is None else t._base), [span] if covered > 0 else [], number)
-        self.kept_ranges.pop(ptr, None)
+    def record_replayed(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
+        """:meth:`record` of a compressed save stored as the save of ``like`` was (a replayed save, see ``replay.py``):
+        its storage new to the pass, or held by an earlier save of it in another form (a ReLU's mask of what a
+        convolution saves as its input), counted once either way. Its record, ``like`` itself where nothing differs."""
+        start, end = span = counted_range(t)
+        covered = end - start
+        seen = self.live.get(ptr)
+        if seen is None or seen[0]() is None:
+            self.storages += 1
+            number = self.storages
+            self.live[ptr] = (weakref.ref(t if t._base is None else t._base), [span] if covered > 0 else [], number)
+            self.kept_ranges.pop(ptr, None)
+            added = covered
+        else:
+            number, added = seen[2], cover(seen[1], start, end)
         record = like
         if like.storage != number or like.storage_bytes != covered:  # like.key == key: replays are by key
             record = KeyRecord(key, like.dtype, like.bits, like.original_bytes, like.packed_bytes, covered, like.op,
                                like.cls, like.form, like.reason, number)  # fmt: skip
         self.records.append(record)
-        if covered > 0:
-            self.original_bytes += covered
-        self.compressed += 1
-        self.packed_bytes += record.packed_bytes
-        return record
-
-    def record_again(self, t: torch.Tensor, key: Key, ptr: int, like: KeyRecord) -> KeyRecord:
-        """:meth:`record_new` of a compressed save whose storage an earlier save of the pass holds in another form (a
-        ReLU's mask of what a convolution saves as its input): the storage counted once, the bytes of it this save
-        covers that no save covered yet added."""
-        seen = self.live.get(ptr)
-        if seen is None or seen[0]() is None:
-            return self.record_new(t, key, ptr, like)
-        start, end = counted_range(t)
-        self.original_bytes += cover(seen[1], start, end)
-        record = like
-        if like.storage != seen[2] or like.storage_bytes != end - start:
-            record = KeyRecord(key, like.dtype, like.bits, like.original_bytes, like.packed_bytes, end - start, like.op,
-                               like.cls, like.form, like.reason, seen[2])  # fmt: skip
-        self.records.append(record)
+        self.original_bytes += added
         self.compressed += 1
         self.packed_bytes += record.packed_bytes
         return record
