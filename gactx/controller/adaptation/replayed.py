@@ -203,8 +203,8 @@ class Replayed:
 
     def _call(self, node) -> tuple | None:
         """``node`` called on the gradient it is given in the base, each result as the engine hands it to the next
-        node: summed over the dimensions its input was broadcast along in the forward, in the input's dtype; ``None``
-        where a result goes to a nested tensor, or the results are not one an edge."""
+        node: summed over the dimensions its input was broadcast along in the forward, in the input's dtype and on its
+        device; ``None`` where a result goes to a nested tensor, or the results are not one an edge."""
         with torch.no_grad():  # as the engine calls it: its results build no graph of their own
             results = _outputs(node(*self._given[node]))
         if len(results) != len(node.next_functions):
@@ -217,7 +217,7 @@ class Replayed:
                     return None
                 if t.shape != meta.shape:
                     t = t.sum_to_size(meta.shape)
-                t = t.to(meta.dtype)
+                t = t.to(meta.device, meta.dtype)  # a CPU scalar's gradient goes back to the host, as the engine's
             out.append(t)
         return tuple(out)
 

@@ -7,16 +7,20 @@ import torch.nn.functional as F
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
 from gactx.controller.adaptation import replayed
+from tests.conftest import DEVICES
 
 
-def _adapt(replay: bool, monkeypatch, grad_only: bool = False, partial: bool = False) -> tuple[dict, dict, int, int]:
-    """The digits CNN (BatchNorm, dropout) adapted twice at L2.2: its sensitivities, allocation, passes and how many
-    times the closure ran."""
+def _adapt(
+    replay: bool, monkeypatch, grad_only: bool = False, partial: bool = False, device: str = "cpu", level: str = "L2.2"
+) -> tuple[dict, dict, int, int]:
+    """The digits CNN (BatchNorm, dropout) adapted twice at ``level`` on ``device``: its sensitivities, allocation,
+    passes and how many times the closure ran."""
     monkeypatch.setattr(replayed, "REPLAY", replay)
     monkeypatch.setattr(replayed, "PARTIAL", partial)
     (x, y), _ = digits_data()
+    x, y = x.to(device), y.to(device)
     torch.manual_seed(0)
-    model = digits_cnn()
+    model = digits_cnn().to(device)
     runs = 0
 
     def backprop():
@@ -30,7 +34,7 @@ def _adapt(replay: bool, monkeypatch, grad_only: bool = False, partial: bool = F
         else:
             loss.backward()
 
-    with gactx.Controller(model, level="L2.2") as controller:
+    with gactx.Controller(model, level=level) as controller:
         F.cross_entropy(model(x[:64]), y[:64]).backward()
         first = controller.adapt(backprop)
         later = controller.adapt(backprop)
@@ -61,15 +65,20 @@ def _spied(monkeypatch) -> dict:
     return counts
 
 
-def test_a_pass_from_the_probed_nodes_measures_what_the_whole_backward_measures(monkeypatch):
+@pytest.mark.parametrize("level", ["L2", "L2.2"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pass_from_the_probed_nodes_measures_what_the_whole_backward_measures(device, level, monkeypatch):
     """Every probe pass of the digits CNN runs backward from the nodes that read what it probes: the same
-    sensitivities as whole replays up to rounding, and the same allocation."""
-    whole = _adapt(True, monkeypatch)
+    sensitivities as whole replays up to rounding, and the same allocation; on a GPU too (a parameter that no probed
+    noise reaches counts a zero on the gradients' device)."""
+    whole = _adapt(True, monkeypatch, device=device, level=level)
     counts = _spied(monkeypatch)
-    partial = _adapt(True, monkeypatch, partial=True)
+    partial = _adapt(True, monkeypatch, partial=True, device=device, level=level)
     assert partial[1] == whole[1] and partial[2] == whole[2] and partial[3] == 4
     assert partial[0] == pytest.approx(whole[0], rel=1e-5)
-    assert counts["from the nodes"] > 0 and counts["whole"] == 0
+    # On a GPU a node whose call outside the engine does not give the engine's result bit for bit (checked once a
+    # node: an atomics-based convolution gradient, say) leaves its passes to whole replays.
+    assert counts["from the nodes"] > counts["whole"] if device == "cuda" else counts["whole"] == 0
 
 
 @pytest.mark.parametrize(
