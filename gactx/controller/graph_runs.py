@@ -5,7 +5,7 @@ of CPU tensors log a save as they run it (its token and shape) and the release o
 read here in order (:meth:`GraphRuns.drain`) before the controller reads its passes, at module calls and eager saves,
 and once a step. The Python ops of every other device call :meth:`GraphRuns.ran` as they run. A graph's saves of static
 shapes are recorded with its first one (``CompiledPath._follows``): one log entry a graph run, whose followers' records
-are made once for runs like it and added in one call.
+are made and summed once for runs like it, and added in one call.
 
 A whole compiled model's pass begins when the graphs of the last one are gone (every save they logged released, and
 what the Python ops returned freed) or when a region runs again; under an eager model, as eager passes begin.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gactx.controller.identity import ModuleTracker
-from gactx.controller.stats import KeyRecord
+from gactx.controller.stats import CompiledRun
 from gactx.kernels import cpu
 
 __all__ = ["RECORDS_KEPT", "GraphRuns"]
@@ -46,7 +46,7 @@ class GraphRuns:
         self._tokens: set[int] = set()  # the logged saves' tokens of the pass under way
         self._holding = 0  # how many of them graphs still hold a save of (_held above 0): kept as events come
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # a lead's token -> its followers' tokens
-        self._made: dict[tuple, list] = {}  # (lead, frame, call) -> its followers' records (_followed)
+        self._made: dict[tuple, CompiledRun] = {}  # (lead, frame, call) -> its followers' records (_followed)
 
     def followed_anew(self, lead: int) -> None:
         """The lead's followers changed (a graph traced): records made for the old ones are dropped."""
@@ -111,19 +111,19 @@ class GraphRuns:
             run = stats.graph_runs[save.graph] = _Run(1 if run is None else run.call + 1)
         run.seen.add(token)
         frame = self.tracker.frame()
-        stats.add_compiled([(save.record(frame, run.call, shape), save.compressed)])
+        stats.add_compiled(save.record(frame, run.call, shape), save.compressed)
         followers = self.followers.get(token)
         if followers:
             run.seen.update(self._tokens_of[token])
-            stats.add_compiled(self._followed(token, frame, run.call))
+            stats.add_compiled_run(self._followed(token, frame, run.call))
 
-    def _followed(self, lead: int, frame: tuple[str, int] | None, call: int) -> list[tuple[KeyRecord, bool]]:
-        """The records of a run of the lead's followers under ``frame`` and ``call``, each with whether it was
-        compressed: made once for runs like an earlier one."""
+    def _followed(self, lead: int, frame: tuple[str, int] | None, call: int) -> CompiledRun:
+        """The records of a run of the lead's followers under ``frame`` and ``call``, summed: made once for runs like
+        an earlier one."""
         made = self._made.get((lead, frame, call))
         if made is None:
             saves = [(self.saves[f], static) for f, static in self.followers[lead]]
-            made = [(save.record(frame, call, static), save.compressed) for save, static in saves]
+            made = CompiledRun.of([(save.record(frame, call, static), save.compressed) for save, static in saves])
             if len(self._made) >= RECORDS_KEPT:
                 self._made.clear()
             self._made[(lead, frame, call)] = made

@@ -17,7 +17,7 @@ from gactx.controller.rules import ALLOCATED
 
 AS_IS = "as is"  # the reason of a tensor stored as it is at the width it was given (16 or 32 bits)
 EXACT = "exact"  # ... of one a probe pass keeps as it is to measure another (plan.Plan.exact): not recorded
-__all__ = ["MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
+__all__ = ["CompiledRun", "MemoryStats", "PassStats", "KeyRecord", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,35 @@ class KeyRecord:
         if not self.reason:
             return str(self.bits)
         return self.reason if self.bits is None else f"{self.bits} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class CompiledRun:
+    """The saves of one run of a compiled graph, ``(record, compressed)`` each, summed once: a graph runs again with the
+    same ones step after step (:meth:`PassStats.add_compiled_run`)."""
+
+    records: tuple[KeyRecord, ...]
+    original_bytes: int
+    compressed: int
+    packed_bytes: int  # of the compressed ones
+    kept: int
+    kept_bytes: tuple[tuple[int, str], ...]  # of the kept ones: (bytes, why kept) for each reason
+
+    @classmethod
+    def of(cls, saves: list[tuple[KeyRecord, bool]]) -> CompiledRun:
+        kept: dict[str, int] = {}
+        for record, compressed in saves:
+            if not compressed:
+                why = record.cls if record.reason == "kept" else record.label
+                kept[why] = kept.get(why, 0) + record.packed_bytes
+        return cls(
+            tuple(record for record, _ in saves),
+            sum(record.original_bytes for record, _ in saves),
+            sum(1 for _, compressed in saves if compressed),
+            sum(record.packed_bytes for record, compressed in saves if compressed),
+            sum(1 for _, compressed in saves if not compressed),
+            tuple((nbytes, why) for why, nbytes in kept.items()),
+        )
 
 
 @dataclass
@@ -192,13 +221,22 @@ class PassStats:
         self.original_bytes += cover(self.live[ptr][1], start, end)
         return cover(self.kept_ranges.setdefault(ptr, []), start, end) if kept else 0
 
-    def add_compiled(self, saves: list[tuple[KeyRecord, bool]]) -> None:
-        """Saves of a compiled graph, ``(record, compressed)`` each: values the graph made, each its own storage (no
-        other save shares it, and it has no address: a key of its own among the kept storages). One call for a graph
-        run's saves."""
-        for record, compressed in saves:
-            self.original_bytes += record.original_bytes
-            self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
+    def add_compiled(self, record: KeyRecord, compressed: bool) -> None:
+        """A save of a compiled graph: a value the graph made, its own storage (no other save shares it, and it has no
+        address: a key of its own among the kept storages)."""
+        self.original_bytes += record.original_bytes
+        self._count(record, compressed, False, -len(self.records) - 1, record.packed_bytes)
+
+    def add_compiled_run(self, run: CompiledRun) -> None:
+        """The saves of a compiled graph's run (:meth:`add_compiled` each), summed once for runs like it."""
+        first = len(self.records)
+        self.records += run.records
+        self.original_bytes += run.original_bytes
+        self.compressed += run.compressed
+        self.packed_bytes += run.packed_bytes
+        self.kept += run.kept
+        for k, kept in enumerate(run.kept_bytes):  # keys of their own, as add_compiled's: one for each reason
+            self.kept_storages[-first - k - 1] = kept
 
     def _count(self, record: KeyRecord, compressed: bool, offloaded: bool, storage: int, kept_bytes: int) -> None:
         self.records.append(record)
