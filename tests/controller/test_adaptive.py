@@ -360,10 +360,18 @@ def test_a_long_adaptation_logs_its_progress(caplog, monkeypatch):
     assert done[-1][1] == controller.last_adaptation.passes
 
 
+def _every_curve_fitted(monkeypatch) -> None:
+    """No curve's second width left unmeasured (sensitivity.CURVE_SKIP): the tests that count curve widths' passes."""
+    from gactx.controller.adaptation import sensitivity
+
+    monkeypatch.setattr(sensitivity, "CURVE_SKIP", 0.0)
+
+
 def test_an_adaptation_says_where_its_passes_went(monkeypatch):
     """``Adaptation.passes_by_part``: each part's measurements and passes, adding up to the adaptation's passes; the
     first adaptation of the zoo transformer layer fits its LayerNorm inputs' curves, a later one keeps them; report()
     gives them in words. ActNN's estimator runs no pass. Against the exact base throughout (its own test below)."""
+    _every_curve_fitted(monkeypatch)
     from gactx.controller.adaptation import estimators
 
     monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)
@@ -420,6 +428,7 @@ def test_fit_curve_recovers_a_curve_from_a_point_measured_against_the_base(lin, 
 def test_a_curve_width_narrower_than_the_stored_form_takes_one_pass_against_the_base(monkeypatch):
     """On the zoo transformer layer the first adaptation measures its LayerNorm inputs' 1-bit points against the base
     where they are stored wider: fewer passes for the curves, the sensitivities ranked as with pairs."""
+    _every_curve_fitted(monkeypatch)
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import curves, groups
 
@@ -562,10 +571,34 @@ def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer
     assert after <= 1.1 * before
 
 
+def test_a_curve_whose_tensor_adds_little_is_read_on_the_line_through_its_first_width(monkeypatch):
+    """``sensitivity.CURVE_SKIP``: a normalisation input among the smallest, whose first-width variances sum to at most
+    that share of every tensor's at the probe width, is not measured at its curve's second width. On the zoo
+    transformer layer one of its two LayerNorm inputs in each of the first adaptation's two estimates: 40 passes
+    against 43, the same tensors measured, and the allocation's gradient error within a tenth of fitting every
+    curve's (at the same budget)."""
+    from gactx.controller.adaptation import groups, sensitivity
+
+    monkeypatch.setattr(groups, "GROUPED", False)  # each measurement its own passes: counted so
+    results = {}
+    for share in (0.0, sensitivity.CURVE_SKIP):
+        monkeypatch.setattr(sensitivity, "CURVE_SKIP", share)
+        model, run, loss = _transformer_layer()
+        controller = _adapted(model, loss)
+        first = controller.last_adaptation
+        error = gradient_error(model, run, controller, draws=4)
+        results[share] = (controller.sensitivity, first.passes_by_part["curve widths"], first.passes, error)
+    (fitted, (measured, _), more, before), (skipped, (fewer_measured, _), fewer, after) = results.values()
+    assert skipped.keys() == fitted.keys()
+    assert fewer_measured < measured and fewer < more
+    assert after <= 1.1 * before, (after, before)
+
+
 def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     """An adaptation after the first probes a normalisation input at the probe width alone and keeps the shape of its
     curve from the last fit: a pass fewer for each, the sensitivities ranked as when the curves are fitted again (on
     ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99, measured by pairs)."""
+    _every_curve_fitted(monkeypatch)
     from benchmarks.estimators import spearman
     from gactx.controller.adaptation import estimators, groups
 

@@ -170,7 +170,8 @@ class _Checkpointed(torch.nn.Module):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
     """Checkpointed regions recompute inside each replayed backward; a reentrant checkpoint's own backward call, made
-    inside the closure's, is replayed with it, not recorded as one of the closure's."""
+    inside the closure's, is replayed with it, not recorded as one of the closure's: the sensitivities of running the
+    closure every pass, up to the rounding of a pass from the probed nodes (a norm where a whole pass sums squares)."""
     results = []
     for replay in (False, True):
         monkeypatch.setattr(replayed, "REPLAY", replay)
@@ -180,7 +181,7 @@ def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
             model(x).square().mean().backward()
             controller.adapt(lambda model=model, x=x: model(x).square().mean().backward())
         results.append(dict(controller.sensitivity))
-    assert results[0] == results[1] and len(results[0]) >= (4 if reentrant else 1)
+    assert results[1] == pytest.approx(results[0], rel=1e-6) and len(results[0]) >= (4 if reentrant else 1)
 
 
 def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
