@@ -247,6 +247,7 @@ class Controller:
             self._renew_graph_hooks()
         self._discovered = eager
         self._allocate(allocation.bits, choices)
+        self.estimator.allocated_variance = allocation.variance
         self.last_adaptation = Adaptation(
             step=self.step,
             passes=estimate.passes,

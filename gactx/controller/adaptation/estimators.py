@@ -113,6 +113,7 @@ class Estimator(Protocol):
     meter: ChoiceMeter | None  # measures each allocated tensor's stored error under each scheme, where several
     pending: bool  # an adaptation that was due waits for a later step (ActNN's: one that collects)
     discovered: PassStats | None  # the statistics of the last estimate's first pass, where it ran one of its own
+    allocated_variance: float | None  # the gradient variance the last allocation predicts (None before one)
 
     def rounds(self, allocated: bool) -> int:
         """How many estimates one adaptation takes (``allocated``: an allocation was made before)."""
@@ -141,6 +142,7 @@ class _Measuring:
         self.config, self.model, self.path, self.tracker = config, model, path, tracker
         self.meter: ChoiceMeter | None = None
         self.discovered: PassStats | None = None
+        self.allocated_variance: float | None = None
         if config.adaptive and len(config.schemes) > 1:
             self.meter = ChoiceMeter(config.schemes, config.group_size, path.sketchable, self._meter_armed)
             path.observers.append(self.meter)
@@ -227,7 +229,7 @@ class GactEstimator(_Measuring):
             lambda slot: self._stored.get(slot),  # filled by the first pass too
             kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
             self._profiles, exact, lambda slot: self._noise[slot],  # filled by the first pass too
-            self._defer,
+            self._defer, self.allocated_variance if self.path.plan.allocation else None,
         )  # fmt: skip
         self._profiles = estimate.profiles
         switch = exact and estimate.unexplained is not None and estimate.unexplained > UNEXPLAINED

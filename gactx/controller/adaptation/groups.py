@@ -266,11 +266,15 @@ class Passes:
         self.set_probe(probes)
         return parts(self._gradient(), self.base)
 
-    def measure(self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str) -> tuple[dict, dict]:
+    def measure(
+        self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str, negligible: float = 0.0
+    ) -> tuple[dict, dict]:
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
-        or ``kept``), else alone; the passes counted to ``part``. Returns ``(slot -> D, slot -> profile measured
-        alone)``."""
+        or ``kept``), else alone; the passes counted to ``part``. Slots measured against the base that are expected
+        to put the least in the gradient, at most ``negligible`` together (``sensitivity.NEGLIGIBLE``), are measured
+        in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`).
+        Returns ``(slot -> D, slot -> profile measured alone)``."""
         if self.expect is not None:
             self.expect(list(row))
         expected = {}
@@ -281,6 +285,9 @@ class Passes:
                 if share is not None and c is not None and math.isfinite(c) and c > 0 and unit > 0:
                     expected[slot] = c * unit * share
             expected = self._agreed(list(row), expected)
+        start = self.done
+        found = self._together(row, expected, negligible)
+        expected = {s: e for s, e in expected.items() if s not in found}
         before, planned = self.done, 0
 
         def formed(groups: list) -> None:  # each group's passes for its members' own: the progress's total exact
@@ -291,13 +298,39 @@ class Passes:
                 grouped = [s for g in groups for s in g]
                 self.expect(grouped + [s for s in row if s not in set(grouped)])
 
-        found, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
+        grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
+        found.update(grouped)
         self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone
         for slot, (first, second, _) in row.items():
             if slot not in found:
                 measure_alone(slot, first, second, self.run, found, fresh)
-        self.spent(part, len(row), self.done - before)
+        self.spent(part, len(row), self.done - start)
         return found, fresh
+
+    def _together(self, row: dict, expected: dict, negligible: float) -> dict:
+        """``slot -> D`` of the slots of ``row`` measured against the base whose expected contributions are the
+        smallest, at most ``negligible`` together, from one pass with all of them probed: each its expectation times
+        the pass's distance over their expectations' sum. ``{}`` where fewer than two are so, or where the pass
+        measured more than twice ``negligible`` (they grew since their sensitivities were measured: then each is
+        measured as the others are, and the pass is counted as spent)."""
+        if negligible <= 0:
+            return {}
+        small, spent = [], 0.0
+        for slot, total in sorted(((s, float(e.sum())) for s, e in expected.items() if row[s][1] is None),
+                                  key=lambda item: item[1]):  # fmt: skip
+            spent += total
+            if spent > negligible:
+                break
+            small.append(slot)
+        if len(small) < 2:
+            return {}
+        self.total += 1 - len(small)  # their passes, as the progress tells them before this one runs
+        measured = float(self.run({s: row[s][0] for s in small}, None).sum())
+        want = sum(float(expected[s].sum()) for s in small)
+        if not (math.isfinite(measured) and measured <= 2 * negligible and want > 0):
+            self.total += len(small)
+            return {}
+        return {s: float(expected[s].sum()) * measured / want for s in small}
 
     def _agreed(self, slots: list, expected: dict) -> dict:
         """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something

@@ -77,12 +77,15 @@ STORED_BASE = True
 # adaptation estimates once). False: the others at their widths, pairs where the base's draw is not a pair's other
 # one (BASE, STORED_BASE).
 EXACT_BASE = True
-# A curve's second width is left unmeasured where its tensor is among the smallest whose variances at the first width
-# (1 bit) sum to at most this share of every tensor's variance at the probe width (_negligible): whatever width it is
-# given, it adds less than that to the gradient's variance, and it is read on the line through its first width (which
-# overrates it at wider widths). Against every tensor's at its first width instead, a ViT-B/16's error rose 11%.
-# 0: every curve fitted.
-CURVE_SKIP = 0.01
+# Tensors are negligible where they are the smallest whose variances at 1 bit sum to at most this share of every
+# tensor's variance at the probe width: whatever width each is given, together they add less than that to the
+# gradient's variance. A curve's second width is left unmeasured where its tensor is negligible so (_negligible), and
+# it is read on the line through its first width (which overrates it at wider widths); against every tensor's at its
+# first width instead, a ViT-B/16's error rose 11%. Negligible tensors measured against the base at the probe width
+# whose sensitivity and profile an estimate knows (a later one) are measured together, in one pass
+# (groups.Passes.measure); against the probe width's total instead of the 1-bit one, the zoo transformer layer's later
+# allocation erred 1.10x. 0: neither.
+NEGLIGIBLE = 0.01
 # What Estimate.parts calls each kind of measurement (besides "discovery" and "base", a pass each).
 PARTS = {"together": "linear inputs together", "one": "against the base", "width": "by pairs",
          "curves": "curve widths", "choice": "calibration pairs"}  # fmt: skip
@@ -167,6 +170,7 @@ def estimate_sensitivities(
     exact: bool | None = None,
     noise_of: Callable[[Hashable], float] | None = None,
     defer: Callable[[bool], None] | None = None,
+    allocated: float | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -193,7 +197,9 @@ def estimate_sensitivities(
     ``context_of`` and ``stored_of`` then go unread, and ``noise_of(slot)``, the noise in units of ``S`` of what the
     first pass stored for the slot, gives :attr:`Estimate.unexplained`; ``defer(on)`` puts the pack path's plan in and
     out of deferring (``Plan.deferred``), where the passes after the first replay the closure's backward
-    (``replayed.py``)."""
+    (``replayed.py``). ``allocated``: the gradient variance the allocation in force predicts, where there is one: the
+    tensors of one-pass measurements whose variances at 1 bit sum to at most :data:`NEGLIGIBLE` of it are measured
+    together, in one pass (``groups.Passes.measure``)."""
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
@@ -282,6 +288,11 @@ def estimate_sensitivities(
                 passes.total += sum((1 if m[1] is None else 2) for row in more.values() for m in row.values())
         kept = profiles if profiles is not None and profiles.layout == layout else Profiles(layout)
         shares, measured, firsts = {}, {}, set()  # firsts: curves whose first width is measured
+        # What negligible tensors measured at the probe width may be expected to put there together: their variances
+        # at 1 bit (on the line) at most NEGLIGIBLE of the variance the allocation in force predicts.
+        negligible = 0.0
+        if allocated is not None and math.isfinite(allocated):
+            negligible = NEGLIGIBLE * allocated * variance_factor(probe_bits) / variance_factor(CURVE_WIDTHS[0])
         last = CURVE_WIDTHS[-1]  # the curves' second widths last: every other tensor measured before them
         for what, row in sorted(measures.items(), key=lambda item: item[0][0] == "width" and item[0][1] == last):
             if what[0] == "width" and firsts & row.keys():
@@ -293,7 +304,9 @@ def estimate_sensitivities(
                 if not row:
                     continue
             fitted = what[0] == "width" and any(len(plans[s][0]) > 1 for s in row)  # widths of curves
-            found, fresh = passes.measure(row, kept, raw, shares, PARTS["curves" if fitted else what[0]])
+            found, fresh = passes.measure(
+                row, kept, raw, shares, PARTS["curves" if fitted else what[0]], negligible if what == ("one",) else 0.0
+            )
             if what[0] != "choice":  # a sketch's noise is not the codes'
                 shares.update(fresh)
             measured[what] = found
@@ -359,12 +372,12 @@ def _unexplained(measured: float, sensitivity: dict, shape_of, noise_of) -> floa
 
 
 def _negligible(pending: set, raw: dict, ratio: float) -> set:
-    """The curves among ``pending`` whose second width is left unmeasured (:data:`CURVE_SKIP`): the smallest, while
+    """The curves among ``pending`` whose second width is left unmeasured (:data:`NEGLIGIBLE`): the smallest, while
     their variances at their first width sum to at most that share of every tensor's measured so far at the probe
     width (``raw``: each one's variance per unit of ``S`` at the width it was measured at; ``ratio``: ``S`` at the
     curves' first width over ``S`` at the probe width)."""
     finite = {s: c for s, c in raw.items() if math.isfinite(c)}
-    budget, spent, out = CURVE_SKIP * sum(finite.values()) / ratio, 0.0, set()
+    budget, spent, out = NEGLIGIBLE * sum(finite.values()) / ratio, 0.0, set()
     for slot in sorted((s for s in pending if s in finite), key=finite.__getitem__):
         spent += finite[slot]
         if spent > budget:

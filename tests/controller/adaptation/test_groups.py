@@ -1,5 +1,6 @@
 """Tensors probed in groups (gactx/controller/adaptation/groups.py) and their use by GACT's estimator."""
 
+import functools
 import math
 import statistics
 
@@ -12,6 +13,7 @@ import gactx
 from benchmarks.zoo import build
 from gactx.controller.adaptation import groups
 from gactx.controller.adaptation.groups import form_groups, solve
+from gactx.controller.adaptation.sensitivity import NEGLIGIBLE
 from tests.helpers import gradient_error, on_two_ranks
 
 
@@ -137,9 +139,13 @@ def test_a_first_adaptation_in_groups_holds_the_gradient_error_for_fewer_passes(
     assert fewer < more and after <= 1.1 * before
 
 
-def _ranked(rank: int) -> dict:
-    """A zoo BERT whose weights differ on each of two ranks: its first and a later adaptation."""
+def _ranked(rank: int, negligible: float) -> dict:
+    """A zoo BERT whose weights differ on each of two ranks: its first and a later adaptation, with
+    ``sensitivity.NEGLIGIBLE`` at ``negligible``."""
     from gactx.controller.adaptation import groups as grouping
+    from gactx.controller.adaptation import sensitivity
+
+    sensitivity.NEGLIGIBLE = negligible  # this process's own
 
     largest, seen = [], []
     form = grouping.form_groups
@@ -176,12 +182,14 @@ def _ranked(rank: int) -> dict:
     }
 
 
-def test_ranks_with_other_data_group_alike_and_run_as_many_passes(tmp_path):
+@pytest.mark.parametrize("negligible", [0.0, NEGLIGIBLE], ids=["each grouped", "negligible ones together"])
+def test_ranks_with_other_data_group_alike_and_run_as_many_passes(negligible, tmp_path):
     """Under torch.distributed each rank must run as many passes of the closure as the others (DDP's and FSDP's
     backward wait on collectives): what each pass measures, and what each tensor is expected to put in the gradient,
     are averaged over the ranks before they are read, so that two gloo processes whose weights differ group, solve and
-    split alike from the same numbers, and allocate alike (tests/controller/test_ddp.py trains DDP so)."""
-    r0, r1 = on_two_ranks(_ranked, tmp_path)
+    split alike from the same numbers, and allocate alike (tests/controller/test_ddp.py trains DDP so); so do they
+    choose the negligible tensors measured together in one pass."""
+    r0, r1 = on_two_ranks(functools.partial(_ranked, negligible=negligible), tmp_path)
     assert r0["expected"] == r1["expected"] and len(r0["expected"]) >= 2
-    assert r0["passes"] == r1["passes"] and r0["largest group"] == r1["largest group"] >= 2
+    assert r0["passes"] == r1["passes"] and r0["largest group"] == r1["largest group"] >= (2 if not negligible else 1)
     assert r0["bits"] == r1["bits"] and r0["sensitivity"] == r1["sensitivity"]
