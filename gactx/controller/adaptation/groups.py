@@ -296,7 +296,7 @@ class Passes:
             self.total += planned - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
             if self.expect is not None:  # the groups first, then the slots measured alone
                 grouped = [s for g in groups for s in g]
-                self.expect(grouped + [s for s in row if s not in set(grouped)])
+                self.expect(grouped + [s for s in row if s not in set(grouped) and s not in found])
 
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)
