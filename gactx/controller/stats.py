@@ -94,6 +94,11 @@ class KeyRecord:
             return str(self.bits)
         return self.reason if self.bits is None else f"{self.bits} ({self.reason})"
 
+    @property
+    def why_kept(self) -> str:
+        """What the kept bytes of a save kept as it is are counted under (``PassStats.kept_by_reason``)."""
+        return self.cls if self.reason == "kept" else self.label
+
 
 @dataclass(frozen=True)
 class CompiledRun:
@@ -112,8 +117,7 @@ class CompiledRun:
         kept: dict[str, int] = {}
         for record, compressed in saves:
             if not compressed:
-                why = record.cls if record.reason == "kept" else record.label
-                kept[why] = kept.get(why, 0) + record.packed_bytes
+                kept[record.why_kept] = kept.get(record.why_kept, 0) + record.packed_bytes
         return cls(
             tuple(record for record, _ in saves),
             sum(record.original_bytes for record, _ in saves),
@@ -247,8 +251,7 @@ class PassStats:
                 self.offloaded_bytes += record.packed_bytes
         else:
             self.kept += 1
-            why = record.cls if record.reason == "kept" else record.label
-            held, why = self.kept_storages.get(storage, (0, why))
+            held, why = self.kept_storages.get(storage, (0, record.why_kept))
             self.kept_storages[storage] = (held + kept_bytes, why)
 
     def holds(self, ptr: int) -> bool:

@@ -30,7 +30,7 @@ from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
 __all__ = [
     "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
-    "solve", "squares",
+    "smallest", "solve", "squares",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
@@ -166,6 +166,18 @@ def solve(expected: list[torch.Tensor], measured: torch.Tensor, purity: float | 
     a member's purity among the contributions found is below ``purity`` (a sensitivity that moved since the profiles
     were kept: the group was formed on magnitudes that no longer hold)."""
     return _fit(expected, measured, PURITY if purity is None else purity)[0]
+
+
+def smallest(values: Mapping[Hashable, float], budget: float) -> list[Hashable]:
+    """The keys of the smallest ``values``, smallest first, while their sum is at most ``budget``: the negligible
+    tensors of ``sensitivity.NEGLIGIBLE``."""
+    out, spent = [], 0.0
+    for key in sorted(values, key=values.__getitem__):
+        spent += values[key]
+        if spent > budget:
+            break
+        out.append(key)
+    return out
 
 
 def probe_in_groups(
@@ -315,13 +327,7 @@ class Passes:
         measured as the others are, and the pass is counted as spent)."""
         if negligible <= 0:
             return {}
-        small, spent = [], 0.0
-        for slot, total in sorted(((s, float(e.sum())) for s, e in expected.items() if row[s][1] is None),
-                                  key=lambda item: item[1]):  # fmt: skip
-            spent += total
-            if spent > negligible:
-                break
-            small.append(slot)
+        small = smallest({s: float(e.sum()) for s, e in expected.items() if row[s][1] is None}, negligible)
         if len(small) < 2:
             return {}
         self.total += 1 - len(small)  # their passes, as the progress tells them before this one runs

@@ -51,7 +51,7 @@ from torch import nn
 
 from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
-from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts
+from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts, smallest
 from gactx.controller.adaptation.probe import Probe
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 from gactx.controller.adaptation.together import probe_together, weight_blocks
@@ -290,15 +290,13 @@ def estimate_sensitivities(
         shares, measured, firsts = {}, {}, set()  # firsts: curves whose first width is measured
         # What negligible tensors measured at the probe width may be expected to put there together: their variances
         # at 1 bit (on the line) at most NEGLIGIBLE of the variance the allocation in force predicts.
-        negligible = 0.0
-        if allocated is not None and math.isfinite(allocated):
-            negligible = NEGLIGIBLE * allocated * variance_factor(probe_bits) / variance_factor(CURVE_WIDTHS[0])
+        narrow = variance_factor(CURVE_WIDTHS[0]) / variance_factor(probe_bits)  # S at 1 bit over S at the probe's
+        negligible = NEGLIGIBLE * allocated / narrow if allocated is not None and math.isfinite(allocated) else 0.0
         last = CURVE_WIDTHS[-1]  # the curves' second widths last: every other tensor measured before them
         for what, row in sorted(measures.items(), key=lambda item: item[0][0] == "width" and item[0][1] == last):
-            if what[0] == "width" and firsts & row.keys():
-                skipped = _negligible(
-                    firsts & row.keys(), raw, variance_factor(CURVE_WIDTHS[0]) / variance_factor(probe_bits)
-                )
+            pending = firsts & row.keys() if what[0] == "width" else set()
+            if pending:
+                skipped = _negligible(pending, raw, narrow)
                 row = {s: m for s, m in row.items() if s not in skipped}
                 passes.total -= sum(1 if m[1] is None else 2 for s, m in measures[what].items() if s in skipped)
                 if not row:
@@ -377,13 +375,7 @@ def _negligible(pending: set, raw: dict, ratio: float) -> set:
     width (``raw``: each one's variance per unit of ``S`` at the width it was measured at; ``ratio``: ``S`` at the
     curves' first width over ``S`` at the probe width)."""
     finite = {s: c for s, c in raw.items() if math.isfinite(c)}
-    budget, spent, out = NEGLIGIBLE * sum(finite.values()) / ratio, 0.0, set()
-    for slot in sorted((s for s in pending if s in finite), key=finite.__getitem__):
-        spent += finite[slot]
-        if spent > budget:
-            break
-        out.add(slot)
-    return out
+    return set(smallest({s: finite[s] for s in pending if s in finite}, NEGLIGIBLE * sum(finite.values()) / ratio))
 
 
 def _measures(
