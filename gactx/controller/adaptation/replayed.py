@@ -60,10 +60,12 @@ class Replayed:
     """``backprop`` as the passes of one estimate (called as the closure is, once a pass). The first call runs it whole,
     under a deferring plan (``defer(True, watch)``, then ``defer(False)``), recording its backward calls and which
     backward nodes read each slot's deferred saves; every later call replays them. The first call's gradients are a
-    replay's too (the calls replayed once after the closure returns), so that whatever the closure does to the
-    gradients after its backward (clipping) is in no pass. Where the closure made no backward call that can be
-    replayed (``torch.autograd.grad``, ``create_graph``), every call runs it whole, under the probe then in force.
-    :meth:`difference` is a pass from the nodes a probe perturbs. :meth:`close` frees the kept graphs."""
+    replay's too, so that whatever the closure does to the gradients besides its backward calls (clipping after them)
+    is in no pass: where it did nothing to them (no ``.grad`` set when its first backward call began, and each the same
+    tensor at the same version from one call's end to the next call and to the closure's end), they are what its
+    backward calls left; else the calls are replayed once after it returns. Where the closure made no backward call
+    that can be replayed (``torch.autograd.grad``, ``create_graph``), every call runs it whole, under the probe then in
+    force. :meth:`difference` is a pass from the nodes a probe perturbs. :meth:`close` frees the kept graphs."""
 
     def __init__(
         self, model: nn.Module, backprop: Callable[[], object], defer: Callable[[bool, Callable | None], None]
@@ -78,12 +80,13 @@ class Replayed:
         self._bad: set = set()  # nodes not given one gradient in a backward: never, or more than once
         self._upcoming: list = []  # the slots the estimate probes next, in order (expect)
         self._failed = False  # a pass from the nodes raised: whole replays for the rest of the estimate
+        self._untouched = False  # the recording run's gradients are its backward calls' alone (class docstring)
 
     def __call__(self) -> None:
         if self.calls is None:
             self.calls = self._record()
-            if not self.calls:
-                return  # the whole closure ran, with its own gradients
+            if not self.calls or self._untouched:
+                return  # the whole closure ran, with its own gradients (untouched: a replay's)
             for p in self.model.parameters():
                 p.grad = None
         elif not self.calls:
@@ -245,15 +248,23 @@ class Replayed:
     def _record(self) -> list[tuple]:
         calls, replayable = [], True
         original = torch.autograd.backward
+        params = list(self.model.parameters())
+        # Each .grad as the last backward call left it, for the next call and the closure's end to find it alike: none
+        # set, before the first.
+        left, untouched = _grads([]), True
 
         def recording(tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
                       inputs=None):  # fmt: skip
-            nonlocal replayable
+            nonlocal replayable, untouched, left
             if in_backward():  # a reentrant checkpoint's own, inside the closure's backward: replayed with it
                 return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             replayable = replayable and not create_graph and grad_variables is None
+            untouched = untouched and _alike(_grads(params), left)
             calls.append((tensors, grad_tensors, inputs))
-            return original(tensors, grad_tensors, retain_graph=True, create_graph=create_graph, inputs=inputs)
+            try:
+                return original(tensors, grad_tensors, retain_graph=True, create_graph=create_graph, inputs=inputs)
+            finally:
+                left = _grads(params)
 
         self.defer(True, self._watch if PARTIAL else None)
         torch.autograd.backward = recording
@@ -262,7 +273,21 @@ class Replayed:
         finally:
             torch.autograd.backward = original
             self.defer(False, None)
+        self._untouched = untouched and _alike(_grads(params), left)
         return calls if replayable else []
+
+
+def _grads(params: list[torch.Tensor]) -> list[tuple]:
+    """Each of ``params`` that has a ``.grad``, with it and its version: what tells a gradient set, unset, written over
+    or changed in place (the tensor itself, not its id, which a new one may take once it is freed)."""
+    return [(p, g, g._version) for p in params if (g := p.grad) is not None]
+
+
+def _alike(now: list[tuple], then: list[tuple]) -> bool:
+    """Whether two :func:`_grads` hold the same gradients, unchanged."""
+    if len(now) != len(then):
+        return False
+    return all(a is c and b is d and v == w for (a, b, v), (c, d, w) in zip(now, then, strict=True))
 
 
 def _fingerprint(results: tuple) -> torch.Tensor:

@@ -130,6 +130,49 @@ def test_a_closure_without_a_backward_call_runs_whole_every_pass(monkeypatch):
     assert by_hand[0] == pytest.approx(whole[0], rel=1e-6) and by_hand[3] == by_hand[2]
 
 
+@pytest.mark.parametrize("after", ["nothing", "clipped in place", "written over", "set before"])
+def test_the_recording_runs_gradients_are_the_base_unless_the_closure_touched_them(after, monkeypatch):
+    """The forward the probes read is recorded with the closure's own backward: where the closure did nothing else to
+    the gradients, the base is what that backward left, and no backward is replayed for it; where it clipped them in
+    place, wrote them over after its backward or set them before it, the calls are replayed for the base. Either way
+    the sensitivities are those of the same closure without the rest, to the last bit."""
+    monkeypatch.setattr(replayed, "REPLAY", True)
+    (x, y), _ = digits_data()
+    replays = []
+    call = replayed.Replayed.__call__
+
+    def spy(self):
+        recorded = self.calls is not None
+        call(self)
+        if not recorded:
+            replays.append(not self._untouched)
+
+    monkeypatch.setattr(replayed.Replayed, "__call__", spy)
+    results = []
+    for rest in ("nothing", after):
+        torch.manual_seed(0)
+        model = digits_cnn()
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def backprop(rest=rest, model=model, params=params):
+            if rest == "set before":
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+            F.cross_entropy(model(x[:16]), y[:16]).backward()
+            if rest == "clipped in place":
+                torch.nn.utils.clip_grad_norm_(params, 1e-3)
+            elif rest == "written over":
+                for p in params:
+                    p.grad = p.grad * 2
+
+        with gactx.Controller(model, level="L2.2") as controller:
+            F.cross_entropy(model(x[:64]), y[:64]).backward()
+            controller.adapt(backprop)
+        results.append(dict(controller.sensitivity))
+    assert results[1] == results[0]
+    assert replays == [False, after != "nothing"]
+
+
 def test_the_forward_the_probes_read_is_freed_after_the_estimate(monkeypatch):
     """The recorded backward calls keep their graphs (and the saves a deferring forward kept) only while the estimate
     runs."""
