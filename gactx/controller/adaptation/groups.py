@@ -42,6 +42,10 @@ GROUPED = True
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
+# In a later estimate, tensors that no group takes and that were measured alone in the last estimate are measured
+# together in one pass, each scaled by what it measured over what they were expected to put, up to half of those
+# tensors (the smallest): each is measured alone at least every other estimate (Passes._rotated). False: each alone.
+ROTATE = True
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Profiles:
     layout: tuple[int, ...] = ()  # ids of the parameters whose gradients a pass gives, in order
     shares: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)
     sensitivity: Mapping[Hashable, float] = field(default_factory=dict)
+    alone: frozenset = frozenset()  # the tensors the estimate that made these measured alone (their profiles fresh)
 
 
 def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -285,8 +290,9 @@ class Passes:
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
         or ``kept``), else alone; the passes counted to ``part``. Slots measured against the base that are expected
         to put the least in the gradient, at most ``negligible`` together (``sensitivity.NEGLIGIBLE``), are measured
-        in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`).
-        Returns ``(slot -> D, slot -> profile measured alone)``."""
+        in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`); there,
+        of the slots no group takes, up to half are measured together likewise where each was measured alone in the
+        last estimate (:meth:`_rotated`). Returns ``(slot -> D, slot -> profile measured alone)``."""
         if self.expect is not None:
             self.expect(list(row))
         expected = {}
@@ -313,6 +319,8 @@ class Passes:
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)
         self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone
+        if negligible > 0 and ROTATE:  # a later estimate (an allocation in force)
+            found.update(self._rotated(row, {s: e for s, e in expected.items() if s not in found}, kept.alone))
         for slot, (first, second, _) in row.items():
             if slot not in found:
                 measure_alone(slot, first, second, self.run, found, fresh)
@@ -337,6 +345,29 @@ class Passes:
             self.total += len(small)
             return {}
         return {s: float(expected[s].sum()) * measured / want for s in small}
+
+    def _rotated(self, row: dict, single: dict, fresh: frozenset) -> dict:
+        """``slot -> D`` of the tensors of ``row`` that no group took (``single``: slot -> what each is expected to put
+        in each parameter's gradient) measured together against the base in one pass (:data:`ROTATE`): of those
+        measured alone in the last estimate (``fresh``), the smallest, at most half of ``single``, each its
+        expectation times the pass's distance over their expectations' sum. A later estimate measures the others
+        alone, and these alone in the next one: each tensor is measured alone at least every other estimate, and
+        the cost levels at half of them alone. ``{}`` where fewer than two are so, or where the pass measured less
+        than half or more than twice what they were expected to put (their sensitivities moved apart since: each is
+        measured alone, and the pass is counted as spent)."""
+        if len(single) < 3:
+            return {}
+        candidates = {s: float(e.sum()) for s, e in single.items() if s in fresh and row[s][1] is None}
+        joint = sorted(candidates, key=candidates.__getitem__)[: len(single) // 2]
+        if len(joint) < 2:
+            return {}
+        self.total += 1 - len(joint)
+        measured = float(self.run({s: row[s][0] for s in joint}, None).sum())
+        want = sum(candidates[s] for s in joint)
+        if not (want > 0 and math.isfinite(measured) and 0.5 * want <= measured <= 2 * want):
+            self.total += len(joint)
+            return {}
+        return {s: candidates[s] * measured / want for s in joint}
 
     def _agreed(self, slots: list, expected: dict) -> dict:
         """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something

@@ -193,3 +193,55 @@ def test_ranks_with_other_data_group_alike_and_run_as_many_passes(negligible, tm
     assert r0["expected"] == r1["expected"] and len(r0["expected"]) >= 2
     assert r0["passes"] == r1["passes"] and r0["largest group"] == r1["largest group"] >= (2 if not negligible else 1)
     assert r0["bits"] == r1["bits"] and r0["sensitivity"] == r1["sensitivity"]
+
+
+_ROTATED = groups.Passes._rotated  # as the package defines it (a test's spy wraps this one, not another test's)
+
+
+def _stacked_batch_norms(rotate: bool, monkeypatch) -> tuple[list[int], list[set], list[frozenset], dict, float]:
+    """Eight ``Linear`` + ``BatchNorm1d`` + ReLU blocks, whose BatchNorm inputs' noise lands mostly in the first
+    weights (no group takes them): four adaptations after the first, with :data:`groups.ROTATE` at ``rotate``. Their
+    passes, the tensors each measured together (rotated), those each measured alone, the allocation and the gradient
+    error at it."""
+    monkeypatch.setattr(groups, "ROTATE", rotate)
+    rotated = []
+
+    def spy(self, row, single, fresh):
+        found = _ROTATED(self, row, single, fresh)
+        rotated.append(set(found))
+        return found
+
+    monkeypatch.setattr(groups.Passes, "_rotated", spy)
+    torch.manual_seed(0)
+    blocks = [m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(64, 4))
+    x, y = torch.randn(64, 64), torch.randint(0, 4, (64,))
+
+    def loss():
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    passes, alone = [], []
+    controller = gactx.Controller(model, "L2.2", seed=0)
+    with controller:
+        loss().backward()
+        controller.adapt(lambda: loss().backward())
+        alone.append(controller.estimator._profiles.alone)
+        for _ in range(4):
+            passes.append(controller.adapt(lambda: loss().backward()).passes)
+            alone.append(controller.estimator._profiles.alone)
+    return passes, rotated, alone, dict(controller.allocation), gradient_error(model, loss, controller, draws=4)
+
+
+def test_a_later_adaptation_measures_alone_every_other_time_the_tensors_no_group_takes(monkeypatch):
+    """Of the BatchNorm inputs that no group takes, a later adaptation measures alone those it measured together
+    the time before, and up to half of them together in one pass, scaled by what that pass measured: each is measured
+    alone at least every other adaptation, the passes fall (7 or 8 against the base become 5 or 6), and the
+    allocation and the gradient error at it are those of measuring each alone every time."""
+    each, never, _, bits, error = _stacked_batch_norms(False, monkeypatch)
+    fewer, rotated, alone, rotated_bits, rotated_error = _stacked_batch_norms(True, monkeypatch)
+    assert not any(never) and sum(fewer) < sum(each) and rotated_bits == bits
+    assert rotated_error == pytest.approx(error, rel=0.1)
+    together = [r for r in rotated if r]
+    assert len(together) >= 2 and all(len(r) >= 2 for r in together)
+    for n, measured in enumerate(rotated):  # one estimate each: measured alone the time before, and not now
+        assert measured <= alone[n] and not measured & alone[n + 1]
