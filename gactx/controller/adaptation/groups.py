@@ -20,6 +20,7 @@ their profiles afresh (:func:`probe_in_groups`).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
@@ -42,9 +43,9 @@ GROUPED = True
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
-# In a later estimate, tensors that no group takes and that were measured alone in the last estimate are measured
-# together in one pass, each scaled by what it measured over what they were expected to put, up to half of those
-# tensors (the smallest): each is measured alone at least every other estimate (Passes._rotated). False: each alone.
+# In a later estimate, up to half of the tensors that no group takes (the smallest of those not so measured in the
+# last estimate) are measured together in one pass, each scaled by what it measured over what they were expected to
+# put: no tensor two estimates in a row (Passes._rotation, Passes._rotated). False: each alone.
 ROTATE = True
 
 
@@ -56,7 +57,7 @@ class Profiles:
     layout: tuple[int, ...] = ()  # ids of the parameters whose gradients a pass gives, in order
     shares: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)
     sensitivity: Mapping[Hashable, float] = field(default_factory=dict)
-    alone: frozenset = frozenset()  # the tensors the estimate that made these measured alone (their profiles fresh)
+    rotated: frozenset = frozenset()  # the tensors the estimate that made these measured so (Passes._rotated)
 
 
 def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -246,6 +247,7 @@ class Passes:
         # told the slots the next passes probe, in order, where difference reads what it needs by windows
         self.expect: Callable[[list], None] | None = None
         self.partial = 0  # the passes difference ran from the probed nodes down
+        self.rotated: set = set()  # the slots measured together by _rotated
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
 
     def spent(self, part: str, measurements: int, passes: int) -> None:
@@ -291,8 +293,8 @@ class Passes:
         or ``kept``), else alone; the passes counted to ``part``. Slots measured against the base that are expected
         to put the least in the gradient, at most ``negligible`` together (``sensitivity.NEGLIGIBLE``), are measured
         in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`); there,
-        of the slots no group takes, up to half are measured together likewise where each was measured alone in the
-        last estimate (:meth:`_rotated`). Returns ``(slot -> D, slot -> profile measured alone)``."""
+        of the slots no group takes, up to half are measured together likewise, last, where none was in the last
+        estimate (:meth:`_rotation`). Returns ``(slot -> D, slot -> profile measured alone)``."""
         if self.expect is not None:
             self.expect(list(row))
         expected = {}
@@ -305,25 +307,34 @@ class Passes:
             expected = self._agreed(list(row), expected)
         start = self.done
         found = self._together(row, expected, negligible)
+        scaled = set(found)  # measured with the negligible ones, not on their own
         expected = {s: e for s, e in expected.items() if s not in found}
-        before, planned = self.done, 0
+        before, planned, joint = self.done, 0, []
 
         def formed(groups: list) -> None:  # each group's passes for its members' own: the progress's total exact
-            nonlocal planned
+            nonlocal planned, joint
             planned = sum(1 if row[g[0]][1] is None else 2 for g in groups)
             self.total += planned - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
-            if self.expect is not None:  # the groups first, then the slots measured alone
-                grouped = [s for g in groups for s in g]
-                self.expect(grouped + [s for s in row if s not in set(grouped) and s not in found])
+            grouped = [s for g in groups for s in g]
+            if negligible > 0 and ROTATE:  # a later estimate (an allocation in force)
+                single = {s: float(e.sum()) for s, e in expected.items() if s not in set(grouped)}
+                joint = self._rotation(row, single, kept.rotated)
+            if self.expect is not None:  # the groups first, then the slots measured alone, then those rotated
+                alone = [s for s in row if s not in set(grouped) and s not in found and s not in joint]
+                self.expect(grouped + alone + joint)
 
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)
         self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone
-        if negligible > 0 and ROTATE:  # a later estimate (an allocation in force)
-            found.update(self._rotated(row, {s: e for s, e in expected.items() if s not in found}, kept.alone))
         for slot, (first, second, _) in row.items():
-            if slot not in found:
+            if slot not in found and slot not in joint:
                 measure_alone(slot, first, second, self.run, found, fresh)
+        if joint:
+            ratios = [found[s] / float(e.sum()) for s, e in expected.items() if s in found and s not in scaled]
+            found.update(self._rotated(row, joint, expected, statistics.median(ratios) if ratios else 1.0))
+            for slot in joint:  # their pass not borne out: each alone
+                if slot not in found:
+                    measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
         self.spent(part, len(row), self.done - start)
         return found, fresh
 
@@ -346,28 +357,36 @@ class Passes:
             return {}
         return {s: float(expected[s].sum()) * measured / want for s in small}
 
-    def _rotated(self, row: dict, single: dict, fresh: frozenset) -> dict:
-        """``slot -> D`` of the tensors of ``row`` that no group took (``single``: slot -> what each is expected to put
-        in each parameter's gradient) measured together against the base in one pass (:data:`ROTATE`): of those
-        measured alone in the last estimate (``fresh``), the smallest, at most half of ``single``, each its
-        expectation times the pass's distance over their expectations' sum. A later estimate measures the others
-        alone, and these alone in the next one: each tensor is measured alone at least every other estimate, and
-        the cost levels at half of them alone. ``{}`` where fewer than two are so, or where the pass measured less
-        than half or more than twice what they were expected to put (their sensitivities moved apart since: each is
-        measured alone, and the pass is counted as spent)."""
+    def _rotation(self, row: dict, single: dict, recent: frozenset) -> list:
+        """The tensors of ``row`` that no group took (``single``: slot -> what each is expected to put in the gradient)
+        to measure together in one pass (:data:`ROTATE`, :meth:`_rotated`): of those measured against the base and
+        not so in the last estimate (``recent``), the smallest, at most half of ``single``; ``[]`` where fewer than two
+        are so. The estimate measures the others alone, and the next one these: a tensor measured so was measured on
+        its own the time before (alone, in a group, or with the negligible ones: :meth:`_together`) and is the time
+        after, and the cost levels at half of them alone."""
         if len(single) < 3:
-            return {}
-        candidates = {s: float(e.sum()) for s, e in single.items() if s in fresh and row[s][1] is None}
-        joint = sorted(candidates, key=candidates.__getitem__)[: len(single) // 2]
+            return []
+        candidates = [s for s in single if s not in recent and row[s][1] is None]
+        joint = sorted(candidates, key=single.__getitem__)[: len(single) // 2]
         if len(joint) < 2:
-            return {}
+            return []
         self.total += 1 - len(joint)
+        return joint
+
+    def _rotated(self, row: dict, joint: list, expected: dict, reference: float) -> dict:
+        """``slot -> D`` of the ``joint`` slots of ``row`` from one pass with all of them probed: each its expectation
+        times the pass's distance over their expectations' sum. ``{}`` where the pass measured, over what they were
+        expected to put, less than half or more than twice the ``reference`` ratio (the median of the tensors the
+        estimate measured on their own: they moved apart from the others since, and may have moved apart from each
+        other; the pass is counted as spent)."""
+        want = {s: float(expected[s].sum()) for s in joint}
         measured = float(self.run({s: row[s][0] for s in joint}, None).sum())
-        want = sum(candidates[s] for s in joint)
-        if not (want > 0 and math.isfinite(measured) and 0.5 * want <= measured <= 2 * want):
+        ratio = measured / sum(want.values())
+        if not (math.isfinite(ratio) and reference > 0 and 0.5 * reference <= ratio <= 2 * reference):
             self.total += len(joint)
             return {}
-        return {s: candidates[s] * measured / want for s in joint}
+        self.rotated.update(joint)
+        return {s: want[s] * ratio for s in joint}
 
     def _agreed(self, slots: list, expected: dict) -> dict:
         """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something

@@ -201,13 +201,13 @@ _ROTATED = groups.Passes._rotated  # as the package defines it (a test's spy wra
 def _stacked_batch_norms(rotate: bool, monkeypatch) -> tuple[list[int], list[set], list[frozenset], dict, float]:
     """Eight ``Linear`` + ``BatchNorm1d`` + ReLU blocks, whose BatchNorm inputs' noise lands mostly in the first
     weights (no group takes them): four adaptations after the first, with :data:`groups.ROTATE` at ``rotate``. Their
-    passes, the tensors each measured together (rotated), those each measured alone, the allocation and the gradient
-    error at it."""
+    passes, the tensors each measured together (rotated), what its profiles say it rotated, the allocation and the
+    gradient error at it."""
     monkeypatch.setattr(groups, "ROTATE", rotate)
     rotated = []
 
-    def spy(self, row, single, fresh):
-        found = _ROTATED(self, row, single, fresh)
+    def spy(self, row, joint, expected, reference):
+        found = _ROTATED(self, row, joint, expected, reference)
         rotated.append(set(found))
         return found
 
@@ -220,28 +220,27 @@ def _stacked_batch_norms(rotate: bool, monkeypatch) -> tuple[list[int], list[set
     def loss():
         return torch.nn.functional.cross_entropy(model(x), y)
 
-    passes, alone = [], []
+    passes, kept = [], []
     controller = gactx.Controller(model, "L2.2", seed=0)
     with controller:
         loss().backward()
         controller.adapt(lambda: loss().backward())
-        alone.append(controller.estimator._profiles.alone)
         for _ in range(4):
             passes.append(controller.adapt(lambda: loss().backward()).passes)
-            alone.append(controller.estimator._profiles.alone)
-    return passes, rotated, alone, dict(controller.allocation), gradient_error(model, loss, controller, draws=4)
+            kept.append(controller.estimator._profiles.rotated)
+    return passes, rotated, kept, dict(controller.allocation), gradient_error(model, loss, controller, draws=4)
 
 
-def test_a_later_adaptation_measures_alone_every_other_time_the_tensors_no_group_takes(monkeypatch):
-    """Of the BatchNorm inputs that no group takes, a later adaptation measures alone those it measured together
-    the time before, and up to half of them together in one pass, scaled by what that pass measured: each is measured
-    alone at least every other adaptation, the passes fall (7 or 8 against the base become 5 or 6), and the
-    allocation and the gradient error at it are those of measuring each alone every time."""
+def test_a_later_adaptation_measures_together_every_other_time_the_tensors_no_group_takes(monkeypatch):
+    """Of the BatchNorm inputs that no group takes, a later adaptation measures up to half together in one pass, each
+    scaled by what that pass measured, and the others alone; the next one measures those alone: no tensor is measured
+    so twice in a row, the passes fall (7 or 8 against the base become 5 or 6), and the allocation and the gradient
+    error at it are those of measuring each alone every time."""
     each, never, _, bits, error = _stacked_batch_norms(False, monkeypatch)
-    fewer, rotated, alone, rotated_bits, rotated_error = _stacked_batch_norms(True, monkeypatch)
+    fewer, rotated, kept, rotated_bits, rotated_error = _stacked_batch_norms(True, monkeypatch)
     assert not any(never) and sum(fewer) < sum(each) and rotated_bits == bits
     assert rotated_error == pytest.approx(error, rel=0.1)
+    assert [set(k) for k in kept] == rotated  # one estimate each
     together = [r for r in rotated if r]
     assert len(together) >= 2 and all(len(r) >= 2 for r in together)
-    for n, measured in enumerate(rotated):  # one estimate each: measured alone the time before, and not now
-        assert measured <= alone[n] and not measured & alone[n + 1]
+    assert all(not a & b for a, b in zip(rotated, rotated[1:], strict=False))
