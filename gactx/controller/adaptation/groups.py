@@ -58,6 +58,8 @@ class Profiles:
     shares: Mapping[Hashable, torch.Tensor] = field(default_factory=dict)
     sensitivity: Mapping[Hashable, float] = field(default_factory=dict)
     rotated: frozenset = frozenset()  # the tensors the estimate that made these measured so (Passes._rotated)
+    # Those it measured at the probe width against the base (not a curve's widths): what a rotation may scale
+    probed: frozenset = frozenset()
 
 
 def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -293,8 +295,9 @@ class Passes:
         or ``kept``), else alone; the passes counted to ``part``. Slots measured against the base that are expected
         to put the least in the gradient, at most ``negligible`` together (``sensitivity.NEGLIGIBLE``), are measured
         in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`); there,
-        of the slots no group takes, up to half are measured together likewise, last, where none was in the last
-        estimate (:meth:`_rotation`). Returns ``(slot -> D, slot -> profile measured alone)``."""
+        of the slots no group takes, up to half are measured together likewise, last, where each was measured on its
+        own at the probe width in the last estimate (:meth:`_rotation`). Returns ``(slot -> D, slot -> profile
+        measured alone)``."""
         if self.expect is not None:
             self.expect(list(row))
         expected = {}
@@ -318,7 +321,7 @@ class Passes:
             grouped = [s for g in groups for s in g]
             if negligible > 0 and ROTATE:  # a later estimate (an allocation in force)
                 single = {s: float(e.sum()) for s, e in expected.items() if s not in set(grouped)}
-                joint = self._rotation(row, single, kept.rotated)
+                joint = self._rotation(row, single, kept.probed - kept.rotated)
             if self.expect is not None:  # the groups first, then the slots measured alone, then those rotated
                 alone = [s for s in row if s not in set(grouped) and s not in found and s not in joint]
                 self.expect(grouped + alone + joint)
@@ -357,16 +360,17 @@ class Passes:
             return {}
         return {s: float(expected[s].sum()) * measured / want for s in small}
 
-    def _rotation(self, row: dict, single: dict, recent: frozenset) -> list:
+    def _rotation(self, row: dict, single: dict, eligible: frozenset) -> list:
         """The tensors of ``row`` that no group took (``single``: slot -> what each is expected to put in the gradient)
-        to measure together in one pass (:data:`ROTATE`, :meth:`_rotated`): of those measured against the base and
-        not so in the last estimate (``recent``), the smallest, at most half of ``single``; ``[]`` where fewer than two
-        are so. The estimate measures the others alone, and the next one these: a tensor measured so was measured on
-        its own the time before (alone, in a group, or with the negligible ones: :meth:`_together`) and is the time
-        after, and the cost levels at half of them alone."""
+        to measure together in one pass (:data:`ROTATE`, :meth:`_rotated`): of those measured against the base that
+        the last estimate measured so at the probe width on their own (``eligible``: alone, in a group, or with the
+        negligible ones, :meth:`_together`; not at a curve's widths, whose line the expectation at the probe width
+        is read on), the smallest, at most half of ``single``; ``[]`` where fewer than two are so. The estimate
+        measures the others alone, and the next one these: a tensor measured so was measured on its own the time
+        before and is the time after, and the cost levels at half of them alone."""
         if len(single) < 3:
             return []
-        candidates = [s for s in single if s not in recent and row[s][1] is None]
+        candidates = [s for s in single if s in eligible and row[s][1] is None]
         joint = sorted(candidates, key=single.__getitem__)[: len(single) // 2]
         if len(joint) < 2:
             return []

@@ -343,7 +343,13 @@ def estimate_sensitivities(
         set_probe(None)
         snapshot.restore()
     raw = {slot: raw[slot] for slot in plans}  # in the order the pass made them, however they were probed
-    profiles = Profiles(layout, {**kept.shares, **shares}, {**kept.sensitivity, **raw}, frozenset(passes.rotated))
+    profiles = Profiles(
+        layout,
+        {**kept.shares, **shares},
+        {**kept.sensitivity, **raw},
+        frozenset(passes.rotated),
+        frozenset(measured.get(("one",), ())),
+    )
     capped = cap(raw)
     unexplained = None
     if exact and noise_of is not None and passes.base is not None and first:
