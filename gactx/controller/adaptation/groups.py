@@ -43,9 +43,9 @@ GROUPED = True
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
-# In a later estimate, up to half of the tensors that no group takes (the smallest of those not so measured in the
-# last estimate) are measured together in one pass, each scaled by what it measured over what they were expected to
-# put: no tensor two estimates in a row (Passes._rotation, Passes._rotated). False: each alone.
+# In a later estimate, up to half of the tensors that no group takes (the smallest of those the last estimate measured
+# on their own at the probe width) are measured together in one pass, each scaled by what it measured over what they
+# were expected to put: no tensor two estimates in a row (Passes._rotation, Passes._rotated). False: each alone.
 ROTATE = True
 
 
@@ -310,7 +310,6 @@ class Passes:
             expected = self._agreed(list(row), expected)
         start = self.done
         found = self._together(row, expected, negligible)
-        scaled = set(found)  # measured with the negligible ones, not on their own
         expected = {s: e for s, e in expected.items() if s not in found}
         before, planned, joint = self.done, 0, []
 
@@ -333,7 +332,8 @@ class Passes:
             if slot not in found and slot not in joint:
                 measure_alone(slot, first, second, self.run, found, fresh)
         if joint:
-            ratios = [found[s] / float(e.sum()) for s, e in expected.items() if s in found and s not in scaled]
+            # The tensors measured on their own (not with the negligible ones: those left ``expected``)
+            ratios = [found[s] / float(e.sum()) for s, e in expected.items() if s in found and e.sum() > 0]
             found.update(self._rotated(row, joint, expected, statistics.median(ratios) if ratios else 1.0))
             for slot in joint:  # their pass not borne out: each alone
                 if slot not in found:
@@ -385,7 +385,8 @@ class Passes:
         other; the pass is counted as spent)."""
         want = {s: float(expected[s].sum()) for s in joint}
         measured = float(self.run({s: row[s][0] for s in joint}, None).sum())
-        ratio = measured / sum(want.values())
+        total = sum(want.values())
+        ratio = measured / total if total > 0 else math.inf
         if not (math.isfinite(ratio) and reference > 0 and 0.5 * reference <= ratio <= 2 * reference):
             self.total += len(joint)
             return {}
