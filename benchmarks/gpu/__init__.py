@@ -17,6 +17,9 @@ under its own time limit (``--limit ARM=SECONDS``; all of them within ``--budget
    L1.2, L2.2.
 5. ``bert-large``: transformers' BERT-large, sequence 128, batch 64: plain, checkpointing, L1, L2, L2.2.
 6. ``compiled``: BERT-large's shape with 6 of its 24 layers under ``torch.compile``, plain and L1.
+7. ``adaptation``: where an adaptation's time goes, ResNet-50 at L2.2 as in arm 4: a later adaptation timed, one
+   under ``torch.profiler`` (the device's busy time against the wall's, launches a pass, the top ops) and one under
+   ``cProfile`` (:mod:`benchmarks.gpu.adaptation`).
 
 Within a training arm, each model's methods run in phases, so that a short limit still yields what matters
 most: the fixed methods' warm-ups and peaks, their step times in turns, then the adaptive methods (their first

@@ -19,6 +19,7 @@ TITLES = {
     "compiled": "Compiled (torch.compile of the whole model's forward), bf16 autocast: BERT-large's shape, 6 of its 24 "
     "layers, sequence 128, batch 64",
     "host": "Host cost a saved tensor: 8 x (Linear(w, w) + GELU), batch w, float32 (benchmarks.host)",
+    "adaptation": "Where an adaptation's time goes: ResNet-50 at L2.2 as in its arm, an 8-image closure",
 }
 LABELS = {"fp": "plain", "checkpoint": "checkpointing"}
 # The goals the results are read against (GACT at L1: 0.73x throughput on ResNet-50, 0.90x on BERT-large;
@@ -183,6 +184,34 @@ def _host_table(rows: list[dict]) -> list[str]:
         "compressed saves. Python calls: in the calling thread (backward's own threads are not counted)."]  # fmt: skip
 
 
+def _adaptation_lines(rows: list[dict]) -> list[str]:
+    """The ``adaptation`` arm's rows (:mod:`benchmarks.gpu.adaptation`) as lines."""
+    by = {r["id"].split("/", 1)[1]: r for r in rows if r.get("kind") == "adaptation"}
+    if not by:
+        return ["(no rows)"]
+    lines = []
+    for name in ("first", "timed"):
+        r = by.get(name)
+        if r is not None:
+            lines.append(f"- {'first' if name == 'first' else 'a later'} adaptation: {r['seconds']:.2f} s, "
+                         f"{r['passes']} passes ({r['partial_passes']} from the probed nodes), "
+                         f"{1e3 * r['seconds'] / max(r['passes'], 1):.1f} ms a pass")  # fmt: skip
+    r = by.get("profile")
+    if r is not None:
+        share = r.get("device_busy_share")
+        busy = f"{r['device_busy_s']:.3f} s" + ("" if share is None else f", {share:.0%} of it")
+        lines.append(f"- under the profiler: {r['wall_s_profiled']:.2f} s wall, the device busy {busy}, "
+                     f"{r['launches_a_pass']:.0f} launches a pass")  # fmt: skip
+        for title, key in (("host", "top_host_ops"), ("device", "top_device_ops")):
+            ops = "; ".join(f"{name} x{count} {ms} ms" for name, count, ms in r.get(key, []))
+            lines.append(f"- most {title} time: {ops or '(none)'}")
+    r = by.get("python")
+    if r is not None:
+        top = "; ".join(f"{name} x{calls} {ms} ms" for name, calls, ms in r["top_python"])
+        lines.append(f"- Python, most time of their own (cProfile, {r['seconds']:.2f} s): {top}")
+    return lines
+
+
 def _training_table(rows: list[dict], arm: str) -> list[str]:
     mine = _training(rows, arm)
     if not mine:
@@ -236,6 +265,8 @@ def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
         lines += ["", f"## {TITLES[arm]}", "", _heading(env), ""]
         if arm in ("kernels", "host"):
             lines += _kernel_table(rows) if arm == "kernels" else _host_table(rows)
+        elif arm == "adaptation":
+            lines += _adaptation_lines(rows)
         else:
             lines += _training_table(rows, arm)
         sources = sorted({f"{r['model']}: {r['source']}" for r in _training(rows, arm) if r.get("source")})

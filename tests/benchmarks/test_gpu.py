@@ -89,6 +89,24 @@ def test_the_tiny_evaluation_runs_resnet_bert_large_and_the_host_cost(tmp_path):
     assert f"## {report.TITLES['host']}" in (tmp_path / "gpu.md").read_text()
 
 
+def test_the_tiny_evaluation_says_where_an_adaptations_time_goes(tmp_path):
+    """The adaptation arm: a first and a later adaptation timed, one under the profiler (the device's busy time, ops
+    with host and device time: none on a CPU) and one under cProfile, each with passes; rendered in its section."""
+    saved = _evaluate(tmp_path, "adaptation")
+    rows = {r["id"].split("/", 1)[1]: r for r in saved["rows"] if r.get("kind") == "adaptation"}
+    assert list(rows) == ["first", "timed", "profile", "python"]
+    assert all(r["seconds"] > 0 and r["passes"] > 2 for r in rows.values())
+    assert sum(p for _, p in rows["timed"]["passes_by_part"].values()) == rows["timed"]["passes"]
+    profile = rows["profile"]
+    assert profile["wall_s_profiled"] >= profile["seconds"] > 0 and len(profile["top_host_ops"]) > 3
+    assert (profile["device_busy_s"] > 0) == GPU and (len(profile["top_device_ops"]) > 0) == GPU
+    assert any("groups.py" in name or "replayed.py" in name for name, _, _ in rows["python"]["top_python"]) or any(
+        "run_backward" in name for name, _, _ in rows["python"]["top_python"]
+    )
+    md = (tmp_path / "gpu.md").read_text()
+    assert f"## {report.TITLES['adaptation']}" in md and "a later adaptation:" in md and "under the profiler" in md
+
+
 def test_an_arm_past_its_limit_is_cut_and_keeps_what_it_sent(tmp_path):
     script = f"import json, time; print({MARKER!r} + json.dumps({{'id': 'a', 'x': 1}}), flush=True); time.sleep(60)"
     rows = []
