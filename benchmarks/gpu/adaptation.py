@@ -28,6 +28,7 @@ from benchmarks.gpu import training
 from benchmarks.gpu.harness import Deadline, emit
 from benchmarks.measure import synchronize
 from benchmarks.methods import Method
+from benchmarks.run import train_step
 
 __all__ = ["run"]
 
@@ -42,19 +43,11 @@ def run(device: str, tiny: bool, deadline: Deadline) -> None:
     controller = method.controller
     base = {"arm": "adaptation", "kind": "adaptation", "model": w.name, "level": LEVEL, "batch": inputs[0].shape[0]}
 
-    def step() -> None:
-        with method.forward():
-            loss = w.loss(w.model, inputs, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        method.after_step(inputs, target)
-
     begin = time.perf_counter()
-    step()  # the first adaptation runs in it
+    train_step(method, optimizer, inputs, target)  # the first adaptation runs in it
     synchronize(device)
     first = controller.last_adaptation
-    step()
+    train_step(method, optimizer, inputs, target)
     synchronize(device)
     emit({"id": "adaptation/first", **base, "seconds": first.seconds, "passes": first.passes,
           "partial_passes": first.partial_passes, "steps_s": time.perf_counter() - begin})  # fmt: skip
