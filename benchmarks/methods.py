@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -131,14 +131,19 @@ class Method:
         """After the optimizer step: gactx counts the step and, at adaptive levels, adapts on a sub-batch."""
         if self.controller is None:
             return
+        self.controller.iterate(self.backprop(inputs, target))
+
+    def backprop(self, inputs: tuple, target: torch.Tensor) -> Callable[[], None]:
+        """The closure the estimator runs: forward (as this method runs one) and backward on a sub-batch of the
+        batch."""
         probe_inputs, probe_target = sub_batch(self.workload, inputs, target)
 
-        def backprop():
+        def backprop() -> None:
             with self.forward():
                 loss = self.workload.loss(self.workload.model, probe_inputs, probe_target)
             loss.backward()
 
-        self.controller.iterate(backprop)
+        return backprop
 
 
 def sub_batch(workload, inputs: tuple, target: torch.Tensor) -> tuple[tuple, torch.Tensor]:

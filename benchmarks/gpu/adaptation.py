@@ -22,8 +22,6 @@ import gc
 import pstats
 import time
 
-import torch
-
 from benchmarks.gpu import training
 from benchmarks.gpu.harness import Deadline, emit
 from benchmarks.measure import synchronize
@@ -51,7 +49,7 @@ def run(device: str, tiny: bool, deadline: Deadline) -> None:
     synchronize(device)
     emit({"id": "adaptation/first", **base, "seconds": first.seconds, "passes": first.passes,
           "partial_passes": first.partial_passes, "steps_s": time.perf_counter() - begin})  # fmt: skip
-    later = _backprop(method, inputs, target)
+    later = method.backprop(inputs, target)
     if not deadline.allows(4 * first.seconds + 5):
         return
     gc.collect()
@@ -65,20 +63,6 @@ def run(device: str, tiny: bool, deadline: Deadline) -> None:
     if deadline.allows(3 * a.seconds + 5):
         emit({"id": "adaptation/python", **base, **_python(controller, later)})
     method.close()
-
-
-def _backprop(method: Method, inputs: tuple, target: torch.Tensor):
-    """The closure :meth:`Method.after_step` gives ``iterate``: forward and backward on the sub-batch."""
-    from benchmarks.methods import sub_batch
-
-    probe_inputs, probe_target = sub_batch(method.workload, inputs, target)
-
-    def backprop() -> None:
-        with method.forward():
-            loss = method.workload.loss(method.workload.model, probe_inputs, probe_target)
-        loss.backward()
-
-    return backprop
 
 
 def _profiled(controller, backprop, device: str) -> dict:

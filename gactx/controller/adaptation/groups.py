@@ -318,11 +318,12 @@ class Passes:
             planned = sum(1 if row[g[0]][1] is None else 2 for g in groups)
             self.total += planned - sum(1 if row[s][1] is None else 2 for g in groups for s in g)
             grouped = [s for g in groups for s in g]
+            taken = set(grouped)
             if negligible > 0 and ROTATE:  # a later estimate (an allocation in force)
-                single = {s: float(e.sum()) for s, e in expected.items() if s not in set(grouped)}
+                single = {s: float(e.sum()) for s, e in expected.items() if s not in taken}
                 joint = self._rotation(row, single, kept.probed - kept.rotated)
             if self.expect is not None:  # the groups first, then the slots measured alone, then those rotated
-                alone = [s for s in row if s not in set(grouped) and s not in found and s not in joint]
+                alone = [s for s in row if s not in taken and s not in found and s not in joint]
                 self.expect(grouped + alone + joint)
 
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
@@ -353,12 +354,9 @@ class Passes:
         if len(small) < 2:
             return {}
         self.total += 1 - len(small)  # their passes, as the progress tells them before this one runs
-        measured = float(self.run({s: row[s][0] for s in small}, None).sum())
-        want = sum(float(expected[s].sum()) for s in small)
-        if not (math.isfinite(measured) and measured <= 2 * negligible and want > 0):
-            self.total += len(small)
-            return {}
-        return {s: float(expected[s].sum()) * measured / want for s in small}
+        return self._scaled(row, {s: float(expected[s].sum()) for s in small}, lambda measured, _: (
+            measured <= 2 * negligible
+        ))  # fmt: skip
 
     def _rotation(self, row: dict, single: dict, eligible: frozenset) -> list:
         """The tensors of ``row`` that no group took (``single``: slot -> what each is expected to put in the gradient)
@@ -383,15 +381,23 @@ class Passes:
         expected to put, less than half or more than twice the ``reference`` ratio (the median of the tensors the
         estimate measured on their own: they moved apart from the others since, and may have moved apart from each
         other; the pass is counted as spent)."""
-        want = {s: float(expected[s].sum()) for s in joint}
-        measured = float(self.run({s: row[s][0] for s in joint}, None).sum())
+        found = self._scaled(row, {s: float(expected[s].sum()) for s in joint}, lambda measured, want: (
+            reference > 0 and 0.5 * reference <= measured / want <= 2 * reference
+        ))  # fmt: skip
+        self.rotated.update(found)
+        return found
+
+    def _scaled(self, row: dict, want: dict, accept: Callable[[float, float], bool]) -> dict:
+        """``slot -> D`` of the slots of ``want`` (slot -> what each is expected to put in the gradient) from one pass
+        against the base with all of them probed: each its expectation times the pass's distance over their
+        expectations' sum. ``{}`` where ``accept(measured, expected)`` (their sums) refuses what the pass measured:
+        then each is measured as the others are, and the pass is counted as spent."""
+        measured = float(self.run({s: row[s][0] for s in want}, None).sum())
         total = sum(want.values())
-        ratio = measured / total if total > 0 else math.inf
-        if not (math.isfinite(ratio) and reference > 0 and 0.5 * reference <= ratio <= 2 * reference):
-            self.total += len(joint)
+        if not (total > 0 and math.isfinite(measured) and accept(measured, total)):
+            self.total += len(want)
             return {}
-        self.rotated.update(joint)
-        return {s: want[s] * ratio for s in joint}
+        return {s: w * measured / total for s, w in want.items()}
 
     def _agreed(self, slots: list, expected: dict) -> dict:
         """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something
