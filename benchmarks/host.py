@@ -7,7 +7,9 @@ each method are timed in turns, round after round, in one process (one torch thr
 median steps compared. Methods: gactx L0 (hooks installed, nothing compressed), L1 and L1.1, eagerly, and
 plain, L0 and L1 under ``torch.compile`` (of the whole model; against compiled plain), and plain and L1 compiled with
 Inductor's C++ wrapper (``options={"cpp_wrapper": True}``: the graph's own code calls the kernels from C++, not from
-Python; against plain compiled so; full runs only, its compile takes about 30 s a graph).
+Python; against plain compiled so; full runs only, its compile takes about 30 s a graph), and L1 compiled with
+``backend="torch"`` (the format in torch ops that Inductor compiles into the graph's own kernels, no op of gactx's
+but a tick a save; against compiled plain; full runs only).
 
 At ``w = 64`` kernel time vanishes and the difference to plain is host time: it is split, a save, into
 
@@ -50,11 +52,13 @@ from benchmarks.table import markdown_table
 from gactx.kernels import cpu, dequantize
 from gactx.kernels.functional import choose_backend, quantize_checked
 
-__all__ = ["METHODS", "measure", "run"]
+__all__ = ["METHODS", "base_of", "measure", "methods", "run"]
 
 BLOCKS = 8  # Linear + GELU blocks: 16 compressed saves a step
-METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile", "L1+compile-cpp")  # each against its plain
+# Each against its plain (a compiled one against compiled plain).
+METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile", "L1+compile-torch", "L1+compile-cpp")
 CPP_WRAPPER = "-cpp"  # a method's suffix: compiled with Inductor's C++ wrapper
+TORCH_BACKEND = "-torch"  # a method's suffix: gactx's backend="torch", the format traced into the graph
 GACTX = str(Path(gactx.__file__).resolve().parent)
 
 
@@ -71,7 +75,9 @@ class Case:
         self.name, self.model = name, mlp(width, device)
         self.x = torch.randn(width, width, device=device)
         level, _, compiled = name.partition("+")
-        self.controller = None if level in ("plain", "floor") else gactx.Controller(self.model, level=level)
+        backend = "torch" if compiled.endswith(TORCH_BACKEND) else "auto"
+        plain = level in ("plain", "floor")
+        self.controller = None if plain else gactx.Controller(self.model, level=level, backend=backend)
         self.compiled = bool(compiled)
         options = {"cpp_wrapper": True} if compiled.endswith(CPP_WRAPPER) else None
         self.forward = torch.compile(self.model, options=options) if compiled else self.model
@@ -246,16 +252,32 @@ def _kernels_timed(timed: Callable | None) -> Iterator[None]:
             setattr(built, n, fn)
 
 
-def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False) -> list[dict]:
-    """Rows of one width: plain, then each method, with their medians, ratios and per-save figures (``cpp``: the
-    methods compiled with Inductor's C++ wrapper too)."""
-    torch._dynamo.reset()  # each width's graphs on their own
-    names = ["plain", *(m for m in METHODS if (compiled or "+compile" not in m) and (cpp or CPP_WRAPPER not in m))]
+def methods(compiled: bool, cpp: bool, traced: bool) -> list[str]:
+    """The cases :func:`measure` times, each method after the plain one it is compared with (:func:`base_of`)."""
+    names = ["plain", *(m for m in METHODS if (compiled or "+compile" not in m) and (cpp or CPP_WRAPPER not in m)
+                        and (traced or TORCH_BACKEND not in m))]  # fmt: skip
     if compiled:
         names.insert(names.index("L0+compile"), "plain+compile")
     if compiled and cpp:
         names.insert(names.index("L1+compile-cpp"), "plain+compile-cpp")
-    cases = {name: Case(name, width, device) for name in names}
+    return names
+
+
+def base_of(name: str) -> str:
+    """The plain case a method is compared with: compiled plain for a compiled one (compiled alike: with the C++
+    wrapper for one that has it; gactx's backend is no plain's concern)."""
+    if "+compile" not in name:
+        return "plain"
+    return "plain" + name[name.index("+") :].removesuffix(TORCH_BACKEND)
+
+
+def measure(
+    width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False, traced: bool = False
+) -> list[dict]:
+    """Rows of one width: plain, then each method, with their medians, ratios and per-save figures (``cpp``: the
+    methods compiled with Inductor's C++ wrapper too; ``traced``: L1 compiled with ``backend="torch"`` too)."""
+    torch._dynamo.reset()  # each width's graphs on their own
+    cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced)}
     for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
         case.turn(3)
     times = alternate({name: (lambda case=case: case.turn(steps)) for name, case in cases.items()}, rounds)
@@ -263,7 +285,7 @@ def measure(width: int, device: str, rounds: int, steps: int, compiled: bool = T
     saves = cases["L1"].saves()  # compressed saves a step, as L1's last pass recorded them
     rows = []
     for name, case in cases.items():
-        base = "plain" + name[name.index("+") :] if "+compile" in name else "plain"
+        base = base_of(name)
         row = {"width": width, "method": name, "step_ms": median[name], "vs_plain": median[name] / median[base],
                "saves": saves, "per_save_us": 1e3 * (median[name] - median[base]) / saves,
                "python_calls_per_save": python_calls(case) / saves}  # fmt: skip
@@ -310,6 +332,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--no-compile", action="store_true", help="eager methods only")
     p.add_argument("--no-cpp-wrapper", action="store_true", help="leave out the methods compiled with Inductor's C++ "
                    "wrapper (their compile takes about 30 s a graph; --quick leaves them out)")  # fmt: skip
+    p.add_argument("--no-torch-backend", action="store_true", help="leave out L1 compiled with backend=\"torch\" (its "
+                   "compile takes longer; --quick leaves it out)")  # fmt: skip
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     args = bench.parse(argv)
     if args.quick:
@@ -317,7 +341,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     env = bench.environment(args.device, rounds=args.rounds, steps=args.steps)
     compiled, cpp = not args.no_compile, not (args.no_cpp_wrapper or args.quick)
-    rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, compiled, cpp)]
+    traced = not (args.no_torch_backend or args.quick)
+    rows = [r for w in args.widths for r in measure(w, args.device, args.rounds, args.steps, compiled, cpp, traced)]
     table = render(rows, env)
     folder = bench.folder(args, args.device)
     bench.write(folder, env, rows, table, indent=1)

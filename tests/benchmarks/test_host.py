@@ -38,3 +38,16 @@ def test_gactx_hooks_are_timed_in_place_so_each_step_is_a_pass_of_its_own():
     with case.hooks():  # the hooks' own functions are put back
         case.step()
     assert len(case.controller.records) == one_pass
+
+
+def test_full_runs_time_the_traced_format_against_compiled_plain():
+    # backend="torch" under torch.compile (full runs only: its compile takes about a minute here) is compared with
+    # plain compiled the default way; the C++ wrapper's method with plain compiled so.
+    names = host.methods(compiled=True, cpp=True, traced=True)
+    assert names == ["plain", "floor", "L0", "L1", "L1.1", "plain+compile", "L0+compile", "L1+compile",
+                     "L1+compile-torch", "plain+compile-cpp", "L1+compile-cpp"]  # fmt: skip
+    assert host.base_of("L1+compile-torch") == "plain+compile" and host.base_of("L1+compile-cpp") == "plain+compile-cpp"
+    assert host.base_of("L1.1") == "plain"
+    assert "L1+compile-torch" not in host.methods(compiled=True, cpp=True, traced=False)
+    assert host.Case("L1+compile-torch", 64, "cpu").controller.config.backend == "torch"
+    assert host.Case("L1+compile", 64, "cpu").controller.config.backend == "auto"
