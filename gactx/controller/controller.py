@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -221,7 +222,10 @@ class Controller:
         return a
 
     def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog, before: dict) -> Adaptation:
-        """One estimate and one allocation (:meth:`adapt`); ``before``: the allocation the adaptation began with."""
+        """One estimate and one allocation (:meth:`adapt`); ``before``: the allocation the adaptation began with. Its
+        seconds are this call's wall time (the estimate, the allocation and the new plan), the estimate's own seconds
+        where they are more than its call took (the free estimator's: its hooks in the step before)."""
+        start = time.perf_counter()
         cfg = self.config
         training_pass, was_installed = self._pass, self.installed
         if not was_installed:
@@ -230,7 +234,9 @@ class Controller:
             # Compiled regions run eagerly here: each probe changes one tensor's width, which a compiled graph
             # would have to be recompiled for.
             with torch.compiler.set_stance("force_eager"):
+                began = time.perf_counter()
                 estimate = self.estimator.estimate(backprop, self.step, progress)
+                start -= max(estimate.seconds - (time.perf_counter() - began), 0.0)
         finally:
             if not was_installed:
                 self.uninstall_hook()
@@ -251,7 +257,7 @@ class Controller:
         self.last_adaptation = Adaptation(
             step=self.step,
             passes=estimate.passes,
-            seconds=estimate.seconds,
+            seconds=time.perf_counter() - start,
             budget_bytes=budget,
             allocated_bytes=allocation.nbytes,
             predicted_variance=allocation.variance,

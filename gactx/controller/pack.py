@@ -110,6 +110,9 @@ class PackPath:
         # Called as unpacked(target, forward) at each unpack of a deferred save (probes.py), while an estimate
         # watches which backward nodes read each slot (adaptation/replayed.py).
         self.unpacked: Callable[[Slot, bool], None] | None = None
+        # The slots of the deferred saves of allocated classes that store their own tensor, while an estimate asks
+        # (estimators.REPLAY_FIRST: its first pass a replay, the training pass's saves checked against these)
+        self.deferred: set[Slot] | None = None
         # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
         self.before_save: Callable[[], None] | None = None
 
@@ -322,6 +325,8 @@ class PackPath:
             deferred.site = site
             if deferred.target != key.slot:  # a later save of what another slot stores (Deferred.rule)
                 deferred.rule = rule
+            elif rule.cls in ALLOCATED:  # as _finish tells a deferred save
+                self._deferred_own(key, handle.stored, rule)
             return
         t = handle.stored
         ptr = storage_ptr(t) or 0
@@ -349,7 +354,10 @@ class PackPath:
         if learn is not None or site is not None and site.result:  # most saves: an input's, its op recalled
             self._learn(t, slot, site, rule, learn)
         if self._plan.deferred and rule.cls in ALLOCATED and handle is None:  # kept for each backward's probe
-            return Deferred(t, key, self._target(slot), self, site, ptr, rule)
+            target = self._target(slot)
+            if target == slot:  # its own save, not a later one of what another stores: what a first pass records
+                self._deferred_own(key, t, rule)
+            return Deferred(t, key, target, self, site, ptr, rule)
         number = self.key_ids.setdefault(key, len(self.key_ids))
         decision = decide(t, rule, self._plan, slot, cfg, number)
         # Same storage, view, version and form (LINEAR and ATTENTION share quantized codes); not the width. A tensor
@@ -385,6 +393,15 @@ class PackPath:
         if cfg.dedupe and hit is None:
             self.dedupe[shape] = _entry(handle, t, decision)
         return handle
+
+    def _deferred_own(self, key: Key, t: torch.Tensor, rule: Rule) -> None:
+        """A deferred save of an allocated class that stores its own tensor: told to :attr:`deferred` where set, and
+        measured by the observers as :meth:`_store` measures a save (an estimate whose first pass is a replay,
+        ``estimators.REPLAY_FIRST``)."""
+        if self.deferred is not None:
+            self.deferred.add(key.slot)
+        for observe in self.observers:
+            observe(key, t, rule)
 
     def _may_replay(self, decision: Decision, key: Key) -> bool:
         """Whether a save of ``key`` just stored under ``decision`` may be replayed in later passes (``replay.py``):

@@ -10,6 +10,7 @@ from torch import nn
 
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
+from gactx.controller.adaptation import groups
 from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 from tests.helpers import gradient_error
 
@@ -47,11 +48,17 @@ def test_the_tensor_that_matters_more_gets_more_bits():
     assert bits[("b.1", 1, 0)] > bits[("a.1", 1, 0)]
 
 
-def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_tensor_alone():
-    """``sensitivity.EXACT_BASE``: the estimate's second pass (its base) stores every tensor as it is, so its gradients
-    are plain PyTorch's bit for bit, and the first (finding the tensors, at the allocation's widths) is not. The tanh
-    output that the next linear layer saves too (another form, stored apart) is measured under each slot: neither
-    probe finds the other's exact save holding the storage."""
+@pytest.mark.parametrize("replay_first", [False, True])
+def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_tensor_alone(monkeypatch, replay_first):
+    """``sensitivity.EXACT_BASE``: the estimate's base stores every tensor as it is, so its gradients are plain
+    PyTorch's bit for bit, and its first pass (at the allocation's widths) is not: where that pass runs the closure
+    (``estimators.REPLAY_FIRST`` off) it comes first and the base second; else the closure runs once, the base's
+    forward, whose backward's replays are the first pass and the probes. The tanh output that the next linear layer
+    saves too (another form, stored apart) is measured under each slot: neither probe finds the other's exact save
+    holding the storage."""
+    from gactx.controller.adaptation import estimators
+
+    monkeypatch.setattr(estimators, "REPLAY_FIRST", replay_first)
     torch.manual_seed(0)
     model = TwoBranches()
     x = torch.randn(256, 32)
@@ -68,8 +75,10 @@ def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_t
     with gactx.Controller(model, level="L2.2") as controller:
         model(x).square().mean().backward()
         controller.adapt(backprop)
-    assert all(torch.equal(a, b) for a, b in zip(seen[1], plain, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(seen[0], plain, strict=True))
+    assert len(seen) == (1 if replay_first else 2)
+    assert all(torch.equal(a, b) for a, b in zip(seen[-1], plain, strict=True))
+    if not replay_first:
+        assert not all(torch.equal(a, b) for a, b in zip(seen[0], plain, strict=True))
     c = controller.sensitivity
     assert c[("b.2", 1, 0)] > 100 * c[("a.2", 1, 0)] > 0 and c[("b.1", 1, 0)] > 100 * c[("a.1", 1, 0)] > 0
 
@@ -471,6 +480,7 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     from gactx.controller.adaptation import estimators
 
     monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
+    monkeypatch.setattr(groups, "ROTATE", False)  # each tensor its own pass (not two of three together: groups.py)
     torch.manual_seed(0)
     model, x = Normalised(), torch.randn(256, 32)
     controller = _adapted(model, lambda: model(x).square().mean(), min_numel=0)
@@ -758,3 +768,93 @@ def test_a_linear_tensor_stored_under_the_normal_scheme_is_probed_in_one_pass_ag
     assert slots == sorted(based) and spearman([pairs[s] for s in slots], [based[s] for s in slots]) >= 0.9
     ratios = sorted(based[s] / pairs[s] for s in slots if pairs[s] > 0)
     assert 0.75 <= ratios[len(ratios) // 2] <= 1.33
+
+
+class _Block(nn.Module):
+    """LayerNorm, a linear layer and GELU, and another linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _adaptations(replay: bool, monkeypatch, rows: int = 64) -> tuple[list[int], dict, dict, dict, list]:
+    """A first and a later adaptation of :class:`_Block` trained on 64 rows, its closure on ``rows`` of them, with
+    :data:`estimators.REPLAY_FIRST` at ``replay``: the closure's calls in each, the sensitivities, allocation and
+    choices the later one made, and both adaptations."""
+    from gactx.controller.adaptation import estimators
+
+    monkeypatch.setattr(estimators, "REPLAY_FIRST", replay)
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(64, 32)
+    calls = [0]
+
+    def closure():
+        calls[0] += 1
+        model(x[:rows]).square().mean().backward()
+
+    counted, adaptations = [], []
+    with gactx.Controller(model, level="L2.2", seed=0) as controller:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            calls[0] = 0
+            adaptations.append(controller.adapt(closure))
+            counted.append(calls[0])
+    choices = dict(controller.plan.choices)
+    return counted, dict(controller.sensitivity), dict(controller.allocation), choices, adaptations
+
+
+def test_an_estimate_replays_its_first_pass_where_the_closure_saves_what_training_saves(monkeypatch):
+    """``estimators.REPLAY_FIRST``: an estimate whose closure makes the allocated saves the training pass made runs the
+    closure once, not twice: the meter measures the forward its probes replay, and its first pass (every tensor as
+    training stored it, for ``Estimate.unexplained``) is a replay of that forward's backward. The same passes,
+    sensitivities (its probes see the same base), choices and allocation (the meter measured the same values) as with
+    the first pass run, in the first adaptation and a later one."""
+    run, sensitivity, bits, choices, ran = _adaptations(False, monkeypatch)
+    once, replayed, replayed_bits, replayed_choices, adaptations = _adaptations(True, monkeypatch)
+    assert (run, once) == ([2, 2], [1, 1])
+    assert [a.passes for a in adaptations] == [a.passes for a in ran]
+    assert [a.passes_by_part for a in adaptations] == [a.passes_by_part for a in ran]
+    assert replayed == pytest.approx(sensitivity, rel=1e-9) and replayed_bits == bits
+    assert replayed_choices == choices and any(c.scheme != "uniform" for c in choices.values())
+
+
+def test_an_estimate_runs_its_first_pass_where_the_closure_saves_other_tensors(monkeypatch):
+    """A closure on 16 of the 64 rows training takes: its LayerNorm input (512 elements) is under ``min_numel`` and
+    kept as it is, where training's is allocated. The estimate that replayed its first pass finds it in the forward
+    its probes replay and starts again with the first pass run: the closure runs three times, and the estimate is the
+    one made with the first pass run."""
+    run, sensitivity, bits, _, _ = _adaptations(False, monkeypatch, rows=16)
+    again, replayed, replayed_bits, _, _ = _adaptations(True, monkeypatch, rows=16)
+    assert run == [2, 2] and again == [3, 3] and ("norm", 1, 0) not in sensitivity
+    assert replayed == pytest.approx(sensitivity, rel=1e-9) and replayed_bits == bits
+
+
+def test_a_replayed_first_pass_still_tells_interacting_noises(monkeypatch, caplog):
+    """The replayed first pass is what ``Estimate.unexplained`` reads: with the threshold at 0 after the first
+    adaptation, the later one, which ran the closure once, finds its tensors' noises interacting."""
+    import logging
+
+    from gactx.controller.adaptation import estimators
+
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(64, 32)
+    calls = [0]
+
+    def closure():
+        calls[0] += 1
+        model(x).square().mean().backward()
+
+    controller = gactx.Controller(model, level="L2.2", seed=0)
+    with caplog.at_level(logging.INFO, logger="gactx.controller.adaptation.estimators"), controller:
+        monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)
+        model(x).square().mean().backward()
+        controller.adapt(closure)
+        monkeypatch.setattr(estimators, "UNEXPLAINED", 0.0)
+        model(x).square().mean().backward()
+        calls[0] = 0
+        controller.adapt(closure)
+    assert calls[0] == 1 and sum("the tensors' noises interact" in r.getMessage() for r in caplog.records) == 1

@@ -179,7 +179,9 @@ def _bound(options: list, budget: int) -> tuple[float, float, np.ndarray] | None
     upper = float(var[rows, chosen].sum())
     least = (var + hi * nbytes)[rows, chosen]
     suffix = np.concatenate([np.cumsum(least[::-1])[::-1], [0.0]])
-    slack = 1e-9 * max(upper, 1e-300)  # rounding in the sums: never prune the optimum
+    # Rounding in the bound's sums, whose terms (lam * bytes) may be far larger than the variances: never prune the
+    # optimum (a slack of upper's size alone pruned every point where the variances were 1e-27 and lam * bytes 1e-19).
+    slack = 1e-9 * max(upper, float(suffix[0]) + hi * budget, 1e-300)
     return upper + slack, hi, suffix
 
 

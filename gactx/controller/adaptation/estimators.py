@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import nn
 
 from gactx.config import Config
-from gactx.controller.adaptation import cost
+from gactx.controller.adaptation import cost, replayed
 from gactx.controller.adaptation import sensitivity as gact
 from gactx.controller.adaptation.budget import default_width
 from gactx.controller.adaptation.choices import (
@@ -41,6 +41,7 @@ from gactx.controller.adaptation.choices import (
 )
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
 from gactx.controller.adaptation.groups import Profiles
+from gactx.controller.adaptation.ranks import distributed
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
 from gactx.controller.adaptation.widths import variance_factor
 from gactx.controller.identity import ModuleTracker, Slot
@@ -77,6 +78,13 @@ NORMAL_CONTEXT = True
 # to 1.07, ViT-B/16 35 (where the exact estimate's allocation had a lower gradient error than the other's), the zoo
 # transformer layer 8e5 (its gradient error 3.3 times the other's with uniform codes only).
 UNEXPLAINED = 100.0
+# An estimate against the exact base whose backward is replayed runs no first pass of the closure: it takes the
+# allocated saves from the training pass, measures their stored errors (the meter) in the forward its probes replay,
+# and replays that forward's backward with each one probed at the width training stored it at for its first pass
+# (GactEstimator._discover). Where that forward's allocated saves are not the training pass's (a smaller sub-batch's
+# tensor under min_numel), the estimate starts again with the first pass run. A closure's forward and backward fewer an
+# estimate (ResNet-50 small: about 40 ms of an adaptation); False: the first pass runs the closure.
+REPLAY_FIRST = True
 PROGRESS_SECONDS = 3.0  # an adaptation that runs longer logs its progress this often
 VISIBLE_SECONDS = 15.0  # ... and once past cost.SLOW_SECONDS, this often at WARNING
 logger = logging.getLogger(__name__)
@@ -182,6 +190,11 @@ class GactEstimator(_Measuring):
         self._profiles: Profiles | None = None  # where each tensor's noise landed in the gradient (groups.py)
         self._noise: dict[Slot, float] = {}  # each slot's noise in the first pass, in units of S (_discover)
         self._paired = False  # an exact estimate left most of the gradient's error unexplained (UNEXPLAINED)
+        # Where this estimate's first pass is a replay (REPLAY_FIRST): the training pass's allocated saves, by slot
+        self._trained_records: dict[Slot, KeyRecord] | None = None
+        self._reading = False  # ... and the forward the probes replay is still to run (_defer)
+        self._changed = False  # ... and it made other allocated saves than the training pass
+        self._no_replay = False  # an estimate started again with its first pass run (_SlotsChanged)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated or (gact.EXACT_BASE and not self._paired) else 2
@@ -219,18 +232,31 @@ class GactEstimator(_Measuring):
         def fitted(slot: Slot) -> bool:  # a curve to fit now: two widths
             return curved(slot) and slot not in kept
 
-        estimate = estimate_sensitivities(
-            self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
-            self._probed_choices, fitted if self.path.plan.allocation or exact else _straight,
-            lambda slot: self._weights_of(slot, modules),
-            # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
-            # scaled by S(b) (probed in the form it is stored in instead, read on its kept curve)
-            lambda slot: None if slot in kept else self._context.get(slot),
-            lambda slot: self._stored.get(slot),  # filled by the first pass too
-            kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
-            self._profiles, exact, lambda slot: self._noise[slot],  # filled by the first pass too
-            self._defer, self.allocated_variance if self.path.plan.allocation else None,
-        )  # fmt: skip
+        def run() -> Estimate:
+            return estimate_sensitivities(
+                self.model, backprop, self._discover, self._set_probe, self.config.probe_bits, seed_of, progress,
+                self._probed_choices, fitted if self.path.plan.allocation or exact else _straight,
+                lambda slot: self._weights_of(slot, modules),
+                # filled by the first pass (_discover), so read at each call; a curved tensor's is not what it stores
+                # scaled by S(b) (probed in the form it is stored in instead, read on its kept curve)
+                lambda slot: None if slot in kept else self._context.get(slot),
+                lambda slot: self._stored.get(slot),  # filled by the first pass too
+                kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
+                self._profiles, exact, lambda slot: self._noise[slot],  # filled by the first pass too
+                self._defer, self.allocated_variance if self.path.plan.allocation else None,
+                lambda: self._trained(seed_of),
+            )  # fmt: skip
+
+        try:
+            estimate = run()
+        except _SlotsChanged:  # the replayed first pass's forward saved other tensors: the first pass run instead
+            logger.info("gactx adaptation at step %d: the closure saves other tensors than training; its first "
+                        "pass runs", step)  # fmt: skip
+            self._no_replay = True
+            try:
+                estimate = run()
+            finally:
+                self._no_replay = False
         self._profiles = estimate.profiles
         switch = exact and estimate.unexplained is not None and estimate.unexplained > UNEXPLAINED
         if switch:
@@ -311,9 +337,18 @@ class GactEstimator(_Measuring):
         return tuple(weights)
 
     def _discover(self, run: Callable[[], object]) -> list[Slot]:
-        """Run the estimator's first pass on fresh statistics (the meter measuring it); the slots it allocated."""
+        """Run the estimator's first pass on fresh statistics (the meter measuring it); the slots it allocated. Where
+        it may be a replay (:data:`REPLAY_FIRST`, :meth:`_replayable`), ``run`` is not called: the slots are the
+        training pass's allocated ones, the meter measures the forward the probes replay (:meth:`_defer`), and the
+        estimate replays the first pass with the probes of :meth:`_trained`."""
         path = self.path
+        trained = {r.key.slot: r for r in path.stats.records if r.allocated}
+        self._trained_records = trained if trained and self._replayable() else None
+        self._reading = self._trained_records is not None
         path.stats, path.fresh = PassStats(), False
+        if self._trained_records is not None:
+            self._noise = {s: _noise(r) for s, r in trained.items()}
+            return list(trained)
         if self.meter is not None:
             self.meter.clear()  # nothing left from an earlier pass
             self.meter.armed = True
@@ -330,8 +365,31 @@ class GactEstimator(_Measuring):
         choices, bits = path.plan.choices, self.config.probe_bits
         self._stored = {r.key.slot: _stored(r, choices.get(r.key.slot), self._read, bits) for r in records}
         self._context = {r.key.slot: _context(r, self._stored[r.key.slot]) for r in records}
-        self._noise = {r.key.slot: 0.0 if r.reason or r.bits > 8 else variance_factor(r.bits) for r in records}
+        self._noise = {r.key.slot: _noise(r) for r in records}
         return [r.key.slot for r in records]
+
+    def _replayable(self) -> bool:
+        """Whether this estimate's first pass may be a replay (:data:`REPLAY_FIRST`): an estimate against the exact base
+        whose backward is replayed (``replayed.REPLAY``, one process) after a training pass of eager saves, not one
+        started again (:class:`_SlotsChanged`)."""
+        return (
+            REPLAY_FIRST and not self._no_replay and self._exact and replayed.REPLAY and not distributed()
+            and not self.path.stats.graph_runs
+        )  # fmt: skip
+
+    def _trained(self, seed_of: Callable[[Slot, int], int]) -> dict[Slot, Probe] | None:
+        """Where this estimate's first pass is a replay, its probes: each slot at the width training stored it at
+        (uniform codes, or the other scheme the plan gives it; none where it was stored as it is), with a seed of its
+        own; else ``None``. Raises :class:`_SlotsChanged` where the forward the probes replay made other allocated
+        saves than the training pass."""
+        if self._trained_records is None:
+            return None
+        if self._changed:
+            raise _SlotsChanged
+        choices = self.path.plan.choices
+        return {
+            s: Probe(s, r.bits, seed_of(s, 0), choices.get(s)) for s, r in self._trained_records.items() if _noise(r)
+        }
 
     def _set_probe(self, probe: Probe | None) -> None:
         self.path.plan = self.path.plan.probing(probe, exact=self._exact)
@@ -343,8 +401,22 @@ class GactEstimator(_Measuring):
         return gact.EXACT_BASE and not self._paired
 
     def _defer(self, on: bool, watch: Callable[[Slot, bool], None] | None = None) -> None:
-        self.path.plan = self.path.plan.probing(self.path.plan.probe, exact=True, deferred=on)
-        self.path.unpacked = watch if on else None
+        path = self.path
+        path.plan = path.plan.probing(path.plan.probe, exact=True, deferred=on)
+        path.unpacked = watch if on else None
+        if not self._reading:
+            return
+        # The first pass a replay (_discover): the meter measures this forward, whose allocated saves are told
+        if on:
+            path.deferred, self._changed = set(), False
+            if self.meter is not None:
+                self.meter.clear()
+                self.meter.armed = True
+            return
+        self._changed, path.deferred, self._reading = path.deferred != self._trained_records.keys(), None, False
+        if self.meter is not None:
+            self.meter.armed = False
+            self._read = self.meter.read()
 
     def _probed_choices(self, slot: Slot) -> tuple[tuple[Choice, Choice], ...]:
         """Choices whose effect on the gradient is measured for ``slot``: a sketch of half the rows, where a sketch may
@@ -363,6 +435,16 @@ def _straight(slot: Slot) -> bool:
     both, ResNet-50 (small) took 442 passes, without them in the first 283, to the same sensitivities (rank correlation
     1.0) and allocation, as on the zoo's transformer layer, BERT and ResNet and on BERT-base (small)."""
     return False
+
+
+class _SlotsChanged(Exception):
+    """The forward a replayed first pass's probes replay made other allocated saves than the training pass."""
+
+
+def _noise(record: KeyRecord) -> float:
+    """What an allocated save's storage adds, in units of ``S`` (``sensitivity.py``'s ``noise_of``): ``S`` at its
+    width, 0 where it is stored as it is."""
+    return 0.0 if record.reason or record.bits > 8 else variance_factor(record.bits)
 
 
 def _context(record: KeyRecord, stored: tuple | None) -> float | None:

@@ -171,6 +171,7 @@ def estimate_sensitivities(
     noise_of: Callable[[Hashable], float] | None = None,
     defer: Callable[[bool], None] | None = None,
     allocated: float | None = None,
+    trained: Callable[[], dict | None] | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -199,7 +200,9 @@ def estimate_sensitivities(
     out of deferring (``Plan.deferred``), where the passes after the first replay the closure's backward
     (``replayed.py``). ``allocated``: the gradient variance the allocation in force predicts, where there is one: the
     tensors of one-pass measurements whose variances at 1 bit sum to at most :data:`NEGLIGIBLE` of it are measured
-    together, in one pass (``groups.Passes.measure``)."""
+    together, in one pass (``groups.Passes.measure``). ``trained()``: where ``discover`` returned without running its
+    pass, the probes that store each slot as training does; the first pass is then a replay of the base's forward
+    under them (``estimators.REPLAY_FIRST``), ``None`` where there is none."""
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
@@ -256,6 +259,10 @@ def estimate_sensitivities(
                 if len(params) == len(sizes):
                     passes.difference = lambda probes: backprop.difference(probes, set_probe, params)
                     passes.expect = backprop.expect
+            probes = trained() if trained is not None and not first else None
+            if probes is not None:  # the first pass, every tensor as training stores it: a replay (not counted again)
+                set_probe(probes)
+                first.append(_gradient(model, backprop, snapshot))
             if first:  # the first pass's distance from the base, read now: its gradients are not held on
                 first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}
@@ -347,7 +354,7 @@ def estimate_sensitivities(
         layout,
         {**kept.shares, **shares},
         {**kept.sensitivity, **raw},
-        frozenset(passes.rotated),
+        dict(passes.rotated),
         frozenset(measured.get(("one",), ())),
     )
     capped = cap(raw)

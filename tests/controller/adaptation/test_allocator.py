@@ -53,6 +53,16 @@ def test_optimal_against_brute_force_and_within_budget(items, fraction):
         assert not result.feasible
 
 
+def test_tiny_variances_keep_the_optimum_against_the_bounds_rounding():
+    """Variances of 1e-27 beside a bound whose ``lam * bytes`` terms are 1e-19: the bound's rounding is far above the
+    variances, and pruned every point of the frontier before its slack was set by those terms."""
+    items = [Item(0, 1, torch.float32, 0.0), Item(1, 1, torch.float32, 1.4700691996843588e-27)]
+    budget = sum(min(expected_nbytes(it.numel, it.dtype, b) for b in widths_for(it.dtype)) for it in items)
+    result = allocate(items, budget)
+    assert result.feasible and result.nbytes <= budget
+    assert result.variance == pytest.approx(_brute_force(items, budget), rel=1e-9, abs=1e-40)
+
+
 def test_infeasible_budget_gives_the_narrowest_widths():
     items = [Item("a", 10_000, torch.float32, 1.0), Item("b", 10_000, torch.bfloat16, 5.0)]
     result = allocate(items, budget=100)

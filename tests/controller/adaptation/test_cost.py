@@ -75,6 +75,34 @@ def test_a_slow_adaptation_warns_with_its_cost_and_share(monkeypatch):
         controller.uninstall_hook()
 
 
+@pytest.mark.parametrize("estimator", ["gact", "actnn"])
+def test_an_adaptations_seconds_count_its_allocation(monkeypatch, estimator):
+    """``Adaptation.seconds`` is the whole adaptation's wall time: the allocation after the estimate too (here made
+    0.3 s slower), with either estimator."""
+    from gactx.controller import controller as module
+
+    allocate = module.allocate_estimate
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(module, "allocate_estimate", slow)
+    model, x = _model(), torch.randn(16, 32)
+
+    def backprop():
+        model(x).square().mean().backward()
+
+    with gactx.Controller(model, level="L2.2", estimator=estimator) as controller:
+        backprop()
+        start = time.perf_counter()
+        a = controller.adapt(backprop)
+        took = time.perf_counter() - start
+    assert a.seconds >= 0.3
+    if estimator == "gact":  # the free estimator's seconds include its hooks in the step before
+        assert a.seconds <= took
+
+
 def test_a_quick_adaptation_does_not_warn():
     model, x = _model(), torch.randn(16, 32)
 

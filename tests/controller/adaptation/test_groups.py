@@ -198,12 +198,15 @@ def test_ranks_with_other_data_group_alike_and_run_as_many_passes(negligible, tm
 _ROTATED = groups.Passes._rotated  # as the package defines it (a test's spy wraps this one, not another test's)
 
 
-def _stacked_batch_norms(rotate: bool, monkeypatch) -> tuple[list[int], list[set], list[frozenset], dict, float]:
+def _stacked_batch_norms(
+    rotate: bool, monkeypatch, rotations: int = 1, later: int = 4
+) -> tuple[list[int], list[set], list[dict], dict, float]:
     """Eight ``Linear`` + ``BatchNorm1d`` + ReLU blocks, whose BatchNorm inputs' noise lands mostly in the first
-    weights (no group takes them): four adaptations after the first, with :data:`groups.ROTATE` at ``rotate``. Their
-    passes, the tensors each measured together (rotated), what its profiles say it rotated, the allocation and the
-    gradient error at it."""
+    weights (no group takes them): ``later`` adaptations after the first, with :data:`groups.ROTATE` at ``rotate`` and
+    :data:`groups.ROTATIONS` at ``rotations``. Their passes, the tensors each measured together (rotated), what its
+    profiles say it rotated (slot -> estimates in a row), the allocation and the gradient error at it."""
     monkeypatch.setattr(groups, "ROTATE", rotate)
+    monkeypatch.setattr(groups, "ROTATIONS", rotations)
     rotated = []
 
     def spy(self, row, joint, expected, reference):
@@ -225,10 +228,19 @@ def _stacked_batch_norms(rotate: bool, monkeypatch) -> tuple[list[int], list[set
     with controller:
         loss().backward()
         controller.adapt(lambda: loss().backward())
-        for _ in range(4):
+        for _ in range(later):
             passes.append(controller.adapt(lambda: loss().backward()).passes)
-            kept.append(controller.estimator._profiles.rotated)
+            kept.append(dict(controller.estimator._profiles.rotated))
     return passes, rotated, kept, dict(controller.allocation), gradient_error(model, loss, controller, draws=4)
+
+
+def _in_a_row(kept: list[dict]) -> list[dict]:
+    """What each estimate's profiles should say of its rotated tensors: how many estimates in a row each was so."""
+    out, before = [], {}
+    for now in kept:
+        before = {s: before.get(s, 0) + 1 for s in now}
+        out.append(before)
+    return out
 
 
 def test_a_later_adaptation_measures_together_every_other_time_the_tensors_no_group_takes(monkeypatch):
@@ -244,4 +256,21 @@ def test_a_later_adaptation_measures_together_every_other_time_the_tensors_no_gr
     together = [set(k) for k in kept if k]  # what each estimate's profiles say it measured together
     assert together == [r for r in rotated if r] and len(together) >= 2 and all(len(r) >= 2 for r in together)
     assert not kept[0]  # the first adaptation measured them at a curve's widths
-    assert all(not a & b for a, b in zip(kept, kept[1:], strict=False))
+    assert all(not a.keys() & b.keys() for a, b in zip(kept, kept[1:], strict=False))
+    assert all(set(k.values()) <= {1} for k in kept)
+
+
+def test_tensors_are_measured_together_at_most_rotations_estimates_in_a_row(monkeypatch):
+    """With :data:`groups.ROTATIONS` at 2, up to two thirds of the BatchNorm inputs no group takes are measured
+    together, none more than two estimates in a row (the profiles count them), each on its own at least every third
+    estimate: fewer passes than at 1, and the gradient error at the allocation within 10% of measuring each alone
+    every time."""
+    each, _, _, bits, error = _stacked_batch_norms(False, monkeypatch, later=6)
+    halves, by_halves, _, _, _ = _stacked_batch_norms(True, monkeypatch, rotations=1, later=6)
+    fewer, rotated, kept, rotated_bits, rotated_error = _stacked_batch_norms(True, monkeypatch, rotations=2, later=6)
+    assert sum(fewer) < sum(halves) < sum(each) and rotated_bits.keys() == bits.keys()
+    assert rotated_error == pytest.approx(error, rel=0.1)
+    assert [set(k) for k in kept if k] == [r for r in rotated if r]
+    assert kept == _in_a_row(kept)  # the profiles count the estimates in a row
+    assert max(n for k in kept for n in k.values()) == 2  # some twice in a row, none three times
+    assert max(map(len, rotated)) > max(map(len, by_halves))  # more of them at once

@@ -42,13 +42,13 @@ def _adapt(
 
 
 def test_replaying_the_backward_measures_what_running_the_closure_measures(monkeypatch):
-    """Each pass after an estimate's first two replays the closure's backward: the same sensitivities to the last bit
-    and the same allocation as running the closure every pass, which ran once for each pass; with replays, twice an
-    estimate (the training widths' pass, and the forward every probe reads)."""
+    """Each pass after an estimate's base replays the closure's backward: the same sensitivities to the last bit and
+    the same allocation as running the closure every pass, which ran once for each pass; with replays, once an
+    estimate (the forward every probe reads, whose backward's replay is the first pass too: estimators.REPLAY_FIRST)."""
     whole = _adapt(False, monkeypatch)
     replays = _adapt(True, monkeypatch)
     assert replays[0] == whole[0] and replays[1] == whole[1] and replays[2] == whole[2]
-    assert whole[3] == whole[2] and replays[3] == 4
+    assert whole[3] == whole[2] and replays[3] == 2
 
 
 def _spied(monkeypatch) -> dict:
@@ -74,7 +74,7 @@ def test_a_pass_from_the_probed_nodes_measures_what_the_whole_backward_measures(
     whole = _adapt(True, monkeypatch, device=device, level=level)
     counts = _spied(monkeypatch)
     partial = _adapt(True, monkeypatch, partial=True, device=device, level=level)
-    assert partial[1] == whole[1] and partial[2] == whole[2] and partial[3] == 4
+    assert partial[1] == whole[1] and partial[2] == whole[2] and partial[3] == 2
     assert partial[0] == pytest.approx(whole[0], rel=1e-5)
     # On a GPU a node whose call outside the engine does not give the engine's result bit for bit (checked once a
     # node: an atomics-based convolution gradient, say) leaves its passes to whole replays.
@@ -192,7 +192,7 @@ def test_the_forward_the_probes_read_is_freed_after_the_estimate(monkeypatch):
     with gactx.Controller(model, level="L2.2") as controller:
         F.cross_entropy(model(x[:64]), y[:64]).backward()
         controller.adapt(backprop)
-    assert len(losses) == 2 and all(ref() is None for ref in losses)
+    assert len(losses) == 1 and all(ref() is None for ref in losses)
 
 
 class _Checkpointed(torch.nn.Module):
