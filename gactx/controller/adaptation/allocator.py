@@ -19,10 +19,11 @@ The problem, ``min sum C_l S(b_l)  s.t.  sum bytes(l, b_l) <= budget``, is a mul
 Greedy narrowing by variance per byte is optimal only where the budget falls on a breakpoint; instead
 :func:`allocate` walks the items keeping the Pareto frontier of (bytes, variance) over partial choices,
 which is exact. A partial choice that no completion can make better than a whole allocation found first (a
-Lagrangian bound, :func:`_bound`) is dropped, which keeps the frontier small: on the LoRA decoder's 94 tensors (small,
-the default schemes) 0.28 s instead of 1.8 s. Should the frontier still grow past ``max_frontier`` points it is
-thinned to the best point in each of ``max_frontier`` equal byte intervals, so the result stays within one interval's
-worth of bytes of the optimum's trade-off.
+Lagrangian bound, :func:`_bound`, against the Lagrangian picks with the bytes they leave spent greedily) is dropped,
+which keeps the frontier small: on the LoRA decoder's 94 tensors (small, the default schemes, a later adaptation's
+options) 0.06 s, 0.44 s against the picks alone, and 1.8 s unbounded. Should the frontier still grow past
+``max_frontier`` points it is thinned to the best point in each of ``max_frontier`` equal byte intervals, so the result
+stays within one interval's worth of bytes of the optimum's trade-off.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def _options(item: Item, group_size: int) -> tuple[tuple[Choice, ...], np.ndarra
 
 def _bound(options: list, budget: int) -> tuple[float, float, np.ndarray] | None:
     """``(U, lam, R)`` for pruning partial choices exactly: ``U`` the variance of a whole allocation within the budget
-    (each item's option of least ``variance + lam * bytes``, ``lam`` the least of a bisection that fits), and ``R[i]``
+    (each item's option of least ``variance + lam * bytes``, ``lam`` the least of a bisection that fits, the bytes
+    left then spent greedily: :func:`_filled`), and ``R[i]``
     the sum of that least over the items from ``i`` on. Any completion of a partial choice of ``b`` bytes and variance
     ``v`` then has a variance of at least ``v + R[i] - lam * (budget - b)`` (weak duality), so a partial choice whose
     bound exceeds ``U`` cannot lead to the optimum. ``None`` where there is nothing to bound."""
@@ -176,13 +178,34 @@ def _bound(options: list, budget: int) -> tuple[float, float, np.ndarray] | None
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if int(nbytes[rows, pick(mid)].sum()) <= budget else (mid, hi)
     chosen = pick(hi)
-    upper = float(var[rows, chosen].sum())
-    least = (var + hi * nbytes)[rows, chosen]
+    # The bytes those picks leave, filled (the tighter ``U``, the fewer partial choices survive: on the LoRA decoder's
+    # 94 items of up to 24 options, 0.56M candidates where the picks alone left 4.3M, 48 ms against 440 ms)
+    upper = min(_filled(nbytes, var, chosen, budget, by_ratio) for by_ratio in (True, False))
+    least = (var + hi * nbytes)[rows, pick(hi)]
     suffix = np.concatenate([np.cumsum(least[::-1])[::-1], [0.0]])
     # Rounding in the bound's sums, whose terms (lam * bytes) may be far larger than the variances: never prune the
     # optimum (a slack of upper's size alone pruned every point where the variances were 1e-27 and lam * bytes 1e-19).
     slack = 1e-9 * max(upper, float(suffix[0]) + hi * budget, 1e-300)
     return upper + slack, hi, suffix
+
+
+def _filled(nbytes: np.ndarray, var: np.ndarray, chosen: np.ndarray, budget: int, by_ratio: bool) -> float:
+    """The variance of the allocation ``chosen`` (an option index an item; within ``budget``) with the bytes it leaves
+    spent greedily: one item at a time to the option that lowers the variance most per byte added (``by_ratio``) or
+    most, while one fits. A whole allocation within the budget, so an upper bound on the optimum."""
+    rows = np.arange(len(chosen))
+    chosen = chosen.copy()
+    left = budget - int(nbytes[rows, chosen].sum())
+    while True:
+        added = nbytes - nbytes[rows, chosen][:, None]
+        lowered = var[rows, chosen][:, None] - var
+        fits = (added <= left) & (lowered > 0)
+        if not fits.any():
+            return float(var[rows, chosen].sum())
+        score = lowered / np.maximum(added, 1) if by_ratio else lowered
+        i, j = np.unravel_index(np.argmax(np.where(fits, score, -np.inf)), score.shape)
+        left -= int(added[i, j])
+        chosen[i] = j
 
 
 def _thin(nbytes: np.ndarray, var: np.ndarray, keep: np.ndarray, max_frontier: int, budget: int) -> np.ndarray:
