@@ -395,10 +395,11 @@ class PackPath:
         return handle
 
     def _deferred_own(self, key: Key, t: torch.Tensor, rule: Rule) -> None:
-        """A deferred save of an allocated class that stores its own tensor: told to :attr:`deferred` where set, and
+        """A deferred save of an allocated class that stores its own tensor: told to :attr:`deferred` where set and made
+        by the forward (not by a recomputation inside backward, which a training pass does not record either), and
         measured by the observers as :meth:`_store` measures a save (an estimate whose first pass is a replay,
         ``estimators.REPLAY_FIRST``)."""
-        if self.deferred is not None:
+        if self.deferred is not None and not in_backward():
             self.deferred.add(key.slot)
         for observe in self.observers:
             observe(key, t, rule)

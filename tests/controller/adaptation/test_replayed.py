@@ -227,6 +227,32 @@ def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
     assert results[1] == pytest.approx(results[0], rel=1e-6) and len(results[0]) >= (4 if reentrant else 1)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_model_replays_its_first_pass(reentrant, monkeypatch):
+    """The saves a checkpointed region's recomputation makes inside backward are no training pass's records, and no
+    part of what the replayed first pass's forward is checked against (``estimators.REPLAY_FIRST``): the closure runs
+    once an estimate, for the sensitivities and allocation of a first pass of its own."""
+    from gactx.controller.adaptation import estimators
+
+    results = []
+    for replay_first in (False, True):
+        monkeypatch.setattr(estimators, "REPLAY_FIRST", replay_first)
+        torch.manual_seed(0)
+        model, x = _Checkpointed(reentrant), torch.randn(32, 64, requires_grad=reentrant)
+        calls = [0]
+
+        def closure(model=model, x=x, calls=calls):
+            calls[0] += 1
+            model(x).square().mean().backward()
+
+        with gactx.Controller(model, "L2.2", seed=0) as controller:
+            model(x).square().mean().backward()
+            controller.adapt(closure)
+        results.append((dict(controller.sensitivity), dict(controller.allocation), calls[0]))
+    (ran, ran_bits, twice), (replayed_first, bits, once) = results
+    assert (twice, once) == (2, 1) and bits == ran_bits and replayed_first == pytest.approx(ran, rel=1e-9)
+
+
 def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
     """The gradients the probed nodes are given in the base are read for at most ``WINDOW`` nodes at a time, those the
     pass needs first and then those of the slots expected next: with a window of 2 the zoo ResNet's BatchNorm inputs
