@@ -348,6 +348,7 @@ class GactEstimator(_Measuring):
         path.stats, path.fresh = PassStats(), False
         if self._trained_records is not None:
             self._noise = {s: _noise(r) for s, r in trained.items()}
+            self.discovered = None  # no pass of its own: the controller reads the forward the probes replay
             return list(trained)
         if self.meter is not None:
             self.meter.clear()  # nothing left from an earlier pass
