@@ -48,7 +48,7 @@ UNEXPLAINED = 0.1
 ROTATE = True
 # The most estimates in a row a tensor is measured so: each is measured on its own at least every ROTATIONS + 1
 # estimates, and up to ROTATIONS / (ROTATIONS + 1) of those no group takes are measured together. 2 against 1: ResNet-50
-# small's later adaptations in the adaptation benchmark 14 passes against 17; after 5 x 10 SGD steps, each followed by
+# small's later adaptations in the adaptation benchmark 15 passes against 17; after 5 x 10 SGD steps, each followed by
 # a later adaptation, the gradient errors at the allocations 0.97x to 1.00x of measuring each alone every time on
 # ResNet-50, BERT-base, ViT-B/16 (small) and the LoRA decoder, the zoo BERT, GAT, ResNet and transformer layer (1.00x
 # to 1.02x at 1).
