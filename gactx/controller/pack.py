@@ -111,7 +111,7 @@ class PackPath:
         # watches which backward nodes read each slot (adaptation/replayed.py).
         self.unpacked: Callable[[Slot, bool], None] | None = None
         # The slots of the deferred saves of allocated classes that store their own tensor, while an estimate asks
-        # (estimators.REPLAY_FIRST: its first pass a replay, the training pass's saves checked against these)
+        # (gact_estimator.REPLAY_FIRST: its first pass a replay, the training pass's saves checked against these)
         self.deferred: set[Slot] | None = None
         # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
         self.before_save: Callable[[], None] | None = None
@@ -398,7 +398,7 @@ class PackPath:
         """A deferred save of an allocated class that stores its own tensor: told to :attr:`deferred` where set and made
         by the forward (not by a recomputation inside backward, which a training pass does not record either), and
         measured by the observers as :meth:`_store` measures a save (an estimate whose first pass is a replay,
-        ``estimators.REPLAY_FIRST``)."""
+        ``gact_estimator.REPLAY_FIRST``)."""
         if self.deferred is not None and not in_backward():
             self.deferred.add(key.slot)
         for observe in self.observers:

@@ -52,13 +52,13 @@ def test_the_tensor_that_matters_more_gets_more_bits():
 def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_tensor_alone(monkeypatch, replay_first):
     """``sensitivity.EXACT_BASE``: the estimate's base stores every tensor as it is, so its gradients are plain
     PyTorch's bit for bit, and its first pass (at the allocation's widths) is not: where that pass runs the closure
-    (``estimators.REPLAY_FIRST`` off) it comes first and the base second; else the closure runs once, the base's
+    (``gact_estimator.REPLAY_FIRST`` off) it comes first and the base second; else the closure runs once, the base's
     forward, whose backward's replays are the first pass and the probes. The tanh output that the next linear layer
     saves too (another form, stored apart) is measured under each slot: neither probe finds the other's exact save
     holding the storage."""
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    monkeypatch.setattr(estimators, "REPLAY_FIRST", replay_first)
+    monkeypatch.setattr(gact_estimator, "REPLAY_FIRST", replay_first)
     torch.manual_seed(0)
     model = TwoBranches()
     x = torch.randn(256, 32)
@@ -86,25 +86,25 @@ def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_t
 def test_where_the_tensors_noises_interact_the_estimator_measures_around_the_allocation(monkeypatch, caplog):
     """The zoo transformer layer's attention weights get almost no gradient but what the other tensors' noise puts
     there: an estimate of each tensor alone against the exact base explains a millionth of the error its first pass
-    (the training widths) has (``Estimate.unexplained`` above ``estimators.UNEXPLAINED``). The first adaptation then
+    (the training widths) has (``Estimate.unexplained`` above ``gact_estimator.UNEXPLAINED``). The first adaptation then
     estimates again with the others at their widths, around the allocation (two estimates), as later ones do; the
     gradient error at equal bytes is a third of the exact estimate's alone (uniform codes; 0.085 against 0.23 over
     three estimator seeds in benchmarks.schemes)."""
     import logging
 
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
     errors = {}
-    for threshold in (math.inf, estimators.UNEXPLAINED):
-        monkeypatch.setattr(estimators, "UNEXPLAINED", threshold)
+    for threshold in (math.inf, gact_estimator.UNEXPLAINED):
+        monkeypatch.setattr(gact_estimator, "UNEXPLAINED", threshold)
         model, run, loss = _transformer_layer()
-        with caplog.at_level(logging.INFO, logger="gactx.controller.adaptation.estimators"):
+        with caplog.at_level(logging.INFO, logger="gactx.controller.adaptation.gact_estimator"):
             controller = _adapted(model, loss, schemes=("uniform",))
         first = controller.last_adaptation
         errors[threshold] = gradient_error(model, run, controller, draws=4)
     assert first.passes_by_part["discovery"] == (0, 2) and first.passes_by_part["base"] == (0, 2)
     assert sum("the tensors' noises interact" in r.getMessage() for r in caplog.records) == 1
-    assert errors[estimators.UNEXPLAINED] < 0.5 * errors[math.inf]
+    assert errors[gact_estimator.UNEXPLAINED] < 0.5 * errors[math.inf]
 
 
 @pytest.mark.parametrize(("level", "most"), [("L2", 4.5), ("L2.1", 3.5), ("L2.2", 2.8)])
@@ -129,7 +129,7 @@ def test_linear_and_convolution_inputs_probed_together_measure_what_each_alone_d
     (and each sketch's calibration), the numbers probing them one at a time gives, in fewer passes."""
     from benchmarks.zoo import build
     from gactx.controller.adaptation import groups, sensitivity
-    from gactx.controller.adaptation.estimators import GactEstimator
+    from gactx.controller.adaptation.gact_estimator import GactEstimator
 
     monkeypatch.setattr(groups, "GROUPED", False)  # alone means alone: no tensors probed in groups either
     # Pairs for every tensor: with a base pass, whether it runs depends on how many passes it saves, which probing
@@ -381,9 +381,9 @@ def test_an_adaptation_says_where_its_passes_went(monkeypatch):
     first adaptation of the zoo transformer layer fits its LayerNorm inputs' curves, a later one keeps them; report()
     gives them in words. ActNN's estimator runs no pass. Against the exact base throughout (its own test below)."""
     _every_curve_fitted(monkeypatch)
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)
+    monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)
     model, run, _ = _transformer_layer()
     controller = _adapted(model, run)
     first = controller.last_adaptation
@@ -477,9 +477,9 @@ class Normalised(nn.Module):
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(monkeypatch, keep):
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
+    monkeypatch.setattr(gact_estimator, "KEEP_CURVES", keep)
     monkeypatch.setattr(groups, "ROTATE", False)  # each tensor its own pass (not two of three together: groups.py)
     torch.manual_seed(0)
     model, x = Normalised(), torch.randn(256, 32)
@@ -563,17 +563,17 @@ def _first_adaptation_without_and_with(monkeypatch, module, switch: str) -> dict
 
 @pytest.mark.usefixtures("paired")  # the estimate with the other tensors at their widths
 def test_a_first_estimate_read_in_one_pass_holds_the_allocation_on_a_transformer_layer(monkeypatch):
-    """``estimators.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the second
-    around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside the linear
-    class or with a curve, ranked first). On the zoo transformer layer it leaves the second estimate's sensitivities
-    ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (43 against 75 when every
-    estimate measured the sketches' calibration, 42 against 56 since the first estimate's is kept; 0.0598 against
-    0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error rose by 12%).
-    Why it is off: test_choices' MLP of skewed samples, where it raises the error 15 times."""
+    """``gact_estimator.FREE_FIRST`` (off by default): the first adaptation's first estimate, which only places the
+    second around an allocation, read as ActNN's in one pass of the closure (the tensors it cannot measure, outside
+    the linear class or with a curve, ranked first). On the zoo transformer layer it leaves the second estimate's
+    sensitivities ranked as with GACT's own first estimate and the gradient error as low, for fewer passes (43
+    against 75 when every estimate measured the sketches' calibration, 42 against 56 since the first estimate's is
+    kept; 0.0598 against 0.0599, ranks 0.95; ranked as it measures them, a LayerNorm input took 2 bits and the error
+    rose by 12%). Why it is off: test_choices' MLP of skewed samples, where it raises the error 15 times."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    results = _first_adaptation_without_and_with(monkeypatch, estimators, "FREE_FIRST")
+    results = _first_adaptation_without_and_with(monkeypatch, gact_estimator, "FREE_FIRST")
     (gact, more, before), (free, fewer, after) = results[False], results[True]
     assert gact.keys() == free.keys() and fewer <= 0.8 * more
     slots = sorted(gact)
@@ -646,13 +646,13 @@ def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99, measured by pairs)."""
     _every_curve_fitted(monkeypatch)
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import estimators, groups
+    from gactx.controller.adaptation import gact_estimator, groups
 
     monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes are counted so
-    monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
+    monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
     results = {}
     for keep in (False, True):
-        monkeypatch.setattr(estimators, "KEEP_CURVES", keep)
+        monkeypatch.setattr(gact_estimator, "KEEP_CURVES", keep)
         model, _, loss = _transformer_layer()
         controller = _adapted(model, loss)
         with torch.no_grad():  # the weights move, as training moves them between adaptations
@@ -729,13 +729,13 @@ def test_the_second_estimate_of_a_first_adaptation_reads_the_widths_the_first_al
 
 @pytest.mark.usefixtures("paired")  # two estimates in the first adaptation: the second keeps the calibration
 def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeypatch):
-    """``estimators.KEEP_CALIBRATION``: a sketchable tensor's calibration (three pairs of passes) is measured by the
+    """``gact_estimator.KEEP_CALIBRATION``: a sketchable tensor's calibration (three pairs of passes) is measured by the
     first estimate and kept as a ratio to the prediction. On the zoo transformer layer the first adaptation takes fewer
     passes, its sensitivities rank as when every estimate measures it, and the gradient error holds."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    results = _first_adaptation_without_and_with(monkeypatch, estimators, "KEEP_CALIBRATION")
+    results = _first_adaptation_without_and_with(monkeypatch, gact_estimator, "KEEP_CALIBRATION")
     (measured, more, before), (kept, fewer, after) = results[False], results[True]
     assert measured.keys() == kept.keys() and fewer < more
     slots = sorted(measured)
@@ -747,14 +747,14 @@ def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeyp
 def test_a_linear_tensor_stored_under_the_normal_scheme_is_probed_in_one_pass_against_the_base(monkeypatch):
     """A linear tensor the allocation stores under the normal scheme has a known context too: its stored error
     against uniform codes' at the probe width, as the meter measured it in the estimate's first pass, which is how the
-    allocator prices it (``estimators.NORMAL_CONTEXT``). An adaptation after the first then takes fewer passes, the
+    allocator prices it (``gact_estimator.NORMAL_CONTEXT``). An adaptation after the first then takes fewer passes, the
     pairs' sensitivities within their own noise."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
     results = {}
     for known in (False, True):
-        monkeypatch.setattr(estimators, "NORMAL_CONTEXT", known)
+        monkeypatch.setattr(gact_estimator, "NORMAL_CONTEXT", known)
         model, _, loss = _transformer_layer()
         controller = _adapted(model, loss)
         with controller:
@@ -783,11 +783,11 @@ class _Block(nn.Module):
 
 def _adaptations(replay: bool, monkeypatch, rows: int = 64) -> tuple[list[int], dict, dict, dict, list]:
     """A first and a later adaptation of :class:`_Block` trained on 64 rows, its closure on ``rows`` of them, with
-    :data:`estimators.REPLAY_FIRST` at ``replay``: the closure's calls in each, the sensitivities, allocation and
+    :data:`gact_estimator.REPLAY_FIRST` at ``replay``: the closure's calls in each, the sensitivities, allocation and
     choices the later one made, and both adaptations."""
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
-    monkeypatch.setattr(estimators, "REPLAY_FIRST", replay)
+    monkeypatch.setattr(gact_estimator, "REPLAY_FIRST", replay)
     torch.manual_seed(0)
     model, x = _Block(), torch.randn(64, 32)
     calls = [0]
@@ -808,8 +808,8 @@ def _adaptations(replay: bool, monkeypatch, rows: int = 64) -> tuple[list[int], 
 
 
 def test_an_estimate_replays_its_first_pass_where_the_closure_saves_what_training_saves(monkeypatch):
-    """``estimators.REPLAY_FIRST``: an estimate whose closure makes the allocated saves the training pass made runs the
-    closure once, not twice: the meter measures the forward its probes replay, and its first pass (every tensor as
+    """``gact_estimator.REPLAY_FIRST``: an estimate whose closure makes the allocated saves the training pass made runs
+    the closure once, not twice: the meter measures the forward its probes replay, and its first pass (every tensor as
     training stored it, for ``Estimate.unexplained``) is a replay of that forward's backward. The same passes,
     sensitivities (its probes see the same base), choices and allocation (the meter measured the same values) as with
     the first pass run, in the first adaptation and a later one."""
@@ -838,7 +838,7 @@ def test_a_replayed_first_pass_still_tells_interacting_noises(monkeypatch, caplo
     adaptation, the later one, which ran the closure once, finds its tensors' noises interacting."""
     import logging
 
-    from gactx.controller.adaptation import estimators
+    from gactx.controller.adaptation import gact_estimator
 
     torch.manual_seed(0)
     model, x = _Block(), torch.randn(64, 32)
@@ -849,11 +849,11 @@ def test_a_replayed_first_pass_still_tells_interacting_noises(monkeypatch, caplo
         model(x).square().mean().backward()
 
     controller = gactx.Controller(model, level="L2.2", seed=0)
-    with caplog.at_level(logging.INFO, logger="gactx.controller.adaptation.estimators"), controller:
-        monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)
+    with caplog.at_level(logging.INFO, logger="gactx.controller.adaptation.gact_estimator"), controller:
+        monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)
         model(x).square().mean().backward()
         controller.adapt(closure)
-        monkeypatch.setattr(estimators, "UNEXPLAINED", 0.0)
+        monkeypatch.setattr(gact_estimator, "UNEXPLAINED", 0.0)
         model(x).square().mean().backward()
         calls[0] = 0
         controller.adapt(closure)

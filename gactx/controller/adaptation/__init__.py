@@ -1,5 +1,6 @@
-"""Adaptive bits: the sensitivity estimators (``estimators.py``: GACT's, ``sensitivity.py``, which measures tensors
-whose noise lands apart in the same passes, ``groups.py``, and ActNN's, ``free_sensitivity.py``, behind one protocol),
+"""Adaptive bits: the sensitivity estimators (``estimators.py``, behind one protocol: GACT's, ``gact_estimator.py``
+over ``sensitivity.py``, which measures tensors whose noise lands apart in the same passes, ``groups.py``, and replays
+the closure's backward, ``replayed.py``; ActNN's, ``free_sensitivity.py``; what both hold, ``measuring.py``),
 the storage choices a tensor may be offered and their measured errors
 (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
 one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against training (``cost.py``) and

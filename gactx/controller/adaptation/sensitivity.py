@@ -202,7 +202,7 @@ def estimate_sensitivities(
     tensors of one-pass measurements whose variances at 1 bit sum to at most :data:`NEGLIGIBLE` of it are measured
     together, in one pass (``groups.Passes.measure``). ``trained()``: where ``discover`` returned without running its
     pass, the probes that store each slot as training does; the first pass is then a replay of the base's forward
-    under them (``estimators.REPLAY_FIRST``), ``None`` where there is none."""
+    under them (``gact_estimator.REPLAY_FIRST``), ``None`` where there is none."""
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)

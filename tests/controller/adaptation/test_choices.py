@@ -216,14 +216,14 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import estimators, groups
+    from gactx.controller.adaptation import gact_estimator, groups
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
     # No groups: the two controllers' passes then differ by the calibration pairs alone, measured by every estimate
     # (else by the first alone: kept, below), the first of each pair in a pass against the exact base.
     monkeypatch.setattr(groups, "GROUPED", False)
-    monkeypatch.setattr(estimators, "KEEP_CALIBRATION", False)
-    monkeypatch.setattr(estimators, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
+    monkeypatch.setattr(gact_estimator, "KEEP_CALIBRATION", False)
+    monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
     model, run = build("transformer_layer", 1)
     plain = gactx.Controller(model, "L2.2", schemes=("uniform",))
     sketching = gactx.Controller(model, "L2.2", schemes=("uniform", "sketch"))
@@ -241,7 +241,7 @@ def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pair
     assert len(sketchable) == 4 and len(alone) == 2
     assert passes["sketching"] == passes["plain"] + CALIBRATION_PAIRS * (1 + len(alone))
     # Kept: an adaptation after the first measures no calibration (the sketches priced on the kept ratios).
-    monkeypatch.setattr(estimators, "KEEP_CALIBRATION", True)
+    monkeypatch.setattr(gact_estimator, "KEEP_CALIBRATION", True)
     for name, offered in (("plain", ("uniform",)), ("sketching", ("uniform", "sketch"))):
         controller = gactx.Controller(model, "L2.2", schemes=offered)
         with controller:

@@ -44,7 +44,8 @@ def _adapt(
 def test_replaying_the_backward_measures_what_running_the_closure_measures(monkeypatch):
     """Each pass after an estimate's base replays the closure's backward: the same sensitivities to the last bit and
     the same allocation as running the closure every pass, which ran once for each pass; with replays, once an
-    estimate (the forward every probe reads, whose backward's replay is the first pass too: estimators.REPLAY_FIRST)."""
+    estimate (the forward every probe reads, whose backward's replay is the first pass too:
+    gact_estimator.REPLAY_FIRST)."""
     whole = _adapt(False, monkeypatch)
     replays = _adapt(True, monkeypatch)
     assert replays[0] == whole[0] and replays[1] == whole[1] and replays[2] == whole[2]
@@ -230,13 +231,13 @@ def test_a_checkpointed_model_measures_alike_replayed(reentrant, monkeypatch):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_checkpointed_model_replays_its_first_pass(reentrant, monkeypatch):
     """The saves a checkpointed region's recomputation makes inside backward are no training pass's records, and no
-    part of what the replayed first pass's forward is checked against (``estimators.REPLAY_FIRST``): the closure runs
-    once an estimate, for the sensitivities and allocation of a first pass of its own."""
-    from gactx.controller.adaptation import estimators
+    part of what the replayed first pass's forward is checked against (``gact_estimator.REPLAY_FIRST``): the closure
+    runs once an estimate, for the sensitivities and allocation of a first pass of its own."""
+    from gactx.controller.adaptation import gact_estimator
 
     results = []
     for replay_first in (False, True):
-        monkeypatch.setattr(estimators, "REPLAY_FIRST", replay_first)
+        monkeypatch.setattr(gact_estimator, "REPLAY_FIRST", replay_first)
         torch.manual_seed(0)
         model, x = _Checkpointed(reentrant), torch.randn(32, 64, requires_grad=reentrant)
         calls = [0]
