@@ -30,8 +30,8 @@ from torch import nn
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
 __all__ = [
-    "GROUPED", "PURITY", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups",
-    "smallest", "solve", "squares",
+    "GROUPED", "PURITY", "ROTATE", "ROTATIONS", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of",
+    "parts", "probe_in_groups", "smallest", "solve", "squares",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
