@@ -159,9 +159,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
         print(f"{name} ...", flush=True)
         rows += measure(name, 1 if args.quick else SEEDS.get(name, 3), later, args.steps, args.draws)
     table = render(rows, env)
+    print(table)
     folder = bench.folder(args, "cpu")
     bench.write(folder, env, rows, table)
-    print(table)
     print(where(folder))
     return rows
 
