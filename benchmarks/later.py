@@ -25,6 +25,7 @@ import torch
 import gactx
 from benchmarks.harness import Bench, where
 from benchmarks.methods import sub_batch
+from benchmarks.schemes import drawn_errors, gradient
 from benchmarks.table import markdown_table
 from gactx.controller.adaptation import groups
 
@@ -51,14 +52,6 @@ def _model(name: str) -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Call
     return w.model, lambda: w.loss(w.model, inputs, target), lambda: w.loss(w.model, probe_inputs, probe_target)
 
 
-def _gradient(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> torch.Tensor:
-    torch.manual_seed(0)  # the same dropout masks in every pass
-    for p in model.parameters():
-        p.grad = None
-    loss().backward()
-    return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
-
-
 def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) -> dict:
     """One seed of one arm (``groups.ROTATE`` as set): the errors of the later allocations, their passes and
     seconds."""
@@ -73,7 +66,7 @@ def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) ->
 
     controller = gactx.Controller(model, "L2.2", adapt_interval=10**9, seed=seed)
     with controller:
-        _gradient(model, loss)
+        gradient(model, loss)
         controller.adapt(closure)
     errors, passes, seconds = [], [], []
     for k in range(later):
@@ -83,20 +76,15 @@ def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) ->
             loss().backward()
             optimizer.step()
         with controller:
-            _gradient(model, loss)
+            gradient(model, loss)
             a = controller.adapt(closure)
         passes.append(a.passes)
         seconds.append(a.seconds)
         if k == 0:  # after the first adaptation, whose curves' widths leave nothing to rotate
             continue
-        exact = _gradient(model, loss)
-        norm = float(exact.square().sum())
-        drawn = []
+        exact = gradient(model, loss)
         with controller:
-            for _ in range(draws):
-                controller.step += 1  # new noise
-                drawn.append(float((_gradient(model, loss) - exact).square().sum()) / norm)
-        errors.append(statistics.mean(drawn))
+            errors.append(statistics.mean(drawn_errors(model, loss, controller, exact, draws)))
     return {"errors": errors, "passes": passes, "seconds": seconds}
 
 

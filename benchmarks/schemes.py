@@ -72,12 +72,24 @@ def _model(name: str, size: str = "small") -> tuple[torch.nn.Module, Callable[[]
     return w.model, lambda: w.loss(w.model, inputs, target), w
 
 
-def _gradient(model: torch.nn.Module, run: Callable[[], torch.Tensor], seed: int) -> torch.Tensor:
+def gradient(model: torch.nn.Module, run: Callable[[], torch.Tensor], seed: int = 0) -> torch.Tensor:
+    """The parameters' gradients of one pass of the loss ``run``, flat in float64, from the RNG seed ``seed``."""
     torch.manual_seed(seed)  # the same dropout masks in every pass
     for p in model.parameters():
         p.grad = None
     run().backward()
     return torch.cat([p.grad.reshape(-1).double() for p in model.parameters() if p.grad is not None])
+
+
+def drawn_errors(model: torch.nn.Module, run: Callable[[], torch.Tensor], controller, exact, draws: int) -> list:
+    """``||g - exact||^2 / ||exact||^2`` of ``draws`` gradients of ``run`` under ``controller`` (its hooks installed),
+    each with new rounding noise: the seeds follow the controller's step."""
+    norm = float(exact.square().sum())
+    errors = []
+    for _ in range(draws):
+        controller.step += 1
+        errors.append(float((gradient(model, run) - exact).square().sum()) / norm)
+    return errors
 
 
 def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds: int = 3) -> dict:
@@ -86,7 +98,7 @@ def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds
     schemes, estimator = CONFIGS[label]
     model, run, _ = _model(name, size)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    exact = _gradient(model, run, 0)
+    exact = gradient(model, run)
     norm = float(exact.square().sum())
     per_seed, predicted, adapt_s, chosen = [], [], [], collections.Counter()
     for seed in range(seeds):
@@ -94,14 +106,11 @@ def gradient_error(name: str, label: str, draws: int, size: str = "small", seeds
             model, "L2.2", schemes=schemes, estimator=estimator, adapt_interval=10**9, seed=seed
         )  # fmt: skip
         with controller:
-            _gradient(model, run, 0)
+            gradient(model, run)
             start = time.perf_counter()
-            controller.iterate(lambda: _gradient(model, run, 0))
+            controller.iterate(lambda: gradient(model, run))
             adapt_s.append(time.perf_counter() - start)
-            errors = []
-            for _ in range(draws):
-                controller.step += 1  # new rounding noise: the seeds follow the step
-                errors.append(float((_gradient(model, run, 0) - exact).square().sum()) / norm)
+            errors = drawn_errors(model, run, controller, exact, draws)
             stats = controller.memory_stats()
             chosen.update(c.scheme for c in controller.plan.choices.values())
             a = controller.last_adaptation

@@ -223,8 +223,8 @@ class Controller:
 
     def _adapt_once(self, backprop: Callable[[], object] | None, progress: ProgressLog, before: dict) -> Adaptation:
         """One estimate and one allocation (:meth:`adapt`); ``before``: the allocation the adaptation began with. Its
-        seconds are this call's wall time (the estimate, the allocation and the new plan), the estimate's own seconds
-        where they are more than its call took (the free estimator's: its hooks in the step before)."""
+        seconds are this call's wall time (the estimate, the allocation and the new plan), and what the estimate's own
+        seconds hold beyond its call (the free estimator's: its hooks in the step before)."""
         start = time.perf_counter()
         cfg = self.config
         training_pass, was_installed = self._pass, self.installed
@@ -236,7 +236,7 @@ class Controller:
             with torch.compiler.set_stance("force_eager"):
                 began = time.perf_counter()
                 estimate = self.estimator.estimate(backprop, self.step, progress)
-                start -= max(estimate.seconds - (time.perf_counter() - began), 0.0)
+                before_call = max(estimate.seconds - (time.perf_counter() - began), 0.0)
         finally:
             if not was_installed:
                 self.uninstall_hook()
@@ -257,7 +257,7 @@ class Controller:
         self.last_adaptation = Adaptation(
             step=self.step,
             passes=estimate.passes,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - start + before_call,
             budget_bytes=budget,
             allocated_bytes=allocation.nbytes,
             predicted_variance=allocation.variance,
