@@ -401,7 +401,8 @@ def test_an_adaptation_says_where_its_passes_went(monkeypatch):
     with controller:
         later = controller.adapt(lambda: run().backward())
     assert sum(p for _, p in later.passes_by_part.values()) == later.passes
-    assert "curve widths" not in later.passes_by_part and later.passes_by_part["discovery"] == (0, 1)
+    assert "curve widths" not in later.passes_by_part
+    assert "discovery" not in later.passes_by_part  # its first pass left out (gact_estimator.RECHECK)
     free = _adapted(*_transformer_layer()[:2], estimator="actnn")
     assert free.last_adaptation.passes_by_part == {} and free.last_adaptation.passes == 0
 
@@ -488,17 +489,18 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     assert records[("norm", 1, 0)].op == "native_layer_norm:input"
     assert [records[("norm", 1, i)].cls for i in (1, 2)] == ["statistics", "statistics"]  # mean, 1/deviation: kept
     assert all(not isinstance(records[("norm", 1, i)].bits, int) for i in (1, 2))
-    # One pass finds the tensors, one is the base, one probes the two linear layers' inputs together, one each other
-    # tensor, and a second one the normalisation's input (its curve's other width) unless the curve the first
-    # adaptation fitted is kept (KEEP_CURVES); the sketchable inputs' calibration was measured by the first adaptation
-    # and is kept.
+    # One pass is the base, one probes the two linear layers' inputs together, one each other tensor, and a second one
+    # the normalisation's input (its curve's other width) unless the curve the first adaptation fitted is kept
+    # (KEEP_CURVES); the sketchable inputs' calibration was measured by the first adaptation and is kept. The first
+    # pass, every tensor as training stores it, is left out (gact_estimator.RECHECK: the first adaptation's read far
+    # below UNEXPLAINED).
     with controller:
         model(x).square().mean().backward()
         adaptation = controller.adapt(lambda: model(x).square().mean().backward())
     assert {s.module for s in controller.sensitivity if controller.weight_only(s)} == {"a", "b"}
     assert all(controller.weight_only(s) for s in controller.sensitivity if controller.sketchable(s))
     alone = len(controller.sensitivity) - 2
-    assert adaptation.passes == 1 + 1 + 1 + alone + (0 if keep else 1)
+    assert adaptation.passes == 1 + 1 + alone + (0 if keep else 1)
 
 
 @pytest.mark.usefixtures("paired")  # the estimate with the other tensors at their widths
@@ -788,6 +790,7 @@ def _adaptations(replay: bool, monkeypatch, rows: int = 64) -> tuple[list[int], 
     from gactx.controller.adaptation import gact_estimator
 
     monkeypatch.setattr(gact_estimator, "REPLAY_FIRST", replay)
+    monkeypatch.setattr(gact_estimator, "RECHECK", 1)  # the later estimate replays its first pass too
     torch.manual_seed(0)
     model, x = _Block(), torch.randn(64, 32)
     calls = [0]
@@ -831,6 +834,56 @@ def test_an_estimate_runs_its_first_pass_where_the_closure_saves_other_tensors(m
     again, replayed, replayed_bits, _, _ = _adaptations(True, monkeypatch, rows=16)
     assert run == [2, 2] and again == [3, 3] and ("norm", 1, 0) not in sensitivity
     assert replayed == pytest.approx(sensitivity, rel=1e-9) and replayed_bits == bits
+
+
+def _checked(recheck: int, monkeypatch, unexplained: float | None = None) -> tuple[list[float | None], list[dict]]:
+    """Six adaptations of :class:`_Block` (its closure on the rows training takes) at ``gact_estimator.RECHECK =
+    recheck`` (and ``UNEXPLAINED`` at ``unexplained`` where given): what each one's estimate read of its first pass
+    (``Estimate.unexplained``; ``None``: left out), and the sensitivities each measured."""
+    from gactx.controller.adaptation import gact_estimator, sensitivity
+
+    monkeypatch.setattr(gact_estimator, "RECHECK", recheck)
+    if unexplained is not None:
+        monkeypatch.setattr(gact_estimator, "UNEXPLAINED", unexplained)
+    reads, checked, measured = [], [], []
+    original = sensitivity._unexplained
+
+    def counted(*args):
+        reads.append(original(*args))
+        return reads[-1]
+
+    monkeypatch.setattr(sensitivity, "_unexplained", counted)
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(64, 32)
+    with gactx.Controller(model, level="L2.2", seed=0) as controller:
+        for _ in range(6):
+            model(x).square().mean().backward()
+            model.zero_grad()
+            reads.clear()
+            controller.adapt(lambda: model(x).square().mean().backward())
+            checked.append(reads[0] if reads else None)
+            measured.append(dict(controller.sensitivity))
+    return checked, measured
+
+
+def test_later_estimates_leave_their_replayed_first_pass_out_between_checks(monkeypatch):
+    """``gact_estimator.RECHECK``: the first adaptation checks its tensors' noises (its first pass replayed, read by
+    ``Estimate.unexplained``); where that reading is far below ``UNEXPLAINED``, the next ``RECHECK - 1`` estimates leave
+    the pass out and the one after checks again. The pass measures no sensitivity: each adaptation's are those
+    measured with every estimate checking."""
+    every, each = _checked(1, monkeypatch)
+    checked, measured = _checked(4, monkeypatch)
+    assert all(r is not None for r in every) and max(every) * 10 < 100  # gact_estimator's RECHECK_MARGIN, UNEXPLAINED
+    assert [r is not None for r in checked] == [True, False, False, False, True, False]
+    assert measured == each
+
+
+def test_a_reading_near_the_threshold_checks_every_estimate(monkeypatch):
+    """A last reading within ``RECHECK_MARGIN`` of ``UNEXPLAINED`` (here the threshold set at twice the largest reading
+    of every estimate checking, under it) leaves no first pass out."""
+    every, _ = _checked(1, monkeypatch)
+    checked, _ = _checked(4, monkeypatch, unexplained=2 * max(every))
+    assert all(r is not None for r in checked)
 
 
 def test_a_replayed_first_pass_still_tells_interacting_noises(monkeypatch, caplog):

@@ -264,6 +264,11 @@ class Passes:
         had = self.parts.get(part, (0, 0))
         self.parts[part] = (had[0] + measurements, had[1] + passes)
 
+    def no_first(self) -> None:
+        """The estimate ran no first pass (the discovering pass counted from the start): not counted."""
+        self.done, self.total = self.done - 1, self.total - 1
+        self.parts.pop("discovery", None)
+
     def gradient(self, probes) -> list[torch.Tensor]:
         self._tick()
         self.set_probe(probes)

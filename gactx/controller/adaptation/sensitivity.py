@@ -263,6 +263,8 @@ def estimate_sensitivities(
             if probes is not None:  # the first pass, every tensor as training stores it: a replay (not counted again)
                 set_probe(probes)
                 first.append(_gradient(model, backprop, snapshot))
+            elif not first:  # no first pass at all: its replay left out (gact_estimator.RECHECK)
+                passes.no_first()
             if first:  # the first pass's distance from the base, read now: its gradients are not held on
                 first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}
