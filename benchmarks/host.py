@@ -252,14 +252,19 @@ def _kernels_timed(timed: Callable | None) -> Iterator[None]:
             setattr(built, n, fn)
 
 
-def methods(compiled: bool, cpp: bool, traced: bool) -> list[str]:
-    """The cases :func:`measure` times, each method after the plain one it is compared with (:func:`base_of`)."""
+def methods(compiled: bool, cpp: bool, traced: bool, only: tuple[str, ...] | None = None) -> list[str]:
+    """The cases :func:`measure` times, each method after the plain one it is compared with (:func:`base_of`);
+    ``only``: of them, these methods, eager L1 (whose records count the saves) and their plain ones."""
     names = ["plain", *(m for m in METHODS if (compiled or "+compile" not in m) and (cpp or CPP_WRAPPER not in m)
                         and (traced or TORCH_BACKEND not in m))]  # fmt: skip
     if compiled:
         names.insert(names.index("L0+compile"), "plain+compile")
     if compiled and cpp:
         names.insert(names.index("L1+compile-cpp"), "plain+compile-cpp")
+    if only is not None:
+        kept = {"L1", *only}
+        kept |= {base_of(m) for m in kept}
+        names = [n for n in names if n in kept]
     return names
 
 
@@ -272,12 +277,14 @@ def base_of(name: str) -> str:
 
 
 def measure(
-    width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False, traced: bool = False
-) -> list[dict]:
+    width: int, device: str, rounds: int, steps: int, compiled: bool = True, cpp: bool = False, traced: bool = False,
+    only: tuple[str, ...] | None = None,
+) -> list[dict]:  # fmt: skip
     """Rows of one width: plain, then each method, with their medians, ratios and per-save figures (``cpp``: the
-    methods compiled with Inductor's C++ wrapper too; ``traced``: L1 compiled with ``backend="torch"`` too)."""
+    methods compiled with Inductor's C++ wrapper too; ``traced``: L1 compiled with ``backend="torch"`` too; ``only``:
+    those methods alone, as :func:`methods` keeps them)."""
     torch._dynamo.reset()  # each width's graphs on their own
-    cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced)}
+    cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced, only)}
     for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
         case.turn(3)
     times = alternate({name: (lambda case=case: case.turn(steps)) for name, case in cases.items()}, rounds)

@@ -18,10 +18,14 @@ from benchmarks.gpu.harness import ArmRun, Deadline, child_command, emit, run_ar
 from benchmarks.harness import Bench, add_output_options, check_output, results_folder, where
 
 # Sized from the first H100 run: kernels took 29 s; the host arm's compiled cases compile again at every turn.
-# The adaptation arm last, in what time is left: on the H200 every other arm ended well within its limit.
+# The adaptation arm then, and the traced format's host cost last, in what time is left: on the H200 every other arm
+# ended well within its limit. "host-traced": L1 compiled with backend="torch" (benchmarks.host's L1+compile-torch:
+# the format in Inductor's own kernels, Triton on a GPU, and a tick a save; its compile took 56 s on a 2-core CPU).
 ARM_LIMITS_S = (
-    {"kernels": 40, "host": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()} | {"adaptation": 45}
-)
+    {"kernels": 40, "host": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()}
+    | {"adaptation": 45, "host-traced": 90}
+)  # fmt: skip
+TRACED = ("L1+compile-torch",)  # the host-traced arm's method (with eager L1 and the plain ones: host.methods)
 HOST_WIDTHS, HOST_ROUNDS, HOST_STEPS = (64,), 3, 20  # the host arm: benchmarks.host's MLP (tiny: 64, 2 x 3)
 BUDGET_S = 520  # the whole command: under 9 minutes of a loan of 15 that includes the machine's start
 # --tiny on a 2-core CPU: every arm takes 10 to 70 s alone (the adaptive levels' first adaptations most of it),
@@ -98,8 +102,8 @@ def child(args: argparse.Namespace) -> int:
             from benchmarks.gpu import kernels
 
             kernels.run(device, args.tiny, deadline)
-        elif args.child == "host":
-            host_arm(device, args.tiny)
+        elif args.child in ("host", "host-traced"):
+            host_arm(device, args.tiny, args.child)
         elif args.child == "adaptation":
             from benchmarks.gpu import adaptation
 
@@ -120,15 +124,17 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def host_arm(device: str, tiny: bool) -> None:
-    """``benchmarks.host`` on this device: host cost a saved tensor, eager and compiled, a width at a time."""
+def host_arm(device: str, tiny: bool, arm: str = "host") -> None:
+    """``benchmarks.host`` on this device: host cost a saved tensor, eager and compiled, a width at a time (``arm``
+    ``"host-traced"``: L1 compiled with ``backend="torch"`` alone, :data:`TRACED`)."""
     from benchmarks import host
 
     widths, rounds, steps = ((64,), 2, 3) if tiny else (HOST_WIDTHS, HOST_ROUNDS, HOST_STEPS)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * rounds + 32)
+    traced = arm == "host-traced"
     for width in widths:
-        for row in host.measure(width, device, rounds, steps):
-            emit({"id": f"host/{width}/{row['method']}", "kind": "host", "arm": "host", **row})
+        for row in host.measure(width, device, rounds, steps, traced=traced, only=TRACED if traced else None):
+            emit({"id": f"{arm}/{width}/{row['method']}", "kind": "host", "arm": arm, **row})
 
 
 class Results:

@@ -20,6 +20,8 @@ TITLES = {
     "layers, sequence 128, batch 64",
     "host": "Host cost a saved tensor: 8 x (Linear(w, w) + GELU), batch w, float32 (benchmarks.host)",
     "adaptation": "Where an adaptation's time goes: ResNet-50 at L2.2 as in its arm, an 8-image closure",
+    "host-traced": "Host cost a saved tensor, L1 compiled with backend `torch` (the format in Inductor's own kernels, "
+    "a tick a save): benchmarks.host's MLP",
 }
 LABELS = {"fp": "plain", "checkpoint": "checkpointing"}
 # The goals the results are read against (GACT at L1: 0.73x throughput on ResNet-50, 0.90x on BERT-large;
@@ -172,8 +174,8 @@ def _kernel_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _host_table(rows: list[dict]) -> list[str]:
-    mine = [r for r in rows if r.get("kind") == "host"]
+def _host_table(rows: list[dict], arm: str = "host") -> list[str]:
+    mine = [r for r in rows if r.get("kind") == "host" and r.get("arm", "host") == arm]
     if not mine:
         return ["(no rows)"]
     headers = ["w", "method", "step ms", "vs plain", "us a save", "Python calls a save", "launches a save"]
@@ -263,8 +265,8 @@ def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
     skipped = sorted(r["id"] for r in rows if r.get("kind") == "skipped")
     for arm in TITLES:
         lines += ["", f"## {TITLES[arm]}", "", _heading(env), ""]
-        if arm in ("kernels", "host"):
-            lines += _kernel_table(rows) if arm == "kernels" else _host_table(rows)
+        if arm in ("kernels", "host", "host-traced"):
+            lines += _kernel_table(rows) if arm == "kernels" else _host_table(rows, arm)
         elif arm == "adaptation":
             lines += _adaptation_lines(rows)
         else:

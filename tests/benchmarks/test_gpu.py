@@ -107,6 +107,21 @@ def test_the_tiny_evaluation_says_where_an_adaptations_time_goes(tmp_path):
     assert f"## {report.TITLES['adaptation']}" in md and "a later adaptation:" in md and "under the profiler" in md
 
 
+@pytest.mark.slow
+def test_the_tiny_evaluation_times_the_traced_format_in_an_arm_of_its_own(tmp_path):
+    """The host-traced arm: L1 compiled with ``backend="torch"`` against compiled plain, and eager L1 against plain,
+    in a section of its own (the host arm's section holds none of its rows)."""
+    saved = _evaluate(tmp_path, "host-traced")
+    rows = {r["method"]: r for r in saved["rows"] if r.get("kind") == "host"}
+    assert list(rows) == ["plain", "L1", "plain+compile", *gpu.TRACED]
+    assert all(r["arm"] == "host-traced" and r["step_ms"] > 0 and r["saves"] == 16 for r in rows.values())
+    assert rows["L1+compile-torch"]["python_calls_per_save"] < rows["L1"]["python_calls_per_save"]
+    md = (tmp_path / "gpu.md").read_text()
+    traced = md.split(f"## {report.TITLES['host-traced']}")[1]
+    assert "| 64 | L1+compile-torch |" in traced
+    assert "| 64 | L1+compile-torch |" not in md.split(f"## {report.TITLES['host']}")[1].split("## ")[0]
+
+
 def test_an_arm_past_its_limit_is_cut_and_keeps_what_it_sent(tmp_path):
     script = f"import json, time; print({MARKER!r} + json.dumps({{'id': 'a', 'x': 1}}), flush=True); time.sleep(60)"
     rows = []

@@ -51,3 +51,11 @@ def test_full_runs_time_the_traced_format_against_compiled_plain():
     assert "L1+compile-torch" not in host.methods(compiled=True, cpp=True, traced=False)
     assert host.Case("L1+compile-torch", 64, "cpu").controller.config.backend == "torch"
     assert host.Case("L1+compile", 64, "cpu").controller.config.backend == "auto"
+
+
+def test_only_keeps_the_methods_named_eager_l1_and_their_plain_ones():
+    # the GPU evaluation's host-traced arm: L1 compiled with backend="torch" against compiled plain, eager L1 (whose
+    # records count the saves) against plain
+    names = host.methods(compiled=True, cpp=False, traced=True, only=("L1+compile-torch",))
+    assert names == ["plain", "L1", "plain+compile", "L1+compile-torch"]
+    assert host.methods(compiled=False, cpp=False, traced=False, only=("L1.1",)) == ["plain", "L1", "L1.1"]
