@@ -749,14 +749,14 @@ def test_a_kept_sketch_calibration_holds_the_allocation_for_fewer_passes(monkeyp
 def test_a_linear_tensor_stored_under_the_normal_scheme_is_probed_in_one_pass_against_the_base(monkeypatch):
     """A linear tensor the allocation stores under the normal scheme has a known context too: its stored error
     against uniform codes' at the probe width, as the meter measured it in the estimate's first pass, which is how the
-    allocator prices it (``gact_estimator.NORMAL_CONTEXT``). An adaptation after the first then takes fewer passes, the
+    allocator prices it (``trained.NORMAL_CONTEXT``). An adaptation after the first then takes fewer passes, the
     pairs' sensitivities within their own noise."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import gact_estimator
+    from gactx.controller.adaptation import trained
 
     results = {}
     for known in (False, True):
-        monkeypatch.setattr(gact_estimator, "NORMAL_CONTEXT", known)
+        monkeypatch.setattr(trained, "NORMAL_CONTEXT", known)
         model, _, loss = _transformer_layer()
         controller = _adapted(model, loss)
         with controller:

@@ -1,10 +1,11 @@
 """Adaptive bits: the sensitivity estimators (``estimators.py``, behind one protocol: GACT's, ``gact_estimator.py``
 over ``sensitivity.py``, which measures tensors whose noise lands apart in the same passes, ``groups.py``, and replays
-the closure's backward, ``replayed.py``; ActNN's, ``free_sensitivity.py``; what both hold, ``measuring.py``),
-the storage choices a tensor may be offered and their measured errors
-(``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget (``allocator.py``) and
-one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against training (``cost.py``) and
-when adaptations run (``schedule.py``); ``ranks.py`` keeps the ranks of ``torch.distributed`` agreeing.
+the closure's backward, ``replayed.py``, its probes' forms read from the training pass's records, ``trained.py``;
+ActNN's, ``free_sensitivity.py``; what both hold, ``measuring.py``), the storage choices a tensor may be offered and
+their measured errors (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget
+(``allocator.py``) and one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against
+training (``cost.py``) and when adaptations run (``schedule.py``); ``ranks.py`` keeps the ranks of
+``torch.distributed`` agreeing.
 
 The controller imports ``estimators`` itself: it reads the pack path's plan, which reads this package's widths.
 """

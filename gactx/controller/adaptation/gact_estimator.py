@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import warnings
 import zlib
 from collections.abc import Callable
@@ -31,17 +30,17 @@ from gactx.controller.adaptation.groups import Profiles
 from gactx.controller.adaptation.measuring import Measuring, Progress
 from gactx.controller.adaptation.ranks import distributed
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
-from gactx.controller.adaptation.widths import variance_factor
+from gactx.controller.adaptation.trained import context, noise, stored_form
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.plan import mix
-from gactx.controller.stats import AS_IS, KeyRecord, PassStats
+from gactx.controller.stats import KeyRecord, PassStats
 
 if TYPE_CHECKING:
     from gactx.controller.pack import PackPath
 
 __all__ = [
-    "FREE_FIRST", "KEEP_CALIBRATION", "KEEP_CURVES", "NORMAL_CONTEXT", "RECHECK", "RECHECK_MARGIN", "REPLAY_FIRST",
-    "UNEXPLAINED", "GactEstimator",
+    "FREE_FIRST", "KEEP_CALIBRATION", "KEEP_CURVES", "RECHECK", "RECHECK_MARGIN", "REPLAY_FIRST", "UNEXPLAINED",
+    "GactEstimator",
 ]  # fmt: skip
 
 # True: the first adaptation's first estimate (which only places the second around an allocation, GactEstimator) is
@@ -58,9 +57,6 @@ KEEP_CURVES = True
 # is measured once, in the first estimate, and kept as a ratio to the prediction, which later estimates make afresh
 # (GactEstimator); False: three pairs of passes each estimate.
 KEEP_CALIBRATION = True
-# A tensor stored under the normal scheme has a known noise, priced as the allocator prices it (_stored): a linear one
-# is probed in one pass against the base like one stored as uniform codes; False: by a pair.
-NORMAL_CONTEXT = True
 # An estimate against the exact base (sensitivity.EXACT_BASE) whose first pass, every tensor as training stores it, is
 # further from the base than this many times what the estimate predicts for it (Estimate.unexplained: the tensors'
 # noises interact, which passes that keep the others exact cannot see) is followed by estimates with the other tensors
@@ -97,10 +93,11 @@ class GactEstimator(Measuring):
     are stored, so the first adaptation estimates once, fitting the normalisation inputs' curves.
 
     With ``EXACT_BASE`` off the other tensors keep their widths in every pass, two passes a tensor (one against the
-    base where its stored noise is known: ``_context``), and the first adaptation measures twice: a tensor's effect on
-    the gradient then depends on how the others are stored (a normalisation's input on a BERT layer: 10 times larger
-    with the others at the default width than at the widths then allocated), so the second round measures around the
-    allocation the first found, as every later adaptation does; the first round probes no curve (``_straight``)."""
+    base where its stored noise is known: ``_context``, from ``trained.context``), and the first adaptation measures
+    twice: a tensor's effect on the gradient then depends on how the others are stored (a normalisation's input on a
+    BERT layer: 10 times larger with the others at the default width than at the widths then allocated), so the second
+    round measures around the allocation the first found, as every later adaptation does; the first round probes no
+    curve (``_straight``)."""
 
     def __init__(self, config: Config, model: nn.Module, path: PackPath, tracker: ModuleTracker) -> None:
         super().__init__(config, model, path, tracker)
@@ -277,7 +274,7 @@ class GactEstimator(Measuring):
         self._reading = self._trained_records is not None
         path.stats, path.fresh = PassStats(), False
         if self._trained_records is not None:
-            self._noise = {s: _noise(r) for s, r in trained.items()}
+            self._noise = {s: noise(r) for s, r in trained.items()}
             self.discovered = None  # no pass of its own: the controller reads the forward the probes replay
             return list(trained)
         if self.meter is not None:
@@ -294,9 +291,9 @@ class GactEstimator(Measuring):
         self._read = self.meter.read() if self.meter is not None else {}
         records = [r for r in path.stats.records if r.allocated]
         choices, bits = path.plan.choices, self.config.probe_bits
-        self._stored = {r.key.slot: _stored(r, choices.get(r.key.slot), self._read, bits) for r in records}
-        self._context = {r.key.slot: _context(r, self._stored[r.key.slot]) for r in records}
-        self._noise = {r.key.slot: _noise(r) for r in records}
+        self._stored = {r.key.slot: stored_form(r, choices.get(r.key.slot), self._read, bits) for r in records}
+        self._context = {r.key.slot: context(r, self._stored[r.key.slot]) for r in records}
+        self._noise = {r.key.slot: noise(r) for r in records}
         return [r.key.slot for r in records]
 
     def _replayable(self) -> bool:
@@ -321,7 +318,7 @@ class GactEstimator(Measuring):
             return None
         choices = self.path.plan.choices
         return {
-            s: Probe(s, r.bits, seed_of(s, 0), choices.get(s)) for s, r in self._trained_records.items() if _noise(r)
+            s: Probe(s, r.bits, seed_of(s, 0), choices.get(s)) for s, r in self._trained_records.items() if noise(r)
         }
 
     def _checks(self) -> bool:
@@ -382,44 +379,3 @@ def _straight(slot: Slot) -> bool:
 
 class _SlotsChanged(Exception):
     """The forward a replayed first pass's probes replay made other allocated saves than the training pass."""
-
-
-def _noise(record: KeyRecord) -> float:
-    """What an allocated save's storage adds, in units of ``S`` (``sensitivity.py``'s ``noise_of``): ``S`` at its
-    width, 0 where it is stored as it is."""
-    return 0.0 if record.reason or record.bits > 8 else variance_factor(record.bits)
-
-
-def _context(record: KeyRecord, stored: tuple | None) -> float | None:
-    """The variance of what a save stores when nothing is probed, in units of ``S(b)`` (``sensitivity.py``'s
-    ``context_of``), for a save whose op's backward is linear in it (class ``linear``): 0 where it is stored as it is,
-    else the noise of the form it is ``stored`` in (:func:`_stored`: uniform codes, the normal scheme's, whose noise
-    spreads over the rows alike). ``None`` for anything else: another scheme (a sketch, per-sample widths: rows stored
-    unlike), bfloat16 rounding at 16 bits, and a backward that is not linear in the save (attention's probabilities),
-    where the gradient's mean moves with the width, so that one pass against another width measures that move too,
-    and a pair at one width does not."""
-    if record.cls != "linear":
-        return None
-    if record.reason == AS_IS:
-        return 0.0
-    return None if stored is None else stored[2]
-
-
-def _stored(record: KeyRecord, choice: Choice | None, measured: dict, probe_bits: int) -> tuple | None:
-    """How an allocated save is stored when nothing is probed, where a probe can store it so too, whatever its op's
-    backward (``sensitivity.py``'s ``stored_of``: probed in that form against the base pass, a pair's second draw):
-    ``(bits, None, S(b))`` for uniform codes; for the normal scheme's (``choice``, the plan's), ``(bits, choice, x)``
-    with ``x = S(probe) V(choice) / V(uniform at the probe width)``, what the allocator prices it at, from the stored
-    errors the meter ``measured`` in the same pass. ``None``: kept as it is, FewBit codes (class ``smooth``), a sketch
-    or per-sample widths, bfloat16 rounding at 16 bits, no reference measured."""
-    if record.cls == "smooth" or record.reason or record.bits is None or record.bits > 8:
-        return None
-    if not record.form:
-        return record.bits, None, variance_factor(record.bits)
-    if not NORMAL_CONTEXT or choice is None or choice.scheme != "normal":
-        return None
-    errors = measured.get(record.key.slot, {})
-    reference, error = errors.get(Choice(probe_bits)), errors.get(choice)
-    if not reference or error is None or not math.isfinite(error) or error <= 0:
-        return None
-    return record.bits, choice, variance_factor(probe_bits) * error / reference
