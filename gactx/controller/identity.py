@@ -127,8 +127,8 @@ class ModuleTracker:
 
     def _enter(self, name: str, module: nn.Module, args) -> None:
         # A compiled region's saves are named by its graph (compiled.py); calls while backward runs (a
-        # reentrant checkpoint recomputing) belong to no forward pass.
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
+        # reentrant checkpoint recomputing) belong to no forward pass (in_backward(), inlined: every module call).
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or graph_task_id() != -1:
             return
         if self.on_boundary is not None:
             self.on_boundary()
@@ -158,7 +158,7 @@ class ModuleTracker:
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, name: str, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or in_backward():
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or graph_task_id() != -1:
             return
         if self.on_boundary is not None:
             self.on_boundary()
