@@ -103,8 +103,8 @@ class GactEstimator(Measuring):
         super().__init__(config, model, path, tracker)
         self.pending = False
         self._warned = False
-        self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (_context)
-        self._stored: dict[Slot, tuple | None] = {}  # its form then, where a probe can store it so (_stored)
+        self._context: dict[Slot, float | None] = {}  # what each slot stores when nothing is probed (trained.context)
+        self._stored: dict[Slot, tuple | None] = {}  # its form then, where a probe stores it so (trained.stored_form)
         self._curves: dict[Slot, tuple[float, float]] = {}  # the curves last fitted (KEEP_CURVES)
         self._calibrations: dict[Slot, float] = {}  # the sketch calibrations last measured (KEEP_CALIBRATION)
         self._read: dict | None = None  # what the meter measured in the estimate's first pass (_discover)
