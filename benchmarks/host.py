@@ -235,21 +235,29 @@ def _hooks_timed(pack: Callable, unpack: Callable, timed: Callable) -> Iterator[
 
 @contextlib.contextmanager
 def _kernels_timed(timed: Callable | None) -> Iterator[None]:
-    """Each function of gactx's built C++ extension replaced by ``timed("kernels", fn)`` for the block (``None``:
-    nothing replaced). The kernels' Python wrappers look their function up at each call."""
+    """Each function of gactx's built C++ extension, and each call of its classes' objects (``__call__``, ``unpack``),
+    replaced by ``timed("kernels", fn)`` for the block (``None``: nothing replaced). The kernels' Python wrappers look
+    their function up at each call."""
     built = cpu.built
     if timed is None or built is None:
         yield
         return
     names = [n for n in dir(built) if not n.startswith("_") and callable(getattr(built, n))]
-    originals = {n: getattr(built, n) for n in names}
-    for n, fn in originals.items():
+    functions = {n: getattr(built, n) for n in names if not isinstance(getattr(built, n), type)}
+    # The classes' calls: a replayed save's C++ handle, made by a packer's call and read by its unpack.
+    methods = {(c, m): c.__dict__[m] for c in map(built.__dict__.get, names) if isinstance(c, type)
+               for m in ("__call__", "unpack") if m in c.__dict__}  # fmt: skip
+    for n, fn in functions.items():
         setattr(built, n, timed("kernels", fn))
+    for c, m in methods:
+        setattr(c, m, timed("kernels", getattr(c, m)))
     try:
         yield
     finally:
-        for n, fn in originals.items():
+        for n, fn in functions.items():
             setattr(built, n, fn)
+        for (c, m), fn in methods.items():
+            setattr(c, m, fn)
 
 
 def methods(compiled: bool, cpp: bool, traced: bool, only: tuple[str, ...] | None = None) -> list[str]:

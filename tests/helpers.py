@@ -102,6 +102,14 @@ def live(kind: type) -> list:
     return [o for o in gc.get_objects() if issubclass(type(o), kind)]
 
 
+def native_handles() -> int:
+    """Replayed saves' C++ handles not yet freed (``csrc/saved.h``): objects the garbage collector does not track."""
+    from gactx.kernels import cpu
+
+    built = cpu.extension()
+    return 0 if built is None else built.Saved.alive()
+
+
 def on_two_ranks(worker, folder) -> list[dict]:
     """Run ``worker(rank)`` in two gloo processes on the CPU; return what each rank's call returned (JSON)."""
     import json

@@ -31,10 +31,11 @@ from gactx.controller.identity import Key
 from gactx.controller.plan import GOLDEN, MASK62, Plan
 from gactx.controller.rules import ALLOCATED, Site
 from gactx.controller.stats import KeyRecord, PassStats
-from gactx.controller.store import Packed, encode, fewbit_tables
-from gactx.kernels.codes import CodedTensor, bound_decode_codes, bound_encode_bins
+from gactx.controller.store import Packed, encode, fewbit_tables, modified_in_place
+from gactx.kernels import cpu
+from gactx.kernels.codes import CodedTensor, bound_decode_codes, bound_encode_bins, native_encode_bins
 from gactx.kernels.format import ALLOWED_BITS, FLOAT_DTYPES, QuantizedTensor
-from gactx.kernels.functional import bound_dequantize, bound_quantize
+from gactx.kernels.functional import bound_dequantize, bound_quantize, native_quantize
 
 __all__ = ["Replay", "replayable"]
 
@@ -58,8 +59,8 @@ class Replay:
     """One key's save, as the whole path stored it (see the module docstring). ``pack`` does it again."""
 
     __slots__ = (
-        "dtype", "node", "device", "encode", "decode", "weyl", "claims", "observed", "record", "form", "decision",
-        "backend", "shared",
+        "dtype", "node", "device", "encode", "decode", "native", "weyl", "claims", "observed", "record", "form",
+        "decision", "backend", "shared",
     )  # fmt: skip
 
     def __init__(
@@ -70,6 +71,7 @@ class Replay:
         self.dtype, self.node, self.device = t.dtype, type(t.grad_fn), t.device
         self.encode: Callable[[torch.Tensor, int], object] = _encoder(t, site, decision, config)
         self.decode = _decoder(stored, config.backend)
+        self.native = _native(t, decision, config)
         self.weyl = (number + 1) * GOLDEN  # Plan.seed's part of the save's number
         self.claims = site is not None and site.result and t.grad_fn is not None
         self.observed = decision.rule.cls in ALLOCATED  # what the pack path's observers are shown
@@ -83,11 +85,16 @@ class Replay:
         """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device."""
         return t.dtype is self.dtype and type(t.grad_fn) is self.node and t.device == self.device
 
-    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan) -> Packed:
-        """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle."""
-        stored = self.encode(t, (plan.seed_base + self.weyl) & MASK62)
+    def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan):
+        """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle:
+        the C++ one where a packer of its own is bound and no later save shares what it stores (those find a
+        :class:`~gactx.controller.store.Packed` in the pack path's dedupe table), else a ``Packed``."""
+        seed = (plan.seed_base + self.weyl) & MASK62
+        handle = None if self.native is None or self.shared else self.native(t, seed)
+        if handle is None:
+            handle = Packed(self.encode(t, seed), key, t, self.backend, ptr, self.decode)
         self.record = stats.record_replayed(t, key, ptr, self.record)
-        return Packed(stored, key, t, self.backend, ptr, self.decode)
+        return handle
 
 
 def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> Callable[[torch.Tensor, int], object]:
@@ -100,6 +107,21 @@ def _encoder(t: torch.Tensor, site: Site | None, decision: Decision, config) -> 
         edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
         return bound_encode_bins(t, edges, bits, points, config.backend)
     return partial(_encode, rule, bits, config.group_size, config.stochastic, config.backend, site)
+
+
+def _native(t: torch.Tensor, decision: Decision, config):
+    """The C++ packer of the decision's rule and width (``csrc/saved.h``: the encoding and the handle in one call, the
+    handle's unpack one call too), for uniform codes and FewBit codes of CPU tensors; ``None`` elsewhere."""
+    rule, bits = decision.rule, decision.bits
+    packer = None
+    if rule.kind == "quantize" and t.dtype in FLOAT_DTYPES:
+        packer = native_quantize(t, bits, config.group_size, config.stochastic, config.backend)
+    elif rule.kind == "fewbit":
+        edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
+        packer = native_encode_bins(t, edges, bits, points, config.backend)
+    if packer is not None:
+        cpu.built.set_modified_error(modified_in_place)  # what its handles raise, as Packed does
+    return packer
 
 
 def _decoder(stored, backend: str) -> Callable | None:

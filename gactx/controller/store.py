@@ -324,6 +324,6 @@ def stored_form(stored, choice: Choice) -> str:
 
 
 def unpack(handle):
-    """The unpack hook's eager work: the tensor a pack handle (:class:`Packed`, :class:`Kept`) gives back; anything
-    else (a tensor the pack hook returned itself) as it is."""
-    return handle.unpack() if isinstance(handle, (Packed, Kept)) else handle
+    """The unpack hook's eager work: the tensor a pack handle (:class:`Packed`, :class:`Kept`, a replayed save's C++
+    handle: ``replay.py``) gives back; a tensor the pack hook returned itself as it is."""
+    return handle if isinstance(handle, torch.Tensor) else handle.unpack()

@@ -176,6 +176,16 @@ def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table:
     return lambda x, seed: encode_bins(x, edges, bits, table, backend)
 
 
+def native_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
+    """The C++ kernel's :func:`bound_encode_bins` with the handle a replayed save returns (``csrc/saved.h``): called as
+    ``packer(x, seed)`` (the seed unused), it stores a contiguous CPU tensor like ``like`` and returns a handle whose
+    ``unpack()`` looks ``table`` up by its codes (``None`` for any other tensor). ``None`` where the C++ kernels do
+    not run for ``like``, or at 1 bit (a bool mask's codes)."""
+    if bits in (2, 4, 8) and choose_backend(like, backend) == "cpp":
+        return cpu.built.Packer.bins(edges, bits, table)
+    return None
+
+
 def bound_decode_codes(like: CodedTensor):
     """:func:`decode_codes` of codes stored like ``like`` (its device), the backend chosen once, called as ``fn(ct)``:
     what a save replayed at every step decodes with (on a CPU, the C++ kernel's own call)."""

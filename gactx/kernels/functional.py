@@ -187,6 +187,15 @@ def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: b
     return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
 
 
+def native_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
+    """The C++ kernel's quantize of :func:`bound_quantize` with the handle a replayed save returns (``csrc/saved.h``):
+    called as ``packer(x, seed)``, it stores a contiguous CPU tensor like ``like`` and returns a handle whose
+    ``unpack()`` decodes it (``None`` for any other tensor). ``None`` where the C++ kernels do not run for ``like``."""
+    if bits in (1, 2, 4, 8) and choose_backend(like, backend) == "cpp":
+        return cpu.built.Packer.quantized(bits, group_size, stochastic, *cpu.step_factors(bits))
+    return None
+
+
 def bound_dequantize(like: QuantizedTensor, backend: str = "auto"):
     """:func:`dequantize` of tensors stored like ``like`` (its device, scheme and metadata), the backend chosen once,
     called as ``fn(q)``: what a save replayed at every step decodes with (on a CPU, the C++ kernel's own call)."""

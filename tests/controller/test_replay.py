@@ -1,11 +1,15 @@
 """gactx/controller/replay.py: a save done again in a later pass stores, records and returns what the whole pack path
 would, and is dropped when what it was decided under changes."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
 
 import gactx
+from gactx.controller import replay
+from gactx.kernels import cpu
 
 
 class Mixed(nn.Module):
@@ -129,3 +133,66 @@ def test_a_new_allocation_drops_the_replays_made_under_the_old_one():
         model(x).sum().backward()  # replayed under the new allocation
         widths = {r.key.slot: r.bits for r in controller.records if r.allocated}
     assert widths and all(widths[slot] == allocation[slot] for slot in widths)
+
+
+def _handles(model, x, level, passes=4):
+    """The types of what the pack hook returned in the last of ``passes`` identical passes, and its gradients."""
+    from gactx.controller.pack import PackPath
+
+    returned, pack = [], PackPath.pack
+    with mock.patch.object(PackPath, "pack", lambda path, t: returned.append(pack(path, t)) or returned[-1]):
+        with gactx.Controller(model, level=level):
+            for _ in range(passes):
+                returned.clear()
+                torch.manual_seed(1)
+                model(x).sum().backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+    return [type(h).__name__ for h in returned], grads
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
+@pytest.mark.parametrize("level", ["L1", "L1.1"])
+def test_replayed_saves_return_native_handles_with_the_gradients_of_python_ones(level, monkeypatch):
+    """On a CPU a replayed save of codes or FewBit codes is stored and decoded by one C++ call each way: the same
+    bytes, so the same gradients as the Python handle of the same replay; a save that a later one shares keeps a
+    Python handle (the dedupe table reads its fields)."""
+    torch.manual_seed(0)
+    model, x = Mixed(), torch.randn(64, 64)
+    native, grads = _handles(model, x, level)
+    assert native.count("Saved") >= 4, native  # three linear inputs but the shared one, GELU's input
+    assert "Packed" in native, "the input two layers save stays a Python handle"
+    monkeypatch.setattr(replay, "_native", lambda *args: None)
+    python, python_grads = _handles(model, x, level)
+    assert "Saved" not in python and len(python) == len(native)
+    for g, h in zip(grads, python_grads, strict=True):
+        assert torch.equal(g, h)
+
+
+@pytest.mark.parametrize("change", ["relu output", "gelu input"])
+def test_a_replayed_save_changed_in_place_raises_as_autograd_does(change):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(128, 64)
+
+    def step():
+        h = model[1](model[0](x))
+        g = model[2](h)
+        out = model[4](model[3](g))
+        return out.sum(), {"relu output": h, "gelu input": g}[change]
+
+    loss, changed = step()
+    with torch.no_grad():
+        changed.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        loss.backward()
+    with gactx.Controller(model, level="L1", min_numel=0):
+        for _ in range(3):
+            step()[0].backward()
+        loss, changed = step()
+    with torch.no_grad():
+        changed.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as ours:
+        loss.backward()
+    assert str(ours.value).split(":")[0] == str(plain.value).split(":")[0]
+    assert "is at version 1; expected version 0 instead" in str(ours.value)

@@ -13,7 +13,7 @@ from gactx.controller.pack import PackPath
 from gactx.controller.store import Kept
 from gactx.kernels import QuantizedTensor
 from gactx.kernels.codes import CodedTensor
-from tests.helpers import live
+from tests.helpers import live, native_handles
 
 NAMES = list(ZOO)
 
@@ -134,7 +134,7 @@ def test_no_handles_or_tensors_leak_over_200_steps(name):
     model, run = build(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     # Counted from what is alive before: a failed test's traceback elsewhere in this process may hold some.
-    packed, quantized = _live(Packed), _live(QuantizedTensor)
+    packed, quantized, native = _live(Packed), _live(QuantizedTensor), native_handles()
     controller = gactx.Controller(model, level="L1").install_hook()
     try:
         for step in range(200):
@@ -148,10 +148,11 @@ def test_no_handles_or_tensors_leak_over_200_steps(name):
             if step == 9:
                 tensors_at_10 = _live(torch.Tensor)
                 assert _live(Packed) == packed and _live(QuantizedTensor) == quantized
+                assert native_handles() == native
     finally:
         controller.uninstall_hook()
     assert controller.step == 200
-    assert _live(Packed) == packed and _live(QuantizedTensor) == quantized
+    assert _live(Packed) == packed and _live(QuantizedTensor) == quantized and native_handles() == native
     assert _live(torch.Tensor) <= tensors_at_10
 
 

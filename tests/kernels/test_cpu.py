@@ -481,3 +481,91 @@ def test_compiled_graphs_ops_store_and_decode_what_the_kernels_do(dtype, bits):
     decoded = torch.ops.gactx_cpu.dequantize_saved(stored, bits, 32, list(x.shape), FLOAT_DTYPES.index(dtype))
     assert decoded.shape == x.shape and decoded.dtype == dtype
     assert same_values(decoded, cpu.dequantize(codes, meta, bits, 32, x.shape, dtype))
+
+
+# -- a replayed save's handle (csrc/saved.h): native_quantize and native_encode_bins ----------------------------------
+
+
+def _modified(t, version):  # what the pack path registers (store.modified_in_place), as a marker here
+    return RuntimeError(f"modified: version {t._version}, expected {version}")
+
+
+@settings(max_examples=30)
+@given(
+    shape=st.sampled_from([(0,), (7,), (64, 64), (3, 5, 129)]),
+    dtype=st.sampled_from(DTYPES),
+    bits=st.sampled_from([1, 2, 4, 8]),
+    stochastic=st.booleans(),
+    seed=st.integers(0, 2**62 - 1),
+)
+def test_a_native_handle_stores_the_kernels_bytes_and_decodes_them(shape, dtype, bits, stochastic, seed):
+    from gactx.kernels.functional import native_quantize
+
+    x = torch.randn(shape).to(dtype)
+    packer = native_quantize(x, bits, 256, stochastic, "auto")
+    handle = packer(x.clone(), seed)  # its own copy, freed now: the handle decodes
+    codes, meta = cpu.quantize(x, bits, 256, stochastic, seed)
+    assert torch.equal(handle.data, codes) and torch.equal(handle.meta, meta) and handle.bits == bits
+    assert handle.nbytes == codes.numel() + meta.numel() * 4
+    out = handle.unpack()
+    assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, cpu.dequantize(codes, meta, bits, 256, x.shape, dtype))
+
+
+def test_a_native_handle_of_bins_looks_its_table_up():
+    from gactx.kernels.codes import native_encode_bins
+
+    x = torch.randn(33, 65)
+    edges, table = torch.tensor([-1.0, 0.0, 0.5]), torch.tensor([10.0, 20.0, 30.0, 40.0])
+    handle = native_encode_bins(x, edges, 2, table)(x.clone(), 0)
+    assert torch.equal(handle.data, cpu.encode_bins(x.reshape(-1), edges, 2))
+    assert torch.equal(handle.unpack(), table[torch.bucketize(x, edges)])
+    assert native_encode_bins(x, edges, 1, table[:2]) is None, "a 1-bit mask's codes are the Python path's"
+
+
+def test_a_native_handle_reads_a_live_unchanged_tensor_itself_and_raises_on_a_change_in_place():
+    from gactx.kernels.functional import native_quantize
+
+    cpu.extension().set_modified_error(_modified)
+    x = torch.randn(64, 64)
+    packer = native_quantize(x, 2, 256, True, "auto")
+    handle = packer(x, 1)
+    out = handle.unpack()
+    assert torch.equal(out, x) and out.data_ptr() == x.data_ptr(), "alive and unchanged: its own values"
+    x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified: version 1, expected 0"):
+        handle.unpack()
+
+
+def test_a_native_handle_of_a_view_follows_its_base():
+    from gactx.kernels.functional import native_quantize
+
+    cpu.extension().set_modified_error(_modified)
+    base = torch.randn(8, 64)
+    view = base[2:6]  # contiguous, at an offset
+    handle = native_quantize(view, 4, 256, True, "auto")(view, 3)
+    out = handle.unpack()
+    assert torch.equal(out, view) and out.data_ptr() == view.data_ptr()
+    del view  # the view gone, its base still counts for it
+    base[0].zero_()
+    with pytest.raises(RuntimeError, match="expected 0"):
+        handle.unpack()
+    other = torch.randn(8, 64)
+    view = other[2:6]
+    handle = native_quantize(view, 4, 256, True, "auto")(view, 3)
+    del view, other  # both gone: decoded
+    assert handle.unpack().shape == (4, 64)
+
+
+def test_a_native_packer_leaves_other_tensors_to_the_python_path_and_handles_are_counted():
+    from gactx.kernels.functional import native_quantize
+
+    x = torch.randn(16, 32)
+    packer = native_quantize(x, 4, 256, True, "auto")
+    assert packer(x.t(), 0) is None, "not contiguous: stored in memory order by the Python path"
+    assert native_quantize(x, 4, 256, True, "torch") is None and native_quantize(x, 16, 256, True, "auto") is None
+    alive = cpu.extension().Saved.alive()
+    handles = [packer(x, 0) for _ in range(3)]
+    assert cpu.extension().Saved.alive() == alive + 3
+    del handles
+    assert cpu.extension().Saved.alive() == alive

@@ -3,6 +3,28 @@
 #include <torch/python.h>
 
 #include "kernels.h"
+#include "saved.h"
+
+namespace {
+
+// What makes the error of a saved tensor changed in place (store.modified_in_place, set by the pack path): raised from
+// Saved.unpack. Never freed: a handle may be unpacked while the interpreter exits.
+pybind11::object* modified_error = nullptr;
+
+at::Tensor unpack_saved(const gactx::Saved& handle) {
+  at::Tensor changed;
+  int64_t expected = 0;
+  at::Tensor out = handle.unpack(changed, expected);
+  if (changed.defined()) {
+    TORCH_CHECK(modified_error != nullptr, "a saved tensor was modified in place after it was saved");
+    pybind11::object error = (*modified_error)(changed, expected);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    throw pybind11::error_already_set();
+  }
+  return out;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &gactx::quantize);
@@ -21,4 +43,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_compare", &gactx::pack_compare);
   m.def("unpack_bool", &gactx::unpack_bool);
   m.def("drain_log", &gactx::drain_log);
+
+  namespace py = pybind11;
+  py::class_<gactx::Saved>(m, "Saved")
+      .def("unpack", &unpack_saved)
+      .def_property_readonly("nbytes", &gactx::Saved::nbytes)
+      .def_readonly("data", &gactx::Saved::data)
+      .def_readonly("meta", &gactx::Saved::meta)
+      .def_readonly("bits", &gactx::Saved::bits)
+      .def_static("alive", [] { return gactx::Saved::alive.load(); });
+  py::class_<gactx::Packer>(m, "Packer")
+      .def_static("quantized", &gactx::Packer::quantized)
+      .def_static("bins", &gactx::Packer::bins)
+      .def("__call__", &gactx::Packer::pack);
+  m.def("set_modified_error", [](py::object make) {
+    if (modified_error == nullptr) modified_error = new py::object();
+    *modified_error = std::move(make);
+  });
 }
