@@ -2,8 +2,9 @@
 
 For each tensor autograd saves, :meth:`PackPath.pack`:
 
-1. keeps parameters and their views (no record: not activation memory), and keeps what the policy keeps
-   (integers, float64, small, other layouts; see ``policy.py``);
+1. keeps parameters and their views (no record: not activation memory); names the save (its key); replays the
+   key's save of the last pass where it was kept for that (``replay.py``: steps 2 to 5 done again); and keeps what the
+   policy keeps (integers, float64, small, other layouts; see ``policy.py``);
 2. finds the save's :class:`~gactx.controller.rules.Site` (op, role, scalar arguments): from the op watcher
    in a pass it watches (the handle may wait one op for it), from what was learned for the slot before,
    or from the ``grad_fn`` of a saved result; else the op is unknown;
@@ -13,8 +14,9 @@ For each tensor autograd saves, :meth:`PackPath.pack`:
 5. records it once (``PassStats.record``: one :class:`~gactx.controller.stats.KeyRecord`, key, op, class, bits or
    reason, bytes) for the memory statistics, the report and the adaptation.
 
-Followed through for one saved tensor, the path leaves this module for one other at a time: the policy, the keys,
-the pass's statistics (is its storage kept already), the decision, the store, the record, the handle; it never
+Followed through for one saved tensor, the path leaves this module for one other at a time: the policy (a
+parameter?), the keys, the policy again (its value), the pass's statistics (is its storage kept already), the decision,
+the store, the record, the handle; a replayed save the policy, the keys and its replay. It never
 calls up into the Controller (``tests/controller/test_pack.py`` follows one).
 """
 
@@ -33,7 +35,7 @@ from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
 from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_task_id, in_backward
 from gactx.controller.offload import Offloader
 from gactx.controller.plan import Plan
-from gactx.controller.policy import KEEP_PARAMETER, ModelStorages, keep_reason, storage_ptr
+from gactx.controller.policy import ModelStorages, is_weight, keep_reason, storage_ptr
 from gactx.controller.probes import Deferred, Waiting
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
@@ -201,28 +203,28 @@ class PackPath:
         ptrs = self._ptrs
         if ptrs is None:
             ptrs = self._ptrs = self._model_storages()
-        reason = keep_reason(t, ptr, cfg.min_numel, ptrs)
-        if reason == KEEP_PARAMETER:
-            # Kept with its history: a parameter, a view of one or a cast copy of one (the node that saves it is never
-            # the node that made it, so no node holds its own output; store.as_is)
+        if ptr is not None and is_weight(t, ptr, ptrs) and t.layout is torch.strided and not t.is_meta:
+            # Kept with its history (policy.KEEP_PARAMETER): a parameter, a view of one or a cast copy of one (the node
+            # that saves it is never the node that made it, so no node holds its own output; store.as_is)
             return Kept(t, t._version)
         key = self.tracker.key(t)
         if self._measured is not None and key.slot not in self._measured:
             # A probe pass against the exact base: a save it does not probe, as it is, by an alias of its own (the
             # tensor lives on only where something else holds it, as in training: store.Packed reads it there).
             return Kept(t.detach(), t._version)
-        if reason is None:
-            replay = self.replays.get(key)
-            if replay is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
-                # No save of the pass holds its storage yet (most saves), or one holds it in another form (a ReLU's
-                # mask of a convolution's input) and the whole path would neither share what a save of this view
-                # stored in this form nor find the storage kept as is.
-                seen = stats.live.get(ptr)
-                if (
-                    seen is None or seen[0]() is None
-                    or not stats.holds(ptr) and _view(t, key, ptr, replay.form) not in self.dedupe
-                ):  # fmt: skip
-                    return self._replayed(replay, t, key, ptr, stats)
+        replay = self.replays.get(key)
+        if replay is not None and ptr is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
+            # Its policy is the replayed save's, which no reason kept: the same dtype, shape (the key's), device,
+            # layout and node. No save of the pass holds its storage yet (most saves), or one holds it in another form
+            # (a ReLU's mask of a convolution's input) and the whole path would neither share what a save of this view
+            # stored in this form nor find the storage kept as is.
+            seen = stats.live.get(ptr)
+            if (
+                seen is None or seen[0]() is None
+                or not stats.holds(ptr) and _view(t, key, ptr, replay.form) not in self.dedupe
+            ):  # fmt: skip
+                return self._replayed(replay, t, key, ptr, stats)
+        reason = keep_reason(t, ptr, cfg.min_numel, ptrs)
         slot, ptr = key.slot, ptr or 0
         if cfg.dedupe and stats.holds(ptr):
             stats.extend(t, ptr)  # its storage is already kept as is: another view of it costs no copy

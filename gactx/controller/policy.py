@@ -16,7 +16,7 @@ import torch
 from gactx.kernels.format import FLOAT_DTYPES
 
 __all__ = [
-    "KEEP_PARAMETER", "ModelStorages", "is_weight_copy", "keep_reason", "storage_owner", "storage_ptr",
+    "KEEP_PARAMETER", "ModelStorages", "is_weight", "is_weight_copy", "keep_reason", "storage_owner", "storage_ptr",
     "value_reason",
 ]  # fmt: skip
 
@@ -66,15 +66,21 @@ def keep_reason(t: torch.Tensor, ptr: int | None, min_numel: int, model_ptrs: fr
     or compressed (float)."""
     if ptr is None or t.layout != torch.strided or t.is_meta:
         return "unsupported layout"
+    if is_weight(t, ptr, model_ptrs):
+        return KEEP_PARAMETER
+    return value_reason(t, min_numel)
+
+
+def is_weight(t: torch.Tensor, ptr: int, model_ptrs: frozenset[int]) -> bool:
+    """Whether ``t`` (its storage at ``ptr``) is kept as a weight (:data:`KEEP_PARAMETER`) where its layout is not
+    kept (:func:`keep_reason`'s first test): a parameter, a view of one, or a cast copy of one."""
     # An nn.Parameter (or a view of one, as linear saves weight.t()) is a weight even when its storage is
     # new to us: FSDP2 swaps in all-gathered parameters during forward, and frees and re-gathers their
     # storage around backward.
     if ptr in model_ptrs or _is_parameter(t if t._base is None else t._base):  # storage_owner(t), inlined
-        return KEEP_PARAMETER
+        return True
     fn = t.grad_fn
-    if fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t):
-        return KEEP_PARAMETER
-    return value_reason(t, min_numel)
+    return fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t)
 
 
 _PACKED = frozenset((*FLOAT_DTYPES, torch.bool))  # what value_reason lets through, whatever its size

@@ -58,8 +58,10 @@ def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
     modules = [f for f, _ in calls]
     rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]  # consecutive calls: one stop
     assert rooms == [
-        "controller/policy.py",  # parameter, dtype, size
-        "controller/identity.py",  # its key and slot
+        "controller/policy.py",  # a parameter?
+        "controller/identity.py",  # its key (no replay of it yet)
+        "controller/policy.py",  # layout, dtype, size
+        "controller/identity.py",  # its slot
         "controller/stats.py",  # is its storage kept as it is already
         "controller/decide.py",  # width, scheme, seed (from the plan)
         "controller/store.py",  # encoded (the kernels, nested)
