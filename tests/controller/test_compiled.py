@@ -266,6 +266,32 @@ def test_installing_again_reuses_the_compiled_graphs():
     assert not any(model._forward_pre_hooks or model._forward_hooks for model in model.modules())
 
 
+def _guards(compiled: nn.Module) -> int:
+    """The guards TorchDynamo checks before a call of the module it compiled last, ``compiled`` or another: the lines
+    of the guard tree of the newest cache entry of the code that every ``torch.compile`` of a module runs."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(compiled.forward.__wrapped__.__code__)
+    return str(entries[0].guard_manager).count("\n")
+
+
+def test_the_module_trackers_hooks_add_few_guards_to_a_compiled_model():
+    """TorchDynamo checks its guards before every call of a compiled model, hooks included: the tracker's two hook
+    functions, the same on every module, add about 14 guards a module here (a partial of its own on each added 38:
+    1325 against compiled plain's 379 on this MLP of 25 modules)."""
+    x = torch.randn(64, WIDTH)
+    plain = torch.compile(mlp(8), backend="aot_eager")
+    plain(x).sum().backward()
+    plain_guards = _guards(plain)
+    model = mlp(8)
+    compiled = torch.compile(model, backend="aot_eager")
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(2):
+            compiled(x).sum().backward()
+        assert sum(r.compressed for r in controller.records) == 16  # every Linear's and GELU's input
+        assert _guards(compiled) - plain_guards <= 20 * len(list(model.modules()))
+
+
 def test_inductor_compiles_and_fuses_the_format():
     """What users run: Inductor generates the quantize and dequantize code; gradients match eager's."""
     model, x = mlp(1), torch.randn(64, WIDTH)

@@ -195,3 +195,21 @@ def test_a_reentrant_checkpoints_recomputation_is_no_forward_pass():
         assert "saved while backward ran (recomputation)" in report
         controller.iterate(lambda: model(x[:8]).sum().backward())
         assert set(controller.sensitivity) <= {r.key[:3] for r in forward}
+
+
+def test_a_module_outside_the_model_names_no_save_and_a_module_added_later_is_followed_once_installed_again():
+    """The tracker finds a module among the model's by its id (attach() reads the model's modules): one the model does
+    not hold, called inside its forward, is no frame of its own, and one added to it is followed from the next
+    installation on."""
+    torch.manual_seed(0)
+    model, outside, x = Net(), nn.Linear(32, 32), torch.randn(16, 32)
+    model.forward = lambda x: Net.forward(model, outside(x))
+    controller = gactx.Controller(model, level="L1")
+    with controller:
+        model(x).sum().backward()
+        assert _keys(controller) == ["(root)[0]", "body.a[0]", "body[0]", "head[0]"]  # outside's input: the root's
+    model.extra = nn.Linear(4, 4)
+    model.forward = lambda x: model.extra(Net.forward(model, x))
+    with controller:
+        model(x).sum().backward()
+        assert _keys(controller) == ["body.a[0]", "body[0]", "head[0]", "extra[0]"]
