@@ -122,7 +122,7 @@ def _native(t: torch.Tensor, decision: Decision, config):
     packer = None
     if rule.kind == "quantize" and t.dtype in FLOAT_DTYPES:
         packer = native_quantize(t, bits, config.group_size, config.stochastic, config.backend)
-    elif rule.kind == "fewbit":
+    elif rule.kind == "fewbit" and bits <= 8:  # wider: stored as is (``_encoder``'s test)
         edges, points = fewbit_tables(rule, bits, t.dtype, t.device)
         packer = native_encode_bins(t, edges, bits, points, config.backend)
     if packer is not None:
