@@ -228,7 +228,7 @@ class CompiledPath:
         if follows and not save.compressed:
             return t  # recorded with its graph's first save (_follows): no op, nothing beside it
         if cpp:
-            return self._pack_cpp(t, -1 if follows else token, save, token)
+            return self._pack_cpp(t, token, save, logged=not follows)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
         if not save.compressed:
@@ -276,25 +276,25 @@ class CompiledPath:
         self.saves[token].extra = 0
         return True
 
-    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, salted: int):
+    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, logged: bool):
         """A CPU tensor's save by the C++ ops, which the graph calls with no Python: each returns one tensor, and logs
-        that it ran and when the graph released it (``token``; -1: a follower, logged by its lead); the controller
-        reads the log when it next looks at its passes (:meth:`drain`). ``salted``: the save's own token, which its
-        noise is salted with."""
+        that it ran and when the graph released it under ``token`` where ``logged`` (else a follower, logged by its
+        lead); the controller reads the log when it next looks at its passes (:meth:`drain`). A compressed save's ops
+        take its token, under which what it stores by is registered now (``cpu.register_saved``): each argument costs
+        the graph's Python wrapper its parsing."""
         if not self.runs.logging:
             self.runs.logging = True
             self.path.before_save = self.tracker.on_boundary = self.drain
         ops, cfg = torch.ops.gactx_cpu, self.config
-        shape = tuple(t.shape)
         if not save.compressed:
             save.extra = 1  # the marker: what the graph holds while it holds the save
-            return (CPP_KEPT, ops.keep_saved(t, token), t)
+            return (CPP_KEPT, ops.keep_saved(t, token if logged else -1), t)
         save.extra = 0
         if t.dtype == torch.bool:
-            return (CPP_BOOL, ops.pack_bool_saved(t, token), shape)
-        salt = _salt(cfg.seed, salted)
-        stored = ops.quantize_saved(t, save.bits, cfg.group_size, cfg.stochastic, salt, token)
-        return (CPP, stored, save.bits, cfg.group_size, shape, FLOAT_DTYPES.index(t.dtype))
+            return (CPP_BOOL, ops.pack_bool_saved(t, token if logged else -1), tuple(t.shape))
+        static = cpu.register_saved(token, save.bits, cfg.group_size, cfg.stochastic, _salt(cfg.seed, token), logged,
+                                    FLOAT_DTYPES.index(t.dtype), t.shape)  # fmt: skip
+        return (CPP, ops.quantize_saved(t, token), token, None if static else tuple(t.shape))
 
     def unpack(self, packed):
         ctx = _hook_context()
@@ -310,9 +310,11 @@ class CompiledPath:
         if tag == CPP_BOOL:  # decoded in the saved shape: no view after
             _, data, shape = packed
             return torch.ops.gactx_cpu.unpack_bool_saved(data, shape)
-        if tag == CPP:
-            _, stored, bits, group_size, shape, dtype = packed  # dtype: an index of FLOAT_DTYPES, as the op takes it
-            return torch.ops.gactx_cpu.dequantize_saved(stored, bits, group_size, shape, dtype)
+        if tag == CPP:  # decoded in the saved shape: registered under the token, or given where dynamic
+            _, stored, token, shape = packed
+            if shape is None:
+                return torch.ops.gactx_cpu.dequantize_saved(stored, token)
+            return torch.ops.gactx_cpu.dequantize_shaped(stored, token, shape)
         if tag in (BOOL, BOOL_KERNEL):
             _, _, data, n, shape = packed
             if tag == BOOL_KERNEL:

@@ -470,17 +470,27 @@ def test_bound_encoders_store_what_the_kernels_api_stores(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_compiled_graphs_ops_store_and_decode_what_the_kernels_do(dtype, bits):
-    """``gactx_cpu::quantize_saved`` (its step factors derived from ``bits`` in C++) stores the kernel's codes then its
-    ``(lo, step)`` in one buffer, and ``dequantize_saved`` (the dtype by its index in ``FLOAT_DTYPES``) decodes them
-    in the saved shape to the kernel's values."""
+    """``gactx_cpu::quantize_saved(t, token)`` stores by what is registered under the token (``cpu.register_saved``;
+    its step factors derived from ``bits`` in C++) the kernel's codes then its ``(lo, step)`` in one buffer, and
+    ``dequantize_saved(stored, token)`` decodes them in the registered shape and dtype to the kernel's values
+    (``dequantize_shaped``: in the shape it is given)."""
     x = torch.cat([special_input(900, dtype, 5, 3.0, [float("nan"), float("inf")], every=61), extreme_input(dtype)])
     x = x[: x.numel() // 5 * 5].view(-1, 5)
     codes, meta = cpu.quantize(x.reshape(-1), bits, 32, False, 0)
-    stored = torch.ops.gactx_cpu.quantize_saved(x, bits, 32, False, 0, -1)  # token -1: nothing logged
+    token = 10**9 + bits  # a token no graph takes; not logged
+    assert cpu.register_saved(token, bits, 32, False, 0, False, FLOAT_DTYPES.index(dtype), x.shape)
+    stored = torch.ops.gactx_cpu.quantize_saved(x, token)
     assert torch.equal(stored, torch.cat([codes, meta.view(torch.uint8).reshape(-1)]))
-    decoded = torch.ops.gactx_cpu.dequantize_saved(stored, bits, 32, list(x.shape), FLOAT_DTYPES.index(dtype))
-    assert decoded.shape == x.shape and decoded.dtype == dtype
-    assert same_values(decoded, cpu.dequantize(codes, meta, bits, 32, x.shape, dtype))
+    expected = cpu.dequantize(codes, meta, bits, 32, x.shape, dtype)
+    decoded = torch.ops.gactx_cpu.dequantize_saved(stored, token)
+    assert decoded.shape == x.shape and decoded.dtype == dtype and same_values(decoded, expected)
+    flat = torch.ops.gactx_cpu.dequantize_shaped(stored, token, [x.numel()])
+    assert flat.shape == (x.numel(),) and same_values(flat, expected.reshape(-1))
+
+
+def test_a_compiled_graphs_op_under_a_token_never_registered_says_so():
+    with pytest.raises(RuntimeError, match="no compressed save is registered under token"):
+        torch.ops.gactx_cpu.quantize_saved(torch.randn(64), 10**9 - 1)
 
 
 # -- a replayed save's handle (csrc/saved.h): native_quantize and native_encode_bins ----------------------------------

@@ -1,4 +1,8 @@
 // Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them through the dispatcher, with no Python.
+// A compressed save's ops take its token alone (with its shape where that is dynamic): what it stores by is registered
+// under the token while its graph is traced (register_saved, from compiled.py), and each argument a call passes costs
+// Inductor's Python wrapper its parsing: 64 x 64 at 4 bits on a 2-core Xeon, quantize took 5.6 us a call with six
+// arguments and dequantize 3.5 with five (the shape a list), 4.1 and 2.2 with the token (and 512-bit vectors, cpu.py).
 // Each logs that a save ran (its token and shape) and returns one tensor, what it stores, from a buffer of torch's CPU
 // allocator (what torch's memory accounting sees) whose release logs that too (its backward ran, or the graph was
 // dropped); a save kept as it is returns a one-byte marker alike. A save of a static shape after its graph's first
@@ -14,7 +18,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <memory>
 #include <mutex>
+#include <unordered_map>
 
 namespace gactx {
 
@@ -24,6 +30,24 @@ std::mutex log_mutex;
 std::vector<int64_t> save_log;  // entries: kind (0 saved, 2 released), token, rank, sizes...
 std::atomic<uint64_t> draws{0};
 constexpr size_t kLogLimit = size_t(1) << 22;  // int64s (32 MiB): a log nobody reads is dropped, not grown
+
+// What a compressed save of a compiled graph stores by, registered under its token while the graph is traced.
+struct SaveSpec {
+  int64_t bits = 0, group = 0, salt = 0, dtype = 0;  // dtype: an index of kFloatDtypes
+  bool stochastic = true, logged = true;  // logged: its own log entry (a graph's first save), else its lead's
+  double factor = 0.0, factor_special = 0.0;
+  std::vector<int64_t> sizes;  // the saved shape where it is static
+};
+std::mutex spec_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const SaveSpec>> specs;  // registered again: replaced, never changed
+
+std::shared_ptr<const SaveSpec> spec_of(int64_t token) {
+  std::lock_guard<std::mutex> lock(spec_mutex);
+  auto found = specs.find(token);
+  TORCH_CHECK(found != specs.end(), "gactx: no compressed save is registered under token ", token,
+              " (the graph was compiled in another process, or by an AOTAutograd cache hit)");
+  return found->second;
+}
 
 void log_event(int64_t kind, int64_t token, at::IntArrayRef sizes) {
   std::lock_guard<std::mutex> lock(log_mutex);
@@ -81,30 +105,51 @@ constexpr at::ScalarType kFloatDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16}
 
 }  // namespace
 
-// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group. The
-// step factors follow from ``bits`` (cpu.py's step_factors): each argument costs a graph's Python wrapper its parsing.
-at::Tensor quantize_saved(const at::Tensor& t, int64_t bits, int64_t group, bool stochastic, int64_t salt,
-                          int64_t token) {
+void register_saved(int64_t token, int64_t bits, int64_t group, bool stochastic, int64_t salt, bool logged,
+                    int64_t dtype, std::vector<int64_t> sizes) {
+  TORCH_CHECK(bits >= 1 && bits <= 8 && group >= 1 && dtype >= 0 && dtype < 3);
   const int64_t levels = (int64_t(1) << bits) - 1;
-  const double factor = step_factor(levels), factor_special = step_factor(levels - 1);
+  auto spec = std::make_shared<const SaveSpec>(SaveSpec{bits, group, salt, dtype, stochastic, logged,
+                                                       step_factor(levels), step_factor(levels - 1), std::move(sizes)});
+  std::lock_guard<std::mutex> lock(spec_mutex);
+  specs[token] = std::move(spec);
+}
+
+// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group.
+at::Tensor quantize_saved(const at::Tensor& t, int64_t token) {
+  const auto found = spec_of(token);
+  const SaveSpec& spec = *found;
   const at::Tensor x = t.is_contiguous() ? t : t.contiguous();  // the kernel reads the elements in order, any shape
-  const int64_t n = x.numel(), groups = (n + group - 1) / group, codes = code_bytes(n, bits, group);
-  at::Tensor out = logged_buffer(t, token, codes + groups * 8);
+  const int64_t n = x.numel(), groups = (n + spec.group - 1) / spec.group;
+  const int64_t codes = code_bytes(n, spec.bits, spec.group);
+  at::Tensor out = logged_buffer(t, spec.logged ? token : -1, codes + groups * 8);
   uint8_t* data = out.data_ptr<uint8_t>();
-  const int64_t seed = (stochastic && n) ? next_seed(salt) : 0;
-  quantize_into(x, data, reinterpret_cast<float*>(data + codes), bits, group, stochastic, seed, factor, factor_special);
+  const int64_t seed = (spec.stochastic && n) ? next_seed(spec.salt) : 0;
+  quantize_into(x, data, reinterpret_cast<float*>(data + codes), spec.bits, spec.group, spec.stochastic, seed,
+                spec.factor, spec.factor_special);
   return out;
 }
 
-// Decoded in the saved tensor's shape: a graph's code then needs no view of the result (a call of its own).
-// (SymInt[]: what a graph with dynamic shapes passes; Inductor's C++ wrapper boxes it as a list of SymInts.)
-at::Tensor dequantize_saved(const at::Tensor& stored, int64_t bits, int64_t group, c10::SymIntArrayRef shape,
-                            int64_t dtype) {
-  TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte && dtype >= 0 && dtype < 3);
-  at::Tensor out = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(kFloatDtypes[dtype]));
+at::Tensor dequantize_in(const at::Tensor& stored, const SaveSpec& spec, at::IntArrayRef shape) {
+  TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(kFloatDtypes[spec.dtype]));
   const uint8_t* data = stored.data_ptr<uint8_t>();
-  dequantize_into(data, reinterpret_cast<const float*>(data + code_bytes(out.numel(), bits, group)), out, bits, group);
+  const int64_t codes = code_bytes(out.numel(), spec.bits, spec.group);
+  dequantize_into(data, reinterpret_cast<const float*>(data + codes), out, spec.bits, spec.group);
   return out;
+}
+
+// Decoded in the saved tensor's shape, the registered one: a graph's code then needs no view of the result (a call
+// of its own).
+at::Tensor dequantize_saved(const at::Tensor& stored, int64_t token) {
+  const auto spec = spec_of(token);
+  return dequantize_in(stored, *spec, spec->sizes);
+}
+
+// The same for a save of a dynamic shape, given as the graph runs it. (SymInt[]: what a graph with dynamic shapes
+// passes; Inductor's C++ wrapper boxes it as a list of SymInts.)
+at::Tensor dequantize_shaped(const at::Tensor& stored, int64_t token, c10::SymIntArrayRef shape) {
+  return dequantize_in(stored, *spec_of(token), C10_AS_INTARRAYREF_SLOW(shape));
 }
 
 at::Tensor pack_bool_saved(const at::Tensor& t, int64_t token) {
@@ -134,8 +179,9 @@ std::vector<int64_t> drain_log() {
 
 TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
-  m.def("quantize_saved(Tensor t, int bits, int group, bool stochastic, int salt, int token) -> Tensor", flexible);
-  m.def("dequantize_saved(Tensor stored, int bits, int group, SymInt[] shape, int dtype) -> Tensor");
+  m.def("quantize_saved(Tensor t, int token) -> Tensor", flexible);
+  m.def("dequantize_saved(Tensor stored, int token) -> Tensor");
+  m.def("dequantize_shaped(Tensor stored, int token, SymInt[] shape) -> Tensor");
   m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("unpack_bool_saved(Tensor packed, SymInt[] shape) -> Tensor");
   m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
@@ -144,6 +190,7 @@ TORCH_LIBRARY(gactx_cpu, m) {
 TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
   m.impl("quantize_saved", &gactx::quantize_saved);
   m.impl("dequantize_saved", &gactx::dequantize_saved);
+  m.impl("dequantize_shaped", &gactx::dequantize_shaped);
   m.impl("pack_bool_saved", &gactx::pack_bool_saved);
   m.impl("unpack_bool_saved", &gactx::unpack_bool_saved);
   m.impl("keep_saved", &gactx::keep_saved);
@@ -152,6 +199,7 @@ TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
 // No autograd kernels: graphs call the ops where nothing is recorded (AOTAutograd's compiled forward and backward),
 // and autograd's fallback for an op without one, which checks every input, cost as much as the op at small sizes.
 TORCH_LIBRARY_IMPL(gactx_cpu, Autograd, m) {
-  for (const char* name : {"quantize_saved", "dequantize_saved", "pack_bool_saved", "unpack_bool_saved", "keep_saved"})
+  for (const char* name : {"quantize_saved", "dequantize_saved", "dequantize_shaped", "pack_bool_saved",
+                           "unpack_bool_saved", "keep_saved"})
     m.impl(name, torch::CppFunction::makeFallthrough());
 }

@@ -58,7 +58,11 @@ void pack_bool(at::Tensor mask, at::Tensor packed);
 at::Tensor pack_compare(at::Tensor x, int64_t kind, double lo, double hi);
 void unpack_bool(at::Tensor packed, at::Tensor mask);
 
-// graph_ops.cpp: the log of compiled graphs' saves (compiled.py).
+// graph_ops.cpp: the log of compiled graphs' saves (compiled.py), and what a compressed save of one stores by, under
+// its token (its ops take the token alone): width, group size, rounding, the noise's salt, whether it logs, the
+// dtype's index in FLOAT_DTYPES and its shape where static (else empty).
 std::vector<int64_t> drain_log();
+void register_saved(int64_t token, int64_t bits, int64_t group, bool stochastic, int64_t salt, bool logged,
+                    int64_t dtype, std::vector<int64_t> sizes);
 
 }  // namespace gactx

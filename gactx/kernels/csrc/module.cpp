@@ -43,6 +43,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_compare", &gactx::pack_compare);
   m.def("unpack_bool", &gactx::unpack_bool);
   m.def("drain_log", &gactx::drain_log);
+  m.def("register_saved", &gactx::register_saved);
 
   namespace py = pybind11;
   py::class_<gactx::Saved>(m, "Saved")
