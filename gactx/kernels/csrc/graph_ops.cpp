@@ -14,6 +14,7 @@
 #include "common.h"
 #include "kernels.h"
 
+#include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -70,11 +71,15 @@ void release_logged(void* context) {
   log_event(2, token, {});
 }
 
+// A contiguous CPU tensor from torch's CPU allocator, as at::empty makes it (torch's memory accounting sees it), without
+// its dispatch: each op allocates one a call (64 x 64: quantize 4.10 to 3.95 us a call, dequantize 2.17 to 1.93).
+at::Tensor cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype) { return at::detail::empty_cpu(sizes, dtype); }
+
 // ``nbytes`` bytes (at least one) for the save of ``t`` under ``token``: the save is logged now, its release when the
 // buffer is freed. A negative token: a save recorded with its graph's first (compiled.py's followers), not logged.
 at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
   nbytes = std::max<int64_t>(nbytes, 1);
-  if (token < 0) return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
+  if (token < 0) return cpu_empty({nbytes}, at::kByte);
   c10::DataPtr inner = c10::GetCPUAllocator()->allocate(nbytes);
   void* data = inner.get();
   auto* logged = new Logged{std::move(inner), token};
@@ -132,7 +137,7 @@ at::Tensor quantize_saved(const at::Tensor& t, int64_t token) {
 
 at::Tensor dequantize_in(const at::Tensor& stored, const SaveSpec& spec, at::IntArrayRef shape) {
   TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
-  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(kFloatDtypes[spec.dtype]));
+  at::Tensor out = cpu_empty(shape, kFloatDtypes[spec.dtype]);
   const uint8_t* data = stored.data_ptr<uint8_t>();
   const int64_t codes = code_bytes(out.numel(), spec.bits, spec.group);
   dequantize_into(data, reinterpret_cast<const float*>(data + codes), out, spec.bits, spec.group);
@@ -160,7 +165,7 @@ at::Tensor pack_bool_saved(const at::Tensor& t, int64_t token) {
 }
 
 at::Tensor unpack_bool_saved(const at::Tensor& packed, c10::SymIntArrayRef shape) {
-  at::Tensor mask = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(at::kBool));
+  at::Tensor mask = cpu_empty(C10_AS_INTARRAYREF_SLOW(shape), at::kBool);
   unpack_bool(packed, mask);
   return mask;
 }
