@@ -105,7 +105,7 @@ void pack_bool(at::Tensor mask, at::Tensor packed) {
 
 at::Tensor pack_compare(at::Tensor x, int64_t kind, double lo, double hi) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu() && kind >= 0 && kind <= 5);
-  at::Tensor packed = at::empty({(x.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor packed = cpu_empty({(x.numel() + 7) / 8}, at::kByte);
   GACTX_DISPATCH(x.scalar_type(), pack_compare_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
                  packed.data_ptr<uint8_t>(), int(kind), float(lo), float(hi)));
   return packed;

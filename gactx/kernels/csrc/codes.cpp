@@ -331,7 +331,7 @@ at::Tensor encode_bins(at::Tensor x, at::Tensor edges, int64_t bits) {
   TORCH_CHECK(x.is_contiguous());
   TORCH_CHECK(edges.scalar_type() == x.scalar_type());
   edges = edges.contiguous();
-  at::Tensor packed = at::empty({(x.numel() * bits + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor packed = cpu_empty({(x.numel() * bits + 7) / 8}, at::kByte);
   GACTX_DISPATCH(x.scalar_type(), encode_bins_impl<scalar>(x.data_ptr<scalar>(), x.numel(),
                  edges.data_ptr<scalar>(), edges.numel(), packed.data_ptr<uint8_t>(), int(bits)));
   return packed;
@@ -341,7 +341,7 @@ at::Tensor encode_bins(at::Tensor x, at::Tensor edges, int64_t bits) {
 at::Tensor decode_table(at::Tensor packed, at::Tensor table, at::IntArrayRef shape, int64_t bits) {
   TORCH_CHECK(packed.is_contiguous());
   table = table.contiguous();
-  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(table.scalar_type()));
+  at::Tensor out = cpu_empty(shape, table.scalar_type());
   advise_huge_pages(out.data_ptr(), out.nbytes());
   GACTX_DISPATCH(out.scalar_type(), decode_table_impl<scalar>(packed.data_ptr<uint8_t>(), table.data_ptr<scalar>(),
                  out.data_ptr<scalar>(), out.numel(), int(bits)));

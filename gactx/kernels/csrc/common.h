@@ -4,6 +4,7 @@
 // -fno-trapping-math lets loops with selects vectorize (no code reads the floating-point exception flags).
 #pragma once
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -41,6 +42,11 @@ inline double lane_sum(int64_t m, F term) {
   for (; k < m; ++k) lanes[k % kLanes] += term(k);
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
+
+// A contiguous CPU tensor from torch's CPU allocator, as at::empty makes it (torch's memory accounting sees it), without
+// its dispatch: the kernels that run for every save allocate their outputs so (64 x 64 at 4 bits, the compiled graphs'
+// ops: quantize 4.10 to 3.95 us a call, dequantize 2.17 to 1.93).
+inline at::Tensor cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype) { return at::detail::empty_cpu(sizes, dtype); }
 
 inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
 inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }

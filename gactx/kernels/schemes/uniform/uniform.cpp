@@ -160,8 +160,8 @@ std::tuple<at::Tensor, at::Tensor> quantize(at::Tensor x, int64_t bits, int64_t 
                                             double factor, double factor_special) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu());
   const int64_t n = x.numel(), groups = (n + group - 1) / group;
-  at::Tensor codes = at::empty({groups * group * bits / 8}, at::TensorOptions().dtype(at::kByte));
-  at::Tensor meta = at::empty({groups, 2}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor codes = cpu_empty({groups * group * bits / 8}, at::kByte);
+  at::Tensor meta = cpu_empty({groups, 2}, at::kFloat);
   quantize_into(x, codes.data_ptr<uint8_t>(), meta.data_ptr<float>(), bits, group, stochastic, seed, factor,
                 factor_special);
   return {codes, meta};
@@ -179,7 +179,7 @@ void quantize_into(const at::Tensor& x, uint8_t* codes, float* meta, int64_t bit
 at::Tensor dequantize(at::Tensor codes, at::Tensor meta, at::IntArrayRef shape, at::ScalarType dtype, int64_t bits,
                       int64_t group) {
   TORCH_CHECK(codes.is_contiguous() && meta.is_contiguous());
-  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
+  at::Tensor out = cpu_empty(shape, dtype);
   dequantize_into(codes.data_ptr<uint8_t>(), meta.data_ptr<float>(), out, bits, group);
   return out;
 }
