@@ -308,6 +308,14 @@ def run(arm: TrainingArm, device: str, tiny: bool, deadline: Deadline) -> None:
     longest warm-up), timed in turns with plain again; the maximum batch searches last."""
     size = "tiny" if tiny else arm.size
     memory = Memory(device)
+    # On a CPU (the tiny run that keeps this script working between loans) without oneDNN: on a 2-core Xeon with
+    # AVX-512, torch 2.13's oneDNN convolution returned a NaN weight gradient from finite inputs (the tiny ResNet's
+    # layer4.0.conv2, checkpointed, its third step), and every method after it trained a model of NaNs.
+    with torch.backends.mkldnn.flags(enabled=device != "cpu"):
+        _run_models(arm, device, size, tiny, memory, deadline)
+
+
+def _run_models(arm: TrainingArm, device: str, size: str, tiny: bool, memory: Memory, deadline: Deadline) -> None:
     for name in arm.models:
         w, batch, optimizer = _prepare(arm, name, size, device, tiny)
         fixed = [m for m in arm.methods if not is_adaptive(m)]
