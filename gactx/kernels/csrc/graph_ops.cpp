@@ -45,7 +45,7 @@ std::shared_ptr<const SaveSpec> spec_of(int64_t token) {
   std::lock_guard<std::mutex> lock(spec_mutex);
   auto found = specs.find(token);
   TORCH_CHECK(found != specs.end(), "gactx: no compressed save is registered under token ", token,
-              " (the graph was compiled in another process, or by an AOTAutograd cache hit)");
+              " (registrations are made while a graph is traced: was it traced in another process?)");
   return found->second;
 }
 
