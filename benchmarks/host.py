@@ -293,8 +293,12 @@ def measure(
     those methods alone, as :func:`methods` keeps them)."""
     torch._dynamo.reset()  # each width's graphs on their own
     cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced, only)}
-    for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
-        case.turn(3)
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
+    with fresh():  # graphs compiled now: Inductor's cache may hold code that another gactx wrote for the same graph
+        for case in cases.values():  # warm-up: compilation, the op watcher's pass, the CPU kernels' build
+            case.turn(3)
     times = alternate({name: (lambda case=case: case.turn(steps)) for name, case in cases.items()}, rounds)
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     saves = cases["L1"].saves()  # compressed saves a step, as L1's last pass recorded them

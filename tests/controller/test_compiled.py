@@ -39,6 +39,13 @@ class Attention(nn.Module):
         return torch.where(h > 0, h, h.detach() * 0.1) if self.masked else h
 
 
+class Leaky(nn.Module):
+    """A leaky ReLU by ``where``: a bool mask saved."""
+
+    def forward(self, h):
+        return torch.where(h > 0, h, h.detach() * 0.1)
+
+
 def grads(module, model, x) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     (module(x) * 0.01).sum().backward()  # a loss that saves nothing outside the model
@@ -167,6 +174,35 @@ def test_inductors_cpp_wrapper_calls_the_ops_from_its_own_code():
             assert torch.equal(grads(compiled, model, x), comp), "deterministic rounding: the same codes each step"
         assert len(records) == 3 and all(r.key.shape[0] == batch for r in records)
         assert F.cosine_similarity(comp, full, 0) > F.cosine_similarity(eager, full, 0) - 0.001 > 0.99
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C++ CPU kernels could not be built here")
+def test_inductors_python_wrapper_calls_the_cpu_ops_past_the_dispatcher(monkeypatch):
+    """Inductor's Python code calls the ops of CPU saves (codes and a bool mask, and their decoding) as the
+    extension's own functions (``cpu.DIRECT``), through ``torch.ops`` with it off: the same records, and with
+    deterministic rounding the same gradients."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # the FX graph cache left out
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Leaky(), nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(64, WIDTH)
+    seen = {}
+    for direct in (True, False):
+        monkeypatch.setattr(cpu, "DIRECT", direct)
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        with gactx.Controller(model, level="L1", stochastic=False, min_numel=4096) as controller, fresh():
+            g, code = utils.run_and_get_code(grads, compiled, model, x)
+            assert torch.equal(grads(compiled, model, x), g)
+            records = [(r.cls, r.bits, r.packed_bytes) for r in controller.records]
+        code = "\n".join(code)
+        seen[direct] = g, records
+        for op in ("quantize_saved", "dequantize_saved", "pack_bool_saved"):
+            calls = code.count(f"_gactx_cpu.{op}("), code.count(f"torch.ops.gactx_cpu.{op}.default(")
+            assert calls[0 if direct else 1] > 0 and calls[1 if direct else 0] == 0, (op, direct, calls)
+    assert torch.equal(seen[True][0], seen[False][0]) and seen[True][1] == seen[False][1]
+    assert [cls for cls, _, _ in seen[True][1]] == ["linear", "bool mask", "linear", ""]  # the last: kept, small
 
 
 def test_noise_is_new_every_step_without_recompiling():

@@ -44,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_bool", &gactx::unpack_bool);
   m.def("drain_log", &gactx::drain_log);
   m.def("register_saved", &gactx::register_saved);
+  m.def("quantize_saved", &gactx::quantize_saved);
+  m.def("dequantize_saved", &gactx::dequantize_saved);
+  m.def("pack_bool_saved", &gactx::pack_bool_saved);
+  m.def("keep_saved", &gactx::keep_saved);
 
   namespace py = pybind11;
   py::class_<gactx::Saved>(m, "Saved")
