@@ -180,7 +180,7 @@ def test_inductors_cpp_wrapper_calls_the_ops_from_its_own_code():
 def test_inductors_python_wrapper_calls_the_cpu_ops_past_the_dispatcher(monkeypatch):
     """Inductor's Python code calls the ops of CPU saves (codes and a bool mask, and their decoding) as the
     extension's own functions (``cpu.DIRECT``), through ``torch.ops`` with it off: the same records, and with
-    deterministic rounding the same gradients."""
+    deterministic rounding the same gradients; the results' size checks only through ``torch.ops``."""
     from torch._inductor import utils
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # the FX graph cache left out
@@ -201,6 +201,9 @@ def test_inductors_python_wrapper_calls_the_cpu_ops_past_the_dispatcher(monkeypa
         for op in ("quantize_saved", "dequantize_saved", "pack_bool_saved"):
             calls = code.count(f"_gactx_cpu.{op}("), code.count(f"torch.ops.gactx_cpu.{op}.default(")
             assert calls[0 if direct else 1] > 0 and calls[1 if direct else 0] == 0, (op, direct, calls)
+            # Inductor's checks of an op's result (cpu.ASSERTS): kept through torch.ops, where the results match
+            checked = f"'torch.ops.gactx_cpu.{op}.default')"
+            assert (checked in code) != direct, (op, direct)
     assert torch.equal(seen[True][0], seen[False][0]) and seen[True][1] == seen[False][1]
     assert [cls for cls, _, _ in seen[True][1]] == ["linear", "bool mask", "linear", ""]  # the last: kept, small
 
