@@ -1,4 +1,5 @@
-// Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them through the dispatcher, with no Python.
+// Ops for compiled graphs (gactx_cpu::*_saved): a graph's own code calls them with no Python of gactx's, through the
+// dispatcher, or as module.cpp's bindings (Inductor's Python wrapper, for those of a tensor and a token: cpu.DIRECT).
 // A compressed save's ops take its token alone (with its shape where that is dynamic): what it stores by is registered
 // under the token while its graph is traced (register_saved, from compiled.py), and each argument a call passes costs
 // Inductor's Python wrapper its parsing: 64 x 64 at 4 bits on a 2-core Xeon, quantize took 5.6 us a call with six

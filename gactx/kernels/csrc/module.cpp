@@ -1,5 +1,5 @@
 // The Python module of gactx's CPU kernels (cpu.py calls these); the ops of compiled graphs register themselves with
-// the dispatcher (graph_ops.cpp).
+// the dispatcher (graph_ops.cpp), and those Inductor's Python wrapper calls directly are bound here too (cpu.DIRECT).
 #include <torch/python.h>
 
 #include "kernels.h"
