@@ -23,6 +23,8 @@ _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, ho
 OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code)
 BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
+# Read on every module call: bound once (TorchDynamo knows the function, however it is reached).
+_is_compiling, _get_ident = torch.compiler.is_compiling, threading.get_ident
 
 
 def in_backward() -> bool:
@@ -132,26 +134,27 @@ class ModuleTracker:
     def _enter(self, module: nn.Module, args) -> None:
         # A compiled region's saves are named by its graph (compiled.py); calls while backward runs (a
         # reentrant checkpoint recomputing) belong to no forward pass (in_backward(), inlined: every module call).
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or graph_task_id() != -1:
+        if _is_compiling() or graph_task_id() != -1 or _get_ident() != self._thread:
             return
         known = self._names.get(id(module))
         if known is None or known[0] is not module:  # no module of the model now (its id another's since)
             return
-        name = known[1]
         if self.on_boundary is not None:
             self.on_boundary()
-        if self._stack and (module is self.model or module is self._stack[0][3]) and self._interrupted(module):
-            del self._stack[:]
+        stack, name = self._stack, known[1]
+        if stack and (module is self.model or module is stack[0][3]) and self._interrupted(module):
+            del stack[:]
             self.on_pass_end()
-        if not self._stack:
+        if not stack:
             if module is self.model or name in self._entered:
                 self.calls.clear()
                 self._entered.clear()
                 self._outside = self._backward = 0
                 self.on_new_pass()
             self._entered.add(name)
-        call = self.calls[name] = self.calls.get(name, 0) + 1
-        self._stack.append([name, call, 0, module])
+        calls = self.calls
+        call = calls[name] = calls.get(name, 0) + 1
+        stack.append([name, call, 0, module])
 
     def _interrupted(self, entering: nn.Module) -> bool:
         """Whether the outermost module on the stack is no longer running: no frame of ``nn.Module``'s call
@@ -166,19 +169,20 @@ class ModuleTracker:
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, module: nn.Module, args, output) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or graph_task_id() != -1:
+        if _is_compiling() or graph_task_id() != -1 or _get_ident() != self._thread:
             return
         known = self._names.get(id(module))
         if known is None or known[0] is not module:
             return
-        name = known[1]
         if self.on_boundary is not None:
             self.on_boundary()
-        if self._stack and self._stack[-1][0] == name:
-            frame = self._stack.pop()
-            for hook in self.output_hooks:
-                hook(name, frame[1], module, output)
-            if not self._stack:  # the model, or a submodule called alone, returned: its forward ended
+        stack, name = self._stack, known[1]
+        if stack and stack[-1][0] == name:
+            frame = stack.pop()
+            if self.output_hooks:
+                for hook in self.output_hooks:
+                    hook(name, frame[1], module, output)
+            if not stack:  # the model, or a submodule called alone, returned: its forward ended
                 self.on_pass_end()
 
     @property

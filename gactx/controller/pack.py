@@ -199,7 +199,10 @@ class PackPath:
 
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
         cfg = self.config
-        ptr = storage_ptr(t)
+        try:  # storage_ptr(t), inlined: every save
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            ptr = None
         ptrs = self._ptrs
         if ptrs is None:
             ptrs = self._ptrs = self._model_storages()
@@ -213,7 +216,14 @@ class PackPath:
             # tensor lives on only where something else holds it, as in training: store.Packed reads it there).
             return Kept(t.detach(), t._version)
         replay = self.replays.get(key)
-        if replay is not None and ptr is not None and replay.matches(t) and not (self.watching or SAVING.inputs):
+        if (
+            replay is not None and ptr is not None
+            # saved as the replayed save was (its key's shape aside): dtype, node, device and the strided layout (the
+            # replayed save's: a layout the policy keeps is never replayed)
+            and t.dtype is replay.dtype and type(t.grad_fn) is replay.node and t.device == replay.device
+            and t.layout is torch.strided
+            and not (self.watching or SAVING.inputs)
+        ):  # fmt: skip
             # Its policy is the replayed save's, which no reason kept: the same dtype, shape (the key's), device,
             # layout and node. No save of the pass holds its storage yet (most saves), or one holds it in another form
             # (a ReLU's mask of a convolution's input) and the whole path would neither share what a save of this view

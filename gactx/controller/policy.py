@@ -77,10 +77,23 @@ def is_weight(t: torch.Tensor, ptr: int, model_ptrs: frozenset[int]) -> bool:
     # An nn.Parameter (or a view of one, as linear saves weight.t()) is a weight even when its storage is
     # new to us: FSDP2 swaps in all-gathered parameters during forward, and frees and re-gathers their
     # storage around backward.
-    if ptr in model_ptrs or _is_parameter(t if t._base is None else t._base):  # storage_owner(t), inlined
+    if ptr in model_ptrs:
+        return True
+    owner = t if t._base is None else t._base  # storage_owner(t) and _is_parameter(owner), inlined: every save
+    if getattr(owner, "_is_param", False) if type(owner) is torch.Tensor else isinstance(owner, torch.nn.Parameter):
         return True
     fn = t.grad_fn
-    return fn is not None and type(fn).__name__ in _COPY_OR_VIEW_NODES and is_weight_copy(t)
+    if fn is None:
+        return False
+    through = _THROUGH.get(type(fn))
+    if through is None:
+        through = _THROUGH[type(fn)] = type(fn).__name__ in _COPY_OR_VIEW_NODES
+    return through and is_weight_copy(t)
+
+
+# Node class -> whether its name is a view's or a copy's (_COPY_OR_VIEW_NODES): looked up by class, not by name, as
+# every save's node is.
+_THROUGH: dict[type, bool] = {}
 
 
 _PACKED = frozenset((*FLOAT_DTYPES, torch.bool))  # what value_reason lets through, whatever its size

@@ -81,16 +81,6 @@ class Replay:
         # replayed save register its handle for later saves to find.
         self.shared = False
 
-    def matches(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is saved as the replayed save was (its key's shape aside): dtype, ``grad_fn`` node, device,
-        and the strided layout (the replayed save's: a layout the policy keeps is never replayed)."""
-        return (
-            t.dtype is self.dtype
-            and type(t.grad_fn) is self.node
-            and t.device == self.device
-            and (t.layout is torch.strided)
-        )
-
     def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan):
         """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle:
         the C++ one where a packer of its own is bound and no later save shares what it stores (those find a

@@ -188,14 +188,19 @@ class PassStats:
         """:meth:`record` of a compressed save stored as the save of ``like`` was (a replayed save, see ``replay.py``):
         its storage new to the pass, or held by an earlier save of it in another form (a ReLU's mask of what a
         convolution saves as its input), counted once either way. Its record, ``like`` itself where nothing differs."""
-        start, end = span = counted_range(t)
+        base = t._base
+        if base is None:  # counted_range(t) of a tensor that is no view (most saves), inlined
+            start, end = span = 0, t.untyped_storage().nbytes()
+        else:
+            start, end = span = counted_range(t)
         covered = end - start
         seen = self.live.get(ptr)
         if seen is None or seen[0]() is None:
             self.storages += 1
             number = self.storages
-            self.live[ptr] = (weakref.ref(t if t._base is None else t._base), [span] if covered > 0 else [], number)
-            self.kept_ranges.pop(ptr, None)
+            self.live[ptr] = (weakref.ref(t if base is None else base), [span] if covered > 0 else [], number)
+            if self.kept_ranges:
+                self.kept_ranges.pop(ptr, None)
             added = covered
         else:
             number, added = seen[2], cover(seen[1], start, end)
