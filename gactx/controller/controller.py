@@ -341,23 +341,23 @@ class Controller:
     def sites(self) -> dict[Slot, Site]:
         """The op each slot's save was learned as (by the op watcher in a watched pass, or from a saved result's
         ``grad_fn``): its aten op, argument or result, scalar arguments (a copy)."""
-        return {slot: learned[0] for slot, learned in self._path.sites.items()}
+        return {slot: learned[0] for slot, learned in self._path.sites.learned.items()}
 
     def shared_with(self, slot: Slot) -> frozenset[Slot]:
         """The slots of later saves in the last pass that shared what the save of ``slot`` stored: the same tensor
         saved again, by another op (the input of the Q, K and V projections), under the first save's width."""
-        return frozenset(self._path.sharers.get(slot, ()))
+        return frozenset(self._path.sites.sharers.get(slot, ()))
 
     def sketchable(self, slot: Slot) -> bool:
         """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
         learned, and so is every later save that shares what it stores (the other projections of one input)."""
-        return self._path.sketchable(slot)
+        return self._path.sites.sketchable(slot)
 
     def weight_only(self, slot: Slot) -> bool:
         """Whether backward reads the save of ``slot`` only for weights' gradients (the input of a linear layer or a
         convolution, and every later save that shares what it stores): GACT's estimator probes such saves together
         where each is made in a module that owns its one weight."""
-        return self._path.weight_only(slot)
+        return self._path.sites.weight_only(slot)
 
     def diagnostics(self) -> dict[str, int | bool]:
         """The sizes of the controller's own tables and the state of its op watcher, to check that nothing grows in a

@@ -6,8 +6,8 @@ For each tensor autograd saves, :meth:`PackPath.pack`:
    key's save of the last pass where it was kept for that (``replay.py``: steps 2 to 5 done again); and keeps what the
    policy keeps (integers, float64, small, other layouts; see ``policy.py``);
 2. finds the save's :class:`~gactx.controller.rules.Site` (op, role, scalar arguments): from the op watcher
-   in a pass it watches (the handle may wait one op for it), from what was learned for the slot before,
-   or from the ``grad_fn`` of a saved result; else the op is unknown;
+   in a pass it watches (the handle may wait one op for it), from what was learned for the slot before
+   (``sites.py``), or from the ``grad_fn`` of a saved result; else the op is unknown;
 3. decides (``decide.py``: a :class:`~gactx.controller.decide.Decision` of the site's
    :class:`~gactx.controller.rules.Rule`, and the plan's width, scheme and noise seed for the slot);
 4. encodes (``store.encode``) unless the same tensor was already stored the same way in this pass;
@@ -15,9 +15,9 @@ For each tensor autograd saves, :meth:`PackPath.pack`:
    reason, bytes) for the memory statistics, the report and the adaptation.
 
 Followed through for one saved tensor, the path leaves this module for one other at a time: the policy (a
-parameter?), the keys, the policy again (its value), the pass's statistics (is its storage kept already), the decision,
-the store, the record, the handle; a replayed save the policy, the keys and its replay. It never
-calls up into the Controller (``tests/controller/test_pack.py`` follows one).
+parameter?), the keys, the policy again (its value), the pass's statistics (is its storage kept already), the sites
+(its op, as learned), the decision, the store, the record, the handle; a replayed save the policy, the keys and its
+replay. It never calls up into the Controller (``tests/controller/test_pack.py`` follows one).
 """
 
 from __future__ import annotations
@@ -42,17 +42,13 @@ from gactx.controller.rules import (
     ALLOCATED,
     CHECKPOINT_INPUT,
     CONSTANT,
-    PROVENANCE,
     UNKNOWN,
     Rule,
     Site,
-    curved,
     node_id,
     output_rule,
-    rule_for,
-    sketchable,
-    weight_only,
 )
+from gactx.controller.sites import Sites, rule_of
 from gactx.controller.stats import AS_IS, EXACT, PassStats
 from gactx.controller.store import Kept, Packed, as_is, encode, stored_form
 from gactx.controller.watch import OpWatcher
@@ -93,10 +89,7 @@ class PackPath:
         # (storage, view, version, form) -> (a weak reference to the handle made for it this pass, one to the storage,
         # the decision it was stored under)
         self.dedupe: dict[tuple, tuple[weakref.ref, StorageWeakRef, Decision]] = {}
-        # slot of a first save -> {slot of a later save that shared what it stored: that save's site}
-        self.sharers: dict[Slot, dict[Slot, Site | None]] = {}
-        self.sites: dict[Slot, tuple[Site, str | None, tuple, Rule]] = {}  # slot -> (site, origin, signature, rule)
-        self._calls: dict[tuple, dict] = {}  # (module, call) -> {index: what sites holds}: a call's learned saves
+        self.sites = Sites()  # each slot's op as learned, and what later saves shared (sites.py)
         self.relearn = config.op_rules != "off"  # watch the next pass
         self.watcher = OpWatcher(self._resolve)
         self.watching = False
@@ -134,7 +127,7 @@ class PackPath:
         # Against the exact base only the probed slots, and the later saves that share what they store, are stored.
         self._measured = None
         if plan.exact and not plan.deferred:
-            self._measured = frozenset(plan.probe).union(*(self.sharers.get(s, ()) for s in plan.probe))
+            self._measured = frozenset(plan.probe).union(*(self.sites.sharers.get(s, ()) for s in plan.probe))
 
     # -- passes ---------------------------------------------------------------------------------------------
 
@@ -249,7 +242,7 @@ class PackPath:
             # of the compression's own ops through the watcher. A result save knows its op already; an input
             # save learns it then.
             if self._plan.deferred and t.dtype != torch.bool:  # kept for each backward's probe, its op learned too
-                deferred = Deferred(t, key, self._target(slot), self, None, ptr, None)
+                deferred = Deferred(t, key, self.sites.target(slot), self, None, ptr, None)
                 self.watcher.pending.append((Waiting(t, deferred), self.watcher.result_site(t)))
                 return deferred
             handle = Packed(t, key, t, cfg.backend, ptr)
@@ -264,14 +257,9 @@ class PackPath:
         """What a save's op tells the path: its slot's site and rule where they were ``learn``-ed now, and a result's
         node claimed."""
         if learn is not None:
-            self.sites[slot] = learned = (learn[0], learn[1], _signature(t), rule)
-            self._calls.setdefault(slot[:2], {})[slot.index] = learned
+            self.sites.learn(t, slot, learn[0], learn[1], rule)
         if site is not None and site.result and t.grad_fn is not None:
             self._claimed.add(node_id(t.grad_fn))  # later saves of this tensor are other ops' inputs
-
-    def _target(self, slot: Slot) -> Slot:
-        """The slot whose probe a deferred save of ``slot`` follows: the first save of what it stores (sharers)."""
-        return next((first for first, later in self.sharers.items() if slot in later), slot)
 
     def _replayed(self, replay: Replay, t: torch.Tensor, key: Key, ptr: int, stats: PassStats) -> Packed:
         """The save of ``key`` done again (``replay.py``), and what the whole path does after storing it: a result's
@@ -289,15 +277,9 @@ class PackPath:
     def _recall(self, t: torch.Tensor, key: Key, slot: Slot) -> tuple[Site | None, Rule, bool]:
         """The site and rule of a save in an unwatched pass, and whether they were learned for its slot: else read
         from a result's ``grad_fn``, or unknown (and then the next pass inside the model's forward is watched)."""
-        learned, signature = self.sites.get(slot), _signature(t)
-        if learned is not None and learned[2] == signature:
-            return learned[0], learned[3], True
-        # A watched pass may number a module call's saves apart from an unwatched one: under the watcher a composite
-        # op (the CTC loss) saves copies of its integer arguments that it does not save otherwise, and the saves after
-        # them shift. The one save of this call learned with the same signature, if there is exactly one, is this.
-        alike = [v for v in self._calls.get((key.module, key.call), {}).values() if v[2] == signature]
-        if len(alike) == 1:
-            return alike[0][0], alike[0][3], False
+        recalled = self.sites.recall(t, key, slot)
+        if recalled is not None:
+            return recalled
         if self.tracker.inside and self.config.op_rules == "learn":
             self.relearn = True
         found = output_rule(t, self._claimed)
@@ -309,30 +291,11 @@ class PackPath:
             return None, CONSTANT, False
         return None, UNKNOWN, False
 
-    def sketchable(self, slot: Slot) -> bool:
-        """Whether the save of ``slot`` may be stored as a row sketch: the input of a linear layer, as its op was
-        learned, and so is every later save that shares what it stores (the other projections of one input)."""
-        learned = self.sites.get(slot)
-        sharers = self.sharers.get(slot, {}).values()
-        return learned is not None and all(s is not None and sketchable(s) for s in (learned[0], *sharers))
-
-    def weight_only(self, slot: Slot) -> bool:
-        """Whether backward reads the save of ``slot`` only for weights' gradients (``rules.weight_only``), as its op
-        was learned, and so every later save that shares what it stores."""
-        learned = self.sites.get(slot)
-        sharers = self.sharers.get(slot, {}).values()
-        return learned is not None and all(s is not None and weight_only(s) for s in (learned[0], *sharers))
-
-    def curved(self, slot: Slot) -> bool:
-        """Whether the save of ``slot`` is a normalisation's input, as its op was learned (``rules.curved``)."""
-        learned = self.sites.get(slot)
-        return learned is not None and curved(learned[0])
-
     def _resolve(self, handle: Packed, site: Site, origin: str | None) -> None:
         """A pending handle's op is known (called from the watcher, outside any dispatch mode)."""
         if isinstance(handle, Waiting):  # a deferred save: its op learned, nothing stored
             deferred, key = handle.deferred, handle.deferred.packed.key
-            rule = _rule(site, origin)
+            rule = rule_of(site, origin)
             self._learn(handle.stored, key.slot, site, rule, (site, origin))
             deferred.site = site
             if deferred.target != key.slot:  # a later save of what another slot stores (Deferred.rule)
@@ -352,7 +315,7 @@ class PackPath:
             self._finish(t, handle.key, handle.key.slot, ptr, None, BOOL_MASK, handle=handle)
         else:
             key = handle.key
-            self._finish(t, key, key.slot, ptr, site, _rule(site, origin), handle=handle, learn=(site, origin))
+            self._finish(t, key, key.slot, ptr, site, rule_of(site, origin), handle=handle, learn=(site, origin))
 
     def _finish(
         self, t, key: Key, slot: Slot, ptr: int, site, rule: Rule, handle: Packed | None = None, learn=None,
@@ -366,7 +329,7 @@ class PackPath:
         if learn is not None or site is not None and site.result:  # most saves: an input's, its op recalled
             self._learn(t, slot, site, rule, learn)
         if self._plan.deferred and rule.cls in ALLOCATED and handle is None:  # kept for each backward's probe
-            target = self._target(slot)
+            target = self.sites.target(slot)
             if target == slot:  # its own save, not a later one of what another stores: what a first pass records
                 self._deferred_own(key, t, rule)
             return Deferred(t, key, target, self, site, ptr, rule)
@@ -383,7 +346,7 @@ class PackPath:
         hit = None if entry is None or entry[1].expired() else entry[0]()
         if hit is not None and may_share(entry[2], decision, site):
             self.stats.deduplicated += 1
-            self.sharers.setdefault(hit.key.slot, {})[slot] = site
+            self.sites.share(hit.key.slot, slot, site)
             first = self.replays.get(hit.key)
             if first is not None:
                 first.shared = True  # its replays register their handles for this save to find
@@ -459,22 +422,3 @@ def _view(t: torch.Tensor, key: Key, ptr: int, form: str) -> tuple:
 def _entry(handle: Packed, t: torch.Tensor, decision: Decision) -> tuple[weakref.ref, StorageWeakRef, Decision]:
     """The dedupe table's entry of a stored save: its handle, its storage (weakly) and its decision."""
     return weakref.ref(handle), StorageWeakRef(t.untyped_storage()), decision
-
-
-def _rule(site: Site, origin: str | None) -> Rule:
-    if origin is not None:
-        return PROVENANCE[origin]
-    return UNKNOWN if site.op == "?" else rule_for(site)
-
-
-# Under a dispatch mode, composite ops (matmul) reach the same tensor through another kind of view.
-_VIEWS = {"ViewBackward0": "view", "ReshapeAliasBackward0": "view", "UnsafeViewBackward0": "view"}
-
-
-def _signature(t: torch.Tensor) -> tuple:
-    """What a slot's save must still look like for a learned op to apply: dtype, rank and the node that made
-    the tensor (for a saved result, its own op's node), so that another branch through the same module
-    (tanh where a dropout mask was) is not taken for what was learned."""
-    fn = t.grad_fn
-    name = None if fn is None else type(fn).__name__
-    return (t.dtype, t.dim(), _VIEWS.get(name, name))

@@ -5,7 +5,7 @@ group) stores, and only backward reads what a save stores. Where the estimator c
 (``sensitivity.Replayed``), it runs the closure's forward once, under a plan that defers (``Plan.deferred``): every save
 of an allocated class is kept as it is in a :class:`Deferred` handle, and each backward stores and decodes it at unpack,
 as the probe then in force says, where that probe perturbs its slot (or the slot whose stored values it shares in
-training, ``PackPath.sharers``): the same encoding, width, scheme and seed as a forward under that probe would have
+training, ``Sites.sharers``): the same encoding, width, scheme and seed as a forward under that probe would have
 stored, so one forward serves every probe. Elsewhere the handle gives the tensor back as it is. Each unpack is told
 to the path's ``unpacked`` where one is set: which backward nodes read a slot (``adaptation/replayed.py``).
 """

@@ -1,7 +1,7 @@
 """gactx/controller/pack.py: the path of one saved tensor is short. Followed through pack in eager mode (the input of
 a linear layer at L1, an unwatched pass, not the pass's first save), it leaves the pack path for one module at a
-time (the policy, the keys, the pass's statistics, the decision, the store) and never calls up into the Controller;
-in the passes after, the same save is replayed (replay.py): the policy, the key, the replay.
+time (the policy, the keys, the pass's statistics, the learned sites, the decision, the store) and never calls up into
+the Controller; in the passes after, the same save is replayed (replay.py): the policy, the key, the replay.
 """
 
 import sys
@@ -63,6 +63,7 @@ def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
         "controller/policy.py",  # layout, dtype, size
         "controller/identity.py",  # its slot
         "controller/stats.py",  # is its storage kept as it is already
+        "controller/sites.py",  # its op, as learned in the watched pass
         "controller/decide.py",  # width, scheme, seed (from the plan)
         "controller/store.py",  # encoded (the kernels, nested)
         "controller/stats.py",  # recorded

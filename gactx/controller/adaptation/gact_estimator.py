@@ -150,7 +150,7 @@ class GactEstimator(Measuring):
 
         modules = dict(self.model.named_modules())
         kept = self._curves if KEEP_CURVES else {}
-        curved = self.path.curved
+        curved = self.path.sites.curved
 
         def fitted(slot: Slot) -> bool:  # a curve to fit now: two widths
             return curved(slot) and slot not in kept
@@ -241,7 +241,7 @@ class GactEstimator(Measuring):
                 self.meter.armed = False
         sensitivity = estimate.sensitivity
         top = max(sensitivity.values(), default=0.0)
-        curved = self.path.curved
+        curved = self.path.sites.curved
         linear = {r.key.slot for r in self.path.stats.records if r.cls == "linear"}
         sensitivity = {s: c if s in linear and not curved(s) else top for s, c in sensitivity.items()}
         return self._measured(dataclasses.replace(estimate, sensitivity=sensitivity))
@@ -252,10 +252,10 @@ class GactEstimator(Measuring):
         each such save (the slot's, and those that share what it stores) is made in a module that owns one matrix
         weight, those weights; else ``()``, and the slot is probed on its own. ``modules``: the model's, by name."""
         path = self.path
-        if not path.weight_only(slot):
+        if not path.sites.weight_only(slot):
             return ()
         weights = []
-        for name in (slot[0], *(s[0] for s in path.sharers.get(slot, {}))):
+        for name in (slot[0], *(s[0] for s in path.sites.sharers.get(slot, {}))):
             module = modules.get(name)
             owned = [] if module is None else [p for p in module.parameters(recurse=False) if p.dim() >= 2]
             if len(owned) != 1 or not owned[0].requires_grad:
@@ -362,7 +362,7 @@ class GactEstimator(Measuring):
         """Choices whose effect on the gradient is measured for ``slot``: a sketch of half the rows, where a sketch may
         be chosen (its error lands on the rows whose gradient is large or small alike only if the gradient's rows are
         alike; the measurement says by how much they are not, see choices.py)."""
-        if self.meter is not None and "sketch" in self.config.schemes and self.path.sketchable(slot):
+        if self.meter is not None and "sketch" in self.config.schemes and self.path.sites.sketchable(slot):
             if KEEP_CALIBRATION and slot in self._calibrations:
                 return ()  # measured before: the kept ratio (_calibrated)
             return (CALIBRATION_PAIR,) * CALIBRATION_PAIRS

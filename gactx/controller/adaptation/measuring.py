@@ -32,7 +32,7 @@ class Measuring:
         self.discovered: PassStats | None = None
         self.allocated_variance: float | None = None
         if config.adaptive and len(config.schemes) > 1:
-            self.meter = ChoiceMeter(config.schemes, config.group_size, path.sketchable, self._meter_armed)
+            self.meter = ChoiceMeter(config.schemes, config.group_size, path.sites.sketchable, self._meter_armed)
             path.observers.append(self.meter)
 
     def _meter_armed(self) -> bool:
