@@ -211,16 +211,15 @@ class PackPath:
         replay = self.replays.get(key)
         if (
             replay is not None and ptr is not None
-            # saved as the replayed save was (its key's shape aside): dtype, node, device and the strided layout (the
-            # replayed save's: a layout the policy keeps is never replayed)
             and t.dtype is replay.dtype and type(t.grad_fn) is replay.node and t.device == replay.device
             and t.layout is torch.strided
             and not (self.watching or SAVING.inputs)
         ):  # fmt: skip
             # Its policy is the replayed save's, which no reason kept: the same dtype, shape (the key's), device,
-            # layout and node. No save of the pass holds its storage yet (most saves), or one holds it in another form
-            # (a ReLU's mask of a convolution's input) and the whole path would neither share what a save of this view
-            # stored in this form nor find the storage kept as is.
+            # layout (strided: a layout the policy keeps is never replayed) and node. No save of the pass holds its
+            # storage yet (most saves), or one holds it in another form (a ReLU's mask of a convolution's input) and
+            # the whole path would neither share what a save of this view stored in this form nor find the storage
+            # kept as is.
             seen = stats.live.get(ptr)
             if (
                 seen is None or seen[0]() is None
