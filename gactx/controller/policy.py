@@ -11,6 +11,8 @@ The rules that need no op, in order (see docs/controller.md, "What is compressed
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from gactx.kernels.format import FLOAT_DTYPES
@@ -121,22 +123,26 @@ def _is_parameter(t: torch.Tensor) -> bool:
 class ModelStorages:
     """The storages of a model's parameters and buffers, read when asked (once a pass: a parameter's storage may be
     swapped, ``model.to()`` replaces buffers). The tables that hold them, each module's ``_parameters`` and
-    ``_buffers``, are found by one walk of the modules, walked again only after a module was added somewhere (the
-    walk is four fifths of the time)."""
+    ``_buffers``, are found by one walk of the modules, walked again only after a module was added to one of the
+    model's (the walk is four fifths of the time). A module added to a container that is no module of the model is not
+    counted: transformers' decoders build ``self.layers[:n]``, a new ``ModuleList`` of every layer, in each forward."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         _watch_modules()
         self.model = model
         self._tables: list[dict] = []
+        self.modules: set[int] = set()  # the ids of the model's modules at the last walk
         self._walked = -1  # the count of added modules the tables were found at
+        _WATCHED.add(self)
 
     def __call__(self) -> frozenset[int]:
         if self._walked != _ADDED[0]:
-            self._tables, self._walked = _tables(self.model), _ADDED[0]
+            (self._tables, self.modules), self._walked = _tables(self.model), _ADDED[0]
         return _storages(self._tables)
 
 
-_ADDED = [0]  # modules added to a module anywhere (a global registration hook counts them), once one is watched
+_ADDED = [0]  # modules added to a module of a watched model (a global registration hook counts them)
+_WATCHED: weakref.WeakSet[ModelStorages] = weakref.WeakSet()
 
 
 def _watch_modules() -> None:
@@ -146,12 +152,13 @@ def _watch_modules() -> None:
 
 
 def _added(module: torch.nn.Module, name: str, submodule) -> None:
-    _ADDED[0] += 1
+    if any(id(module) in watched.modules for watched in _WATCHED):
+        _ADDED[0] += 1
 
 
-def _tables(model: torch.nn.Module) -> list[dict]:
-    """Each module's ``_parameters`` and ``_buffers``: one walk of the modules' own tables (``model.modules()``
-    names each module on the way, a third of the walk's time)."""
+def _tables(model: torch.nn.Module) -> tuple[list[dict], set[int]]:
+    """Each module's ``_parameters`` and ``_buffers`` (one walk of the modules' own tables: ``model.modules()`` names
+    each module on the way, a third of the walk's time), and the modules' ids."""
     tables, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
@@ -160,7 +167,7 @@ def _tables(model: torch.nn.Module) -> list[dict]:
         seen.add(id(module))
         tables += (module._parameters, module._buffers)
         stack.extend(module._modules.values())
-    return tables
+    return tables, seen
 
 
 def _storages(tables: list[dict]) -> frozenset[int]:
