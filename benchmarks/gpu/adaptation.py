@@ -17,20 +17,18 @@ Every row is emitted as soon as it is measured; the arm stops where its deadline
 
 from __future__ import annotations
 
-import cProfile
 import gc
-import pstats
 import time
 
 from benchmarks.gpu import training
 from benchmarks.gpu.harness import Deadline, emit
+from benchmarks.gpu.profiles import device_profile, python_profile
 from benchmarks.measure import synchronize
 from benchmarks.methods import Method
 from benchmarks.run import train_step
 
 __all__ = ["run"]
 
-TOP = 12  # ops and functions listed in a row
 LEVEL = "L2.2"
 
 
@@ -66,42 +64,13 @@ def run(device: str, tiny: bool, deadline: Deadline) -> None:
 
 
 def _profiled(controller, backprop, device: str) -> dict:
-    """One adaptation under ``torch.profiler``: wall time, the device's busy time, launches, the top ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    gc.collect()
-    begin = time.perf_counter()
-    with profile(activities=activities) as prof:
-        a = controller.adapt(backprop)
-        synchronize(device)
-    wall = time.perf_counter() - begin
-    events = prof.key_averages()
-    on_device = [e for e in events if getattr(e, "self_device_time_total", 0) > 0]
-    busy_us = sum(e.self_device_time_total for e in on_device)
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP]
-    by_device = sorted(on_device, key=lambda e: -e.self_device_time_total)[:TOP]
-    return {
-        "seconds": a.seconds, "passes": a.passes, "wall_s_profiled": wall, "device_busy_s": busy_us / 1e6,
-        "device_busy_share": busy_us / 1e6 / wall if wall > 0 else None,
-        "launches_a_pass": launches / max(a.passes, 1),
-        "top_host_ops": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in by_host],
-        "top_device_ops": [(e.key, e.count, round(e.self_device_time_total / 1e3, 2)) for e in by_device],
-    }  # fmt: skip
+    """One adaptation under ``torch.profiler``: wall time, the device's busy time, launches a pass, the top ops."""
+    a, fields = device_profile(lambda: controller.adapt(backprop), device)
+    launches = fields.pop("launches")
+    return {"seconds": a.seconds, "passes": a.passes, **fields, "launches_a_pass": launches / max(a.passes, 1)}
 
 
 def _python(controller, backprop) -> dict:
     """One adaptation under ``cProfile``: the functions with the most time of their own, in ms."""
-    gc.collect()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    a = controller.adapt(backprop)
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    own = sorted(stats.items(), key=lambda item: -item[1][2])[:TOP]
-    return {
-        "seconds": a.seconds, "passes": a.passes,
-        "top_python": [(f"{path.rsplit('/', 1)[-1]}:{line}({name})", calls, round(tottime * 1e3, 2))
-                       for (path, line, name), (_, calls, tottime, _, _) in own],
-    }  # fmt: skip
+    a, fields = python_profile(lambda: controller.adapt(backprop))
+    return {"seconds": a.seconds, "passes": a.passes, **fields}

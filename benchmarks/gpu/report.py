@@ -214,6 +214,39 @@ def _adaptation_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _profile_lines(r: dict) -> list[str]:
+    """A profiled call's lines (benchmarks.gpu.profiles): the profiler's wall and the device's busy time, the ops with
+    the most host and device time, and the Python functions with the most time of their own."""
+    share = r.get("device_busy_share")
+    if r["device_busy_s"] or r["launches"]:
+        device = f"the device busy {r['device_busy_s']:.3f} s ({share:.0%} of it), {r['launches']} launches"
+    else:
+        device = "no device activity recorded"
+
+    def listed(key: str) -> str:
+        return "; ".join(f"{name} x{count} {ms} ms" for name, count, ms in r.get(key, [])[:6]) or "(none)"
+
+    return [
+        f"under the profiler {r['wall_s_profiled']:.3f} s wall, {device}",
+        f"  - most host time: {listed('top_host_ops')}",
+        f"  - most device time: {listed('top_device_ops')}",
+        f"  - Python, most time of their own (cProfile, {r['wall_s_cprofiled']:.3f} s): {listed('top_python')}",
+        f"  - gactx's own functions {r['gactx_python_ms']:.1f} ms, most: {listed('top_gactx')}",
+    ]
+
+
+def _step_profile_lines(rows: list[dict], arm: str) -> list[str]:
+    """Where a step's time goes, for the arm's profiled methods (training.PROFILED): one step each."""
+    mine = [r for r in rows if r.get("kind") == "step-profile" and r.get("arm") == arm and "wall_s_cprofiled" in r]
+    if not mine:
+        return []
+    lines = ["", "Where a step's time goes (one step of each under torch.profiler, one under cProfile):", ""]
+    for r in mine:
+        head, *rest = _profile_lines(r)
+        lines += [f"- {r['model']}, {label(r['method'])}: {head}", *rest]
+    return lines
+
+
 def _training_table(rows: list[dict], arm: str) -> list[str]:
     mine = _training(rows, arm)
     if not mine:
@@ -271,6 +304,7 @@ def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
             lines += _adaptation_lines(rows)
         else:
             lines += _training_table(rows, arm)
+            lines += _step_profile_lines(rows, arm)
         sources = sorted({f"{r['model']}: {r['source']}" for r in _training(rows, arm) if r.get("source")})
         if sources:
             lines += ["", "Built from: " + "; ".join(sources) + "."]

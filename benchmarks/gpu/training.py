@@ -18,6 +18,11 @@ Then step time, alternated: rounds in which every method runs one step and then 
 steps each in all, each timed by CUDA events around it with no synchronization between steps (a step that
 waits for the host shows as the host's time); the median is kept. Compiled methods (arm 5) cannot take turns
 on one model (each compiles it afresh) and are timed one after the other.
+
+Then, for plain and L1 (:data:`PROFILED`), where a step's time goes: one step under ``torch.profiler`` (the
+device's busy time against the wall's, launches, the ops with the most host and device time) and one under
+``cProfile`` (the Python functions with the most time of their own, and gactx's own functions' time), a row
+``<arm>/<model>/<method>/profile`` each (:mod:`benchmarks.gpu.profiles`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import gactx
 from benchmarks import workloads
 from benchmarks.gpu.harness import Deadline, emit
+from benchmarks.gpu.profiles import device_profile, python_profile
 from benchmarks.measure import synchronize
 from benchmarks.methods import Method
 
@@ -46,6 +52,7 @@ TRY_STEPS = 2  # steps a maximum-batch try runs: the second one at the shape's s
 TOLERANCE = 0.03  # the search stops when the largest fit is within 3% of the smallest failure
 HEADROOM = 0.98  # the linear guess aims at 98% of the capacity: the line is not exact
 TINY_CAPACITY = 4.0  # --tiny on a CPU: the capacity that stands in for the GPU's, in plain's peaks
+PROFILED = ("fp", "L1")  # the methods whose step is profiled, after the timed steps
 
 
 @dataclass(frozen=True)
@@ -266,6 +273,13 @@ class Runner:
         self.row |= {"step_ms": seconds * 1e3, "timed_steps": len(self.times),
                      "per_s": self.row["batch"] * self.row["per_sample"] / seconds}  # fmt: skip
 
+    def profile(self, row: dict, device: str) -> None:
+        """One step under ``torch.profiler`` and one under ``cProfile``, into ``row`` (module docstring)."""
+        step = self.step_fn(self.inputs, self.target)
+        step()  # the method's first step after another's turn
+        row |= device_profile(step, device)[1]
+        row |= python_profile(lambda: (step(), synchronize(device)))[1]
+
     def max_batch(self, memory: Memory, deadline: Deadline) -> None:
         n, seconds = self.row["batch"], self.seconds
 
@@ -326,6 +340,9 @@ def _run_models(arm: TrainingArm, device: str, size: str, tiny: bool, memory: Me
         if later:
             plain = [r for r in runners if r.method.name == "fp"]
             _time_in_turns(arm, plain + later, memory, deadline, device)
+        for runner in runners + later:
+            with runner.method.active():
+                _profile(runner, memory, deadline, device)
         for runner in (runners + later) if arm.max_batch else ():
             if not deadline.allows(5):
                 break
@@ -356,12 +373,22 @@ def _warm_up(arm, name, methods, w, batch, optimizer, memory, deadline, device) 
         ok = _guarded(runner.row, lambda r=runner: r.warm_up(memory), memory)
         if ok and arm.compiled:  # timed now: a compiled method cannot take turns with another
             _guarded(runner.row, lambda r=runner: r.time_steps(TIMED, device), memory)
+            _profile(runner, memory, deadline, device)
         if arm.compiled or not ok:
             runner.method.close()
         else:
             runner.method.suspend()
             runners.append(runner)
     return runners
+
+
+def _profile(runner: Runner, memory: Memory, deadline: Deadline, device: str) -> None:
+    """The step profiles of a method of :data:`PROFILED` (module docstring), where the deadline leaves time for them:
+    three steps, the profiler's own cost counted as much again."""
+    if runner.method.name in PROFILED and not runner.row.get("errors") and deadline.allows(6 * runner.seconds + 2):
+        row = {k: runner.row[k] for k in ("arm", "model", "method", "compiled", "batch")}
+        row |= {"id": f"{runner.row['id']}/profile", "kind": "step-profile", "step_ms": runner.row.get("step_ms")}
+        _guarded(row, lambda: runner.profile(row, device), memory)
 
 
 def _time_in_turns(arm, runners, memory, deadline, device) -> None:

@@ -52,6 +52,18 @@ def _check_arm(saved: dict, arm: str) -> dict[tuple[str, str], dict]:
     return rows
 
 
+def _check_step_profiles(saved: dict, arm: str) -> None:
+    """The arm's profiled methods each have a step under the profiler (the device's time on a GPU only) and under
+    cProfile, where plain runs none of gactx's Python and L1 some."""
+    rows = {r["method"]: r for r in saved["rows"] if r.get("kind") == "step-profile" and r["arm"] == arm}
+    assert list(rows) == list(training.PROFILED), rows
+    for r in rows.values():
+        assert not r.get("errors") and r["wall_s_profiled"] > 0 and r["wall_s_cprofiled"] > 0, r
+        assert len(r["top_host_ops"]) > 3 and len(r["top_python"]) > 3, r
+        assert (r["device_busy_s"] > 0) == GPU and (r["launches"] > 0) == GPU, r
+    assert rows["fp"]["gactx_python_ms"] < rows["L1"]["gactx_python_ms"], rows
+
+
 @pytest.mark.slow
 def test_the_tiny_evaluation_runs_the_kernels_the_lora_model_and_the_compiled_arm(tmp_path):
     saved = _evaluate(tmp_path, "kernels", "llama-lora", "compiled")
@@ -69,7 +81,10 @@ def test_the_tiny_evaluation_runs_the_kernels_the_lora_model_and_the_compiled_ar
     assert lora[("llama-lora", "L1")]["peak_ratio"] > 1.2  # a tiny model's step still holds its activations
     compiled = _check_arm(saved, "compiled")
     assert compiled[("bert-large", "L1")]["peak_ratio"] > 1.2
+    _check_step_profiles(saved, "llama-lora")
+    _check_step_profiles(saved, "compiled")
     md = (tmp_path / "gpu.md").read_text()
+    assert md.count("Where a step's time goes") == 2 and "gactx's own functions" in md
     for title in (report.TITLES[a] for a in ("kernels", "llama-lora", "compiled")):
         assert f"## {title}" in md
     assert "## Goals (reported, not asserted)" in md and "tiny sizes: a smoke run" in md
