@@ -24,14 +24,16 @@ from gactx.kernels.format import (
 from gactx.kernels.half import torch_round_bf16, triton_round_bf16
 from gactx.kernels.schemes.normal.reference import torch_normal_dequantize, torch_normal_quantize
 from gactx.kernels.schemes.normal.triton import triton_normal_dequantize, triton_normal_quantize
-from gactx.kernels.schemes.uniform.dequantize import triton_dequantize
-from gactx.kernels.schemes.uniform.quantize import triton_quantize
+from gactx.kernels.schemes.uniform.dequantize import dequantize_into, dequantize_launch, triton_dequantize
+from gactx.kernels.schemes.uniform.format import allocate
+from gactx.kernels.schemes.uniform.quantize import quantize_into, quantize_launch, triton_quantize
 from gactx.kernels.schemes.uniform.reference import torch_dequantize, torch_quantize
 
 __all__ = ["quantize", "dequantize", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "cpp", "torch")
 SEED_LIMIT = 1 << 62  # Philox takes a 64-bit seed; torch.Generator a non-negative int64
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the uniform scheme's Triton kernels read
 
 
 def choose_backend(x: torch.Tensor, backend: str) -> str:
@@ -184,7 +186,27 @@ def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: b
             return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
 
         return encode
+    if chosen == "triton" and 1 <= bits <= 8 and like.dtype in _TRITON_DTYPES and like.numel() > 0:
+        return _bound_triton_quantize(like, bits, group_size, stochastic)
     return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
+
+
+def _bound_triton_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool):
+    """:func:`quantize_checked`'s Triton path for tensors of ``like``'s size, dtype and device, its launch planned once:
+    a contiguous tensor is read where it is, with no view or detach of it (each a torch call of host time a save: the
+    kernel reads the memory in order, and never records history), its codes and metadata written into ``allocate``'s.
+    Another tensor takes the whole path."""
+    n, dtype, device = like.numel(), like.dtype, like.device
+    planned = quantize_launch(n, dtype, bits, group_size, stochastic, _triton.interpreting(like))
+
+    def encode(x: torch.Tensor, seed: int) -> QuantizedTensor:
+        if x.numel() != n or x.dtype is not dtype or x.device != device or not x.is_contiguous():
+            return quantize_checked(x, bits, group_size, stochastic, seed, "triton")
+        codes, meta = allocate(x, bits, group_size)
+        quantize_into(x, codes, meta, seed, planned)
+        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, x.shape, None)
+
+    return encode
 
 
 def native_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
@@ -199,9 +221,32 @@ def native_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: 
 def bound_dequantize(like: QuantizedTensor, backend: str = "auto"):
     """:func:`dequantize` of tensors stored like ``like`` (its device, scheme and metadata), the backend chosen once,
     called as ``fn(q)``: what a save replayed at every step decodes with (on a CPU, the C++ kernel's own call)."""
-    if like.meta is not None and like.scheme == "uniform" and choose_backend(like.data, backend) == "cpp":
+    chosen = choose_backend(like.data, backend)
+    if like.meta is not None and like.scheme == "uniform" and chosen == "cpp":
         return _cpp_dequantize
+    if like.meta is not None and like.scheme == "uniform" and chosen == "triton" and like.numel > 0:
+        return _bound_triton_dequantize(like, backend)
     return lambda q: dequantize(q, backend=backend)
+
+
+def _bound_triton_dequantize(like: QuantizedTensor, backend: str):
+    """:func:`dequantize`'s Triton path for tensors stored like ``like`` (uniform codes of its size, dtype, width and
+    group size), its launch planned once: a tensor stored in its own order is decoded straight into a new tensor of
+    its shape, with no view of a flat one. Another takes the whole path."""
+    n, dtype, bits, group, device = like.numel, like.dtype, like.bits, like.group_size, like.data.device
+    planned = dequantize_launch(n, dtype, bits, group, _triton.interpreting(like.data))
+
+    def decode(q: QuantizedTensor) -> torch.Tensor:
+        if (
+            q.perm is not None or q.numel != n or q.dtype is not dtype or q.bits != bits or q.group_size != group
+            or q.meta is None or q.scheme != "uniform" or q.data.device != device
+        ):  # fmt: skip
+            return dequantize(q, backend=backend)
+        out = torch.empty(q.shape, dtype=dtype, device=device)
+        dequantize_into(q.data, q.meta, out, planned)
+        return out
+
+    return decode
 
 
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:

@@ -328,3 +328,37 @@ def test_subnormal_groups_round_unbiasedly_on_the_smallest_normal_step(backend, 
     p = ((exact - q.meta[:, 0].double().repeat_interleave(256)[: x.numel()]) / step).remainder(1.0)
     standard_error = step * (p * (1 - p)).sqrt() / draws**0.5
     assert ((decoded.mean(0) - exact).abs() <= 5 * standard_error + 2.0**-24 * step).all(), "unbiased"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bound_triton_encoders_store_and_decode_what_the_whole_path_does(dtype, monkeypatch):
+    """A replayed save's Triton encoder and decoder, their launches planned once and the tensor read where it is (no
+    view, no detach): the same bytes and values as the whole path, for a contiguous tensor of any shape that requires
+    grad; a tensor of another size or layout takes the whole path."""
+    from gactx.kernels.functional import bound_dequantize, bound_quantize, quantize_checked
+
+    g = torch.Generator().manual_seed(0)
+    for shape, bits in (((7, 33), 4), ((256,), 2), ((3, 4, 50), 8)):
+        leaf = (torch.randn(shape, generator=g) * 3).to(dtype).to(TRITON_DEVICE).requires_grad_(True)
+        t = leaf * 1.0  # a saved activation: it has history
+        encode = bound_quantize(t, bits, 32, True, "triton")
+        others = (t.detach().flip(0), t.detach().reshape(-1)[:-1], t.detach().transpose(0, -1))
+        for x in (t, *others):  # bound; bound; another size; another layout (the 1-d one: the same)
+            bound, whole = encode(x, 1234), quantize_checked(x, bits, 32, True, 1234, "triton")
+            assert torch.equal(bound.data, whole.data) and torch.equal(bound.meta, whole.meta), (shape, x.shape)
+            assert (bound.shape, bound.dense_shape, bound.perm) == (whole.shape, whole.dense_shape, whole.perm)
+            decoded, expected = bound_dequantize(bound, "triton")(bound), gactx.dequantize(whole, backend="triton")
+            assert torch.equal(decoded, expected) and decoded.stride() == expected.stride()
+            assert not decoded.requires_grad
+    # The bound path is its own: a contiguous tensor of the bound size never takes the whole path's calls.
+    from gactx.kernels import functional
+
+    for name in ("quantize_checked", "dequantize", "memory_order"):
+        monkeypatch.setattr(functional, name, lambda *a, **k: pytest.fail("the whole path was taken"))
+    stored = encode(t, 99)
+    assert bound_dequantize(stored, "triton")(stored).shape == t.shape
+    monkeypatch.undo()
+    # A decoder bound for one layout given another: the whole path, which restores its strides.
+    transposed = quantize_checked(torch.randn(33, 9, generator=g).t().to(TRITON_DEVICE), 4, 32, True, 7, "triton")
+    decode = bound_dequantize(quantize_checked(torch.randn(9, 33).to(TRITON_DEVICE), 4, 32, True, 7, "triton"))
+    assert decode(transposed).stride() == gactx.dequantize(transposed, backend="triton").stride() == (1, 9)

@@ -12,7 +12,7 @@ from gactx.kernels.half import bf16_bits
 from gactx.kernels.schemes.uniform.format import FLT_MAX
 from gactx.kernels.schemes.uniform.quantize import NUM_WARPS, program_rows
 
-__all__ = ["decode", "dequantize_launch", "triton_dequantize"]
+__all__ = ["decode", "decode_into", "dequantize_launch", "dequantize_into", "triton_dequantize"]
 
 _FLT_MAX = constexpr(FLT_MAX)
 
@@ -113,7 +113,18 @@ def decode(kernel, launcher, codes, meta, bits: int, group_size: int, n: int, dt
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
-    target = out.view(torch.int16) if dtype == torch.bfloat16 else out
-    programs, full, options = launcher(n, dtype, bits, group_size, interpret)
-    launch(kernel, programs, codes, meta, target, n, full, **options)
+    decode_into(kernel, codes, meta, out, launcher(n, dtype, bits, group_size, interpret))
     return out
+
+
+def decode_into(kernel, codes: torch.Tensor, meta: torch.Tensor, out: torch.Tensor, planned: tuple) -> None:
+    """The one launch of ``kernel`` decoding ``(codes, meta)`` into ``out`` (contiguous, of any shape; bfloat16 written
+    as its int16 bits), as its launcher ``planned`` it for ``out``'s number of elements and dtype."""
+    programs, full, options = planned
+    target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    launch(kernel, programs, codes, meta, target, out.numel(), full, **options)
+
+
+def dequantize_into(codes: torch.Tensor, meta: torch.Tensor, out: torch.Tensor, planned: tuple) -> None:
+    """The uniform scheme's :func:`decode_into`: ``_dequantize_kernel`` as :func:`dequantize_launch` ``planned`` it."""
+    decode_into(_dequantize_kernel, codes, meta, out, planned)

@@ -26,7 +26,7 @@ from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, SAFETY, allocate
 
-__all__ = ["program_rows", "quantize_launch", "triton_quantize"]
+__all__ = ["program_rows", "quantize_into", "quantize_launch", "triton_quantize"]
 
 # The same, and bit patterns of the infinities as int32, for kernels.
 _SAFETY, _FLT_MAX, _MIN_STEP = constexpr(SAFETY), constexpr(FLT_MAX), constexpr(MIN_STEP)
@@ -260,7 +260,14 @@ def triton_quantize(
     n = flat.numel()
     if n == 0:
         return codes, meta
-    x = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-    programs, full, options = quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret)
-    launch(_quantize_kernel, programs, x, codes, meta, n, seed, full, **options)
+    quantize_into(flat, codes, meta, seed, quantize_launch(n, flat.dtype, bits, group_size, stochastic, interpret))
     return codes, meta
+
+
+def quantize_into(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, seed: int, planned: tuple) -> None:
+    """The one launch of ``_quantize_kernel`` on the elements of ``x`` (contiguous, of any shape: the kernel reads its
+    memory in order, as :func:`quantize_launch` ``planned`` it for their number and dtype) into ``codes`` and
+    ``meta`` (``allocate``'s)."""
+    programs, full, options = planned
+    launch(_quantize_kernel, programs, x.view(torch.int16) if x.dtype == torch.bfloat16 else x, codes, meta,
+           x.numel(), seed, full, **options)  # fmt: skip
