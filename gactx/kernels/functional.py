@@ -7,6 +7,8 @@ Both schemes run the same way: Triton kernels on CUDA (and under the interpreter
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gactx.kernels import _triton, cpu
@@ -207,6 +209,42 @@ def _bound_triton_quantize(like: torch.Tensor, bits: int, group_size: int, stoch
         return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, x.shape, None)
 
     return encode
+
+
+def quantize_flat(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
+    """``(codes, meta)`` of the elements of ``x`` in memory order (contiguous, of any shape; the op a compiled graph
+    calls, its arguments gactx's own): on Triton, its launch planned once for each size (:func:`_quantize_plan`), with
+    no view or detach of ``x``; elsewhere :func:`quantize_checked` of ``x`` flattened."""
+    n = x.numel()
+    if chosen == "triton" and 1 <= bits <= 8 and x.dtype in _TRITON_DTYPES and n > 0 and x.is_contiguous():
+        codes, meta = allocate(x, bits, group_size)
+        quantize_into(x, codes, meta, seed, _quantize_plan(n, x.dtype, bits, group_size, stochastic, x.is_cpu))
+        return codes, meta
+    q = quantize_checked(x.reshape(-1), bits, group_size, stochastic, seed, chosen)
+    return q.data, q.meta
+
+
+def dequantize_flat(codes, meta, bits: int, group_size: int, n: int, dtype: torch.dtype, chosen: str) -> torch.Tensor:
+    """The ``n`` elements of ``dtype`` that :func:`quantize_flat` stored, as a new 1-D tensor: on Triton, its launch
+    planned once for each size, and no view of the output."""
+    if chosen == "triton" and 1 <= bits <= 8 and dtype in _TRITON_DTYPES and n > 0:
+        out = torch.empty(n, dtype=dtype, device=codes.device)
+        dequantize_into(codes, meta, out, _dequantize_plan(n, dtype, bits, group_size, codes.is_cpu))
+        return out
+    size = torch.Size([n])
+    return dequantize(QuantizedTensor(codes, meta, bits, group_size, size, dtype, size, None), backend=chosen)
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantize_plan(n: int, dtype, bits: int, group_size: int, stochastic: bool, on_cpu: bool) -> tuple:
+    """:func:`quantize_launch` of a size, once (a CPU tensor reaches Triton only under its interpreter)."""
+    return quantize_launch(n, dtype, bits, group_size, stochastic, on_cpu and _triton.INTERPRET)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dequantize_plan(n: int, dtype, bits: int, group_size: int, on_cpu: bool) -> tuple:
+    """:func:`dequantize_launch` of a size, once."""
+    return dequantize_launch(n, dtype, bits, group_size, on_cpu and _triton.INTERPRET)
 
 
 def native_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):

@@ -19,9 +19,7 @@ import itertools
 
 import torch
 
-from gactx.kernels.format import QuantizedTensor
-from gactx.kernels.functional import dequantize as _dequantize
-from gactx.kernels.functional import quantize as _quantize
+from gactx.kernels.functional import choose_backend, dequantize_flat, quantize_flat
 from gactx.kernels.schemes.uniform.format import allocate
 from gactx.kernels.schemes.uniform.reference import quantize_groups, torch_dequantize
 from gactx.kernels.traced import SAVED_TAGS, advance, uniform_bits
@@ -52,10 +50,11 @@ def dequantize(
 _DRAWS = itertools.count(1)
 
 
-def _kernel_codes(flat, bits, group_size, stochastic, salt, backend) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_codes(t, bits, group_size, stochastic, salt, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes of ``t``'s elements in memory order (``functional.quantize_flat``: its arguments are gactx's own, so
+    not checked again at every call), with a new seed."""
     seed = ((next(_DRAWS) * 0x9E3779B97F4A7C15) ^ (salt * 0xC2B2AE3D27D4EB4F)) & ((1 << 62) - 1)
-    q = _quantize(flat, bits, group_size, stochastic=stochastic, seed=seed, backend=backend)
-    return q.data, q.meta
+    return quantize_flat(t, bits, group_size, stochastic, seed, choose_backend(t, backend))
 
 
 @torch.library.custom_op("gactx::quantize", mutates_args=())
@@ -77,9 +76,7 @@ def kernel_dequantize(
     codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype, backend: str
 ) -> torch.Tensor:
     """The ``n`` elements of ``dtype`` that :func:`kernel_quantize` encoded, as a 1-D tensor."""
-    size = torch.Size([n])
-    q = QuantizedTensor(codes, meta, bits, group_size, size, dtype, size, None)
-    return _dequantize(q, backend=backend)
+    return dequantize_flat(codes, meta, bits, group_size, n, dtype, choose_backend(codes, backend))
 
 
 @kernel_dequantize.register_fake
@@ -95,7 +92,7 @@ def kernel_quantize_saved(
     count)``. One op reading the saved value: Inductor copies a view of a value it has not stored yet into a
     buffer of its own for each opaque op that reads it, so two ops held two full-size copies at once."""
     count = advance(t, token)
-    codes, meta = _kernel_codes(t.reshape(-1), bits, group_size, stochastic, salt, backend)
+    codes, meta = _kernel_codes(t, bits, group_size, stochastic, salt, backend)
     return codes, meta, count
 
 

@@ -107,6 +107,32 @@ def test_the_saved_value_ops_tick_and_encode_in_one_op():
     assert heard == [((40, 24), int(count)), ((40, 24), int(count2))] and int(count2) == int(count) + 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_ops_on_triton_store_and_decode_what_the_kernels_api_does(dtype, triton_device, monkeypatch):
+    """``quantize_saved``, ``quantize`` and ``dequantize`` on Triton (under the interpreter here; the ops a compiled
+    graph calls on a GPU), their launches planned once a size and the value read where it lies: the bytes and values
+    of ``gactx.quantize`` and ``gactx.dequantize`` (deterministic rounding), for a value in any layout."""
+    import gactx
+
+    token = traced.new_token(lambda token, like, count: None)
+    values = (_input(3000, dtype, 2), _input(777, dtype, 3).reshape(21, 37), _input(960, dtype, 4).reshape(24, 40).t())
+    for x in (v.to(triton_device) for v in values):
+        codes, meta, _ = uniform.kernel_quantize_saved(x, 4, 32, False, 7, "triton", token)
+        q = gactx.quantize(x.reshape(-1), 4, 32, stochastic=False, backend="triton")
+        assert torch.equal(codes, q.data) and torch.equal(meta, q.meta), x.shape
+        again = uniform.kernel_quantize(x.reshape(-1), 4, 32, False, 7, "triton")
+        assert torch.equal(again[0], q.data) and torch.equal(again[1], q.meta)
+        decoded = uniform.kernel_dequantize(codes, meta, 4, 32, x.numel(), dtype, "triton")
+        assert decoded.shape == (x.numel(),) and same_values(decoded, gactx.dequantize(q, backend="triton"))
+    from gactx.kernels import functional
+
+    for name in ("quantize_checked", "dequantize"):  # a contiguous value: the planned launches alone
+        monkeypatch.setattr(functional, name, lambda *a, **k: pytest.fail("the kernels' whole path was taken"))
+    x = values[1].to(triton_device)
+    codes, meta, _ = uniform.kernel_quantize_saved(x, 4, 32, True, 7, "triton", token)
+    assert uniform.kernel_dequantize(codes, meta, 4, 32, x.numel(), dtype, "triton").shape == (x.numel(),)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extreme_groups_compiled_by_inductor_give_the_eager_bytes(dtype):
     eager, compiled, _ = _eager_and_compiled(extreme_input(dtype), 32, True, 5)
