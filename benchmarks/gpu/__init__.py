@@ -23,7 +23,9 @@ under its own time limit (``--limit ARM=SECONDS``; all of them within ``--budget
 
 Within a training arm, each model's methods run in phases, so that a short limit still yields what matters
 most: the fixed methods' warm-ups and peaks, their step times in turns, then the adaptive methods (their first
-adaptation is the longest warm-up) timed in turns with plain again, and the maximum batch searches last.
+adaptation is the longest warm-up) timed in turns with plain again, then where plain's and L1's step time goes
+(one step under ``torch.profiler``, one under ``cProfile``: :mod:`benchmarks.gpu.profiles`), and the maximum batch
+searches last.
 
 For each training method: the step's peak (``max_memory_allocated``), throughput (median of 10 steps after 3
 warm-up steps, alternated between methods) and the maximum batch (:mod:`benchmarks.gpu.training`), each
