@@ -205,13 +205,16 @@ def _adaptation_lines(rows: list[dict]) -> list[str]:
         lines.append(f"- under the profiler: {r['wall_s_profiled']:.2f} s wall, the device busy {busy}, "
                      f"{r['launches_a_pass']:.0f} launches a pass")  # fmt: skip
         for title, key in (("host", "top_host_ops"), ("device", "top_device_ops")):
-            ops = "; ".join(f"{name} x{count} {ms} ms" for name, count, ms in r.get(key, []))
-            lines.append(f"- most {title} time: {ops or '(none)'}")
+            lines.append(f"- most {title} time: {_listed(r.get(key, [])) or '(none)'}")
     r = by.get("python")
     if r is not None:
-        top = "; ".join(f"{name} x{calls} {ms} ms" for name, calls, ms in r["top_python"])
-        lines.append(f"- Python, most time of their own (cProfile, {r['seconds']:.2f} s): {top}")
+        lines.append(f"- Python, most time of their own (cProfile, {r['seconds']:.2f} s): {_listed(r['top_python'])}")
     return lines
+
+
+def _listed(entries, most: int | None = None) -> str:
+    """A profile's ``(name, count, ms)`` entries (benchmarks.gpu.profiles) in one line, the first ``most`` of them."""
+    return "; ".join(f"{name} x{count} {ms} ms" for name, count, ms in entries[:most])
 
 
 def _profile_lines(r: dict) -> list[str]:
@@ -224,7 +227,7 @@ def _profile_lines(r: dict) -> list[str]:
         device = "no device activity recorded"
 
     def listed(key: str) -> str:
-        return "; ".join(f"{name} x{count} {ms} ms" for name, count, ms in r.get(key, [])[:6]) or "(none)"
+        return _listed(r.get(key, []), 6) or "(none)"
 
     return [
         f"under the profiler {r['wall_s_profiled']:.3f} s wall, {device}",

@@ -188,27 +188,16 @@ def bound_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: b
             return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
 
         return encode
-    if chosen == "triton" and 1 <= bits <= 8 and like.dtype in _TRITON_DTYPES and like.numel() > 0:
-        return _bound_triton_quantize(like, bits, group_size, stochastic)
+    if chosen == "triton" and 1 <= bits <= 8 and like.dtype in _TRITON_DTYPES:
+
+        def encode(x: torch.Tensor, seed: int) -> QuantizedTensor:  # a contiguous tensor read where it is
+            if not x.is_contiguous():
+                return quantize_checked(x, bits, group_size, stochastic, seed, "triton")
+            codes, meta = quantize_flat(x, bits, group_size, stochastic, seed, "triton")
+            return QuantizedTensor(codes, meta, bits, group_size, x.shape, x.dtype, x.shape, None)
+
+        return encode
     return lambda x, seed: quantize_checked(x, bits, group_size, stochastic, seed, chosen)
-
-
-def _bound_triton_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool):
-    """:func:`quantize_checked`'s Triton path for tensors of ``like``'s size, dtype and device, its launch planned once:
-    a contiguous tensor is read where it is, with no view or detach of it (each a torch call of host time a save: the
-    kernel reads the memory in order, and never records history), its codes and metadata written into ``allocate``'s.
-    Another tensor takes the whole path."""
-    n, dtype, device = like.numel(), like.dtype, like.device
-    planned = quantize_launch(n, dtype, bits, group_size, stochastic, _triton.interpreting(like))
-
-    def encode(x: torch.Tensor, seed: int) -> QuantizedTensor:
-        if x.numel() != n or x.dtype is not dtype or x.device != device or not x.is_contiguous():
-            return quantize_checked(x, bits, group_size, stochastic, seed, "triton")
-        codes, meta = allocate(x, bits, group_size)
-        quantize_into(x, codes, meta, seed, planned)
-        return QuantizedTensor(codes, meta, bits, group_size, x.shape, dtype, x.shape, None)
-
-    return encode
 
 
 def quantize_flat(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, chosen: str):
@@ -224,20 +213,22 @@ def quantize_flat(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
     return q.data, q.meta
 
 
-def dequantize_flat(codes, meta, bits: int, group_size: int, n: int, dtype: torch.dtype, chosen: str) -> torch.Tensor:
-    """The ``n`` elements of ``dtype`` that :func:`quantize_flat` stored, as a new 1-D tensor: on Triton, its launch
-    planned once for each size, and no view of the output."""
+def dequantize_flat(codes, meta, bits: int, group_size: int, shape, dtype: torch.dtype, chosen: str) -> torch.Tensor:
+    """The elements of ``dtype`` that :func:`quantize_flat` stored, as a new contiguous tensor of ``shape``: on Triton,
+    its launch planned once for each size, decoded straight into that tensor (no view of a flat one)."""
+    size = torch.Size(shape)
+    n = size.numel()
     if chosen == "triton" and 1 <= bits <= 8 and dtype in _TRITON_DTYPES and n > 0:
-        out = torch.empty(n, dtype=dtype, device=codes.device)
+        out = torch.empty(size, dtype=dtype, device=codes.device)
         dequantize_into(codes, meta, out, _dequantize_plan(n, dtype, bits, group_size, codes.is_cpu))
         return out
-    size = torch.Size([n])
     return dequantize(QuantizedTensor(codes, meta, bits, group_size, size, dtype, size, None), backend=chosen)
 
 
 @functools.lru_cache(maxsize=1024)
 def _quantize_plan(n: int, dtype, bits: int, group_size: int, stochastic: bool, on_cpu: bool) -> tuple:
-    """:func:`quantize_launch` of a size, once (a CPU tensor reaches Triton only under its interpreter)."""
+    """:func:`quantize_launch` of a size, once: the launch a replayed save or a compiled graph's op makes at every
+    step (a CPU tensor reaches Triton only under its interpreter)."""
     return quantize_launch(n, dtype, bits, group_size, stochastic, on_cpu and _triton.INTERPRET)
 
 
@@ -262,29 +253,15 @@ def bound_dequantize(like: QuantizedTensor, backend: str = "auto"):
     chosen = choose_backend(like.data, backend)
     if like.meta is not None and like.scheme == "uniform" and chosen == "cpp":
         return _cpp_dequantize
-    if like.meta is not None and like.scheme == "uniform" and chosen == "triton" and like.numel > 0:
-        return _bound_triton_dequantize(like, backend)
+    if like.meta is not None and like.scheme == "uniform" and chosen == "triton":
+
+        def decode(q: QuantizedTensor) -> torch.Tensor:  # stored in its own order: decoded straight into its shape
+            if q.perm is not None or q.meta is None or q.scheme != "uniform":
+                return dequantize(q, backend=backend)
+            return dequantize_flat(q.data, q.meta, q.bits, q.group_size, q.shape, q.dtype, "triton")
+
+        return decode
     return lambda q: dequantize(q, backend=backend)
-
-
-def _bound_triton_dequantize(like: QuantizedTensor, backend: str):
-    """:func:`dequantize`'s Triton path for tensors stored like ``like`` (uniform codes of its size, dtype, width and
-    group size), its launch planned once: a tensor stored in its own order is decoded straight into a new tensor of
-    its shape, with no view of a flat one. Another takes the whole path."""
-    n, dtype, bits, group, device = like.numel, like.dtype, like.bits, like.group_size, like.data.device
-    planned = dequantize_launch(n, dtype, bits, group, _triton.interpreting(like.data))
-
-    def decode(q: QuantizedTensor) -> torch.Tensor:
-        if (
-            q.perm is not None or q.numel != n or q.dtype is not dtype or q.bits != bits or q.group_size != group
-            or q.meta is None or q.scheme != "uniform" or q.data.device != device
-        ):  # fmt: skip
-            return dequantize(q, backend=backend)
-        out = torch.empty(q.shape, dtype=dtype, device=device)
-        dequantize_into(q.data, q.meta, out, planned)
-        return out
-
-    return decode
 
 
 def dequantize(q: QuantizedTensor, *, backend: str = "auto") -> torch.Tensor:

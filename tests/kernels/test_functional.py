@@ -334,7 +334,7 @@ def test_subnormal_groups_round_unbiasedly_on_the_smallest_normal_step(backend, 
 def test_bound_triton_encoders_store_and_decode_what_the_whole_path_does(dtype, monkeypatch):
     """A replayed save's Triton encoder and decoder, their launches planned once and the tensor read where it is (no
     view, no detach): the same bytes and values as the whole path, for a contiguous tensor of any shape that requires
-    grad; a tensor of another size or layout takes the whole path."""
+    grad; a tensor in another layout takes the whole path."""
     from gactx.kernels.functional import bound_dequantize, bound_quantize, quantize_checked
 
     g = torch.Generator().manual_seed(0)
@@ -343,7 +343,7 @@ def test_bound_triton_encoders_store_and_decode_what_the_whole_path_does(dtype, 
         t = leaf * 1.0  # a saved activation: it has history
         encode = bound_quantize(t, bits, 32, True, "triton")
         others = (t.detach().flip(0), t.detach().reshape(-1)[:-1], t.detach().transpose(0, -1))
-        for x in (t, *others):  # bound; bound; another size; another layout (the 1-d one: the same)
+        for x in (t, *others):  # contiguous; contiguous; of another size; in another layout (the 1-d one: the same)
             bound, whole = encode(x, 1234), quantize_checked(x, bits, 32, True, 1234, "triton")
             assert torch.equal(bound.data, whole.data) and torch.equal(bound.meta, whole.meta), (shape, x.shape)
             assert (bound.shape, bound.dense_shape, bound.perm) == (whole.shape, whole.dense_shape, whole.perm)

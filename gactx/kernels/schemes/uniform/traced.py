@@ -76,7 +76,7 @@ def kernel_dequantize(
     codes: torch.Tensor, meta: torch.Tensor, bits: int, group_size: int, n: int, dtype: torch.dtype, backend: str
 ) -> torch.Tensor:
     """The ``n`` elements of ``dtype`` that :func:`kernel_quantize` encoded, as a 1-D tensor."""
-    return dequantize_flat(codes, meta, bits, group_size, n, dtype, choose_backend(codes, backend))
+    return dequantize_flat(codes, meta, bits, group_size, (n,), dtype, choose_backend(codes, backend))
 
 
 @kernel_dequantize.register_fake
