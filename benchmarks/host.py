@@ -23,10 +23,12 @@ At ``w = 64`` kernel time vanishes and the difference to plain is host time: it 
 and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
 GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
 
-The method ``floor`` is not gactx: it is the least any library of eager saved-tensor hooks pays. A forward pre- and
-post-hook on each module that pushes and pops a frame (what names a save), and a pack hook that keeps parameters and
-sends every other tensor through the same kernel call gactx's pack path ends in (2-bit codes), with its decode on
-unpack: no policy, no key, no record, no handle. Eager gactx cannot be faster than it.
+The method ``floor`` is not gactx: it is the least a library of eager saved-tensor hooks pays that names each save by
+the module that made it. A forward pre- and post-hook on each module that pushes and pops a frame (what names a save),
+and a pack hook that keeps parameters and sends every other tensor through the same kernel call gactx's pack path ends
+in (2-bit codes), with its decode on unpack: no policy, no key, no record, no handle. gactx pays those hooks only
+until two passes in a row saved the same; then its keys go by position, with the model's own hook alone
+(``gactx/controller/identity.py``), and it may read below the floor.
 
     python -m benchmarks.host                  # writes benchmarks/runs/<device>/host.{json,md,csv} (git-ignored)
     python -m benchmarks.host --update-results # writes the committed benchmarks/results/<device>/host.*
@@ -161,7 +163,8 @@ def floor_hooks(model: torch.nn.Module, bits: int = 2, group_size: int = 256) ->
 
 def python_calls(case: Case) -> int:
     """Calls of Python functions of the gactx package during one step (the hooks' and what they call), in this
-    thread: on a GPU, backward's own threads (where unpack runs) are not counted."""
+    thread, as a training loop's steps make them (two steps first: an installation's first passes follow every module
+    call, until keys go by position): on a GPU, backward's own threads (where unpack runs) are not counted."""
     calls = 0
 
     def count(frame, event, arg):
@@ -170,6 +173,8 @@ def python_calls(case: Case) -> int:
             calls += 1
 
     with case.hooks():
+        case.step()
+        case.step()
         sys.setprofile(count)
         try:
             case.step()

@@ -52,7 +52,7 @@ from gactx.config import Config
 from gactx.controller.decide import BOOL_MASK, Decision, decide, kept, node_rule
 from gactx.controller.graph_nodes import hoist, modules_of, op_name, sink, source
 from gactx.controller.graph_runs import RECORDS_KEPT, GraphRuns
-from gactx.controller.identity import Key, ModuleTracker
+from gactx.controller.identity import Key, ModuleTracker, passes_saves_on
 from gactx.controller.plan import GraphSlot
 from gactx.controller.policy import value_reason
 from gactx.controller.stats import KeyRecord
@@ -141,6 +141,7 @@ class HookGraph(torch.fx.GraphModule):
     def forward(self, x):
         return self.__call__(x)
 
+    @passes_saves_on
     def __call__(self, x):  # autograd calls a hook for every saved tensor: no module call machinery
         if (_hook_context() if _LOCAL is None else _LOCAL.__dict__.get("state")) is not None:
             return self.compiled(x)

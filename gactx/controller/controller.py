@@ -366,7 +366,9 @@ class Controller:
         done again, one a key, at most ``pack.MAX_REPLAYS``), ``watched_ops`` (aten ops the watcher has seen, all
         passes), ``watch_next`` (the next pass is watched), ``in_forward`` (a forward of the model is under way),
         ``most_calls`` (the most calls of one module in the pass under way), ``observers`` and
-        ``output_hooks`` (what the estimator watches saves and module outputs with, while it measures)."""
+        ``output_hooks`` (what the estimator watches saves and module outputs with, while it measures),
+        ``keys_by_position`` (passes repeat, and only the model's own hooks name saves: ``identity.py``) and
+        ``divergences`` (passes that ended keys by position)."""
         path, tracker = self._path, self._tracker
         return {
             "keys": len(path.key_ids),
@@ -380,6 +382,8 @@ class Controller:
             "most_calls": max(tracker.calls.values(), default=0),
             "observers": len(path.observers),
             "output_hooks": len(tracker.output_hooks),
+            "keys_by_position": tracker.by_position,
+            "divergences": tracker.divergences,
         }
 
     @property

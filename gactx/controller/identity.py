@@ -4,6 +4,21 @@ A key is the innermost module running when the tensor was saved (its qualified n
 module it was in this forward (a shared block applied twice), the index of the save within that call,
 and the tensor's shape. A changed graph (another branch, a new sequence length) produces new keys; keys
 never depend on a global save counter, so recomputation and dynamic graphs cannot shift them.
+
+The tracker finds them with a forward pre- and post-hook on every module of the model. Those hooks cost every module
+call (``nn.Module`` takes its slow path for a module with hooks) about as much as gactx's whole pack path costs a
+small save. So once two forward passes in a row saved the same sequence (each save's key, node and dtype), the
+tracker keeps only the model's own hooks and hands out the keys of the last pass by position: the ``i``-th save of a
+pass gets the ``i``-th key while its shape, dtype and ``grad_fn`` node are the ones saved there. The first save that
+differs (another branch, another length, more saves), or a save made while a module of the model runs with no pass
+of the model under way (a submodule called alone), ends that. The modules get their hooks back at once, and the
+tracker's stack is rebuilt where the pass stands: the last pass's module calls up to the last save that matched,
+laid against the modules Python's frames show running. A module whose call saved nothing and that no frame shows any
+more is the one thing this cannot see: a later call of it may be numbered one lower than a followed pass numbers it.
+Every divergence doubles the matching passes needed before keys go by position again, and after ``MAX_DIVERGENCES``
+the tracker follows every call for good. Keys go by position only while nothing else needs module calls: no module
+output hooks (the free estimator's), no compiled graphs (their saves are named at module boundaries), passes that
+begin at the model itself.
 """
 
 from __future__ import annotations
@@ -17,14 +32,36 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["BACKWARD", "Key", "ModuleTracker", "OUTSIDE", "graph_task_id", "in_backward"]
+__all__ = [
+    "BACKWARD", "MAX_DIVERGENCES", "Key", "ModuleTracker", "OUTSIDE", "graph_task_id", "in_backward", "passes_saves_on",
+]  # fmt: skip
 
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call, hooks included
 OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (functional code)
 BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
+MAX_DIVERGENCES = 4  # passes that left the keys by position: after this many, every module call is followed for good
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 # Read on every module call: bound once (TorchDynamo knows the function, however it is reached).
 _is_compiling, _get_ident = torch.compiler.is_compiling, threading.get_ident
+
+
+# The code of the functions a save passes through from autograd to the tracker (the pack hook's, the pack path's, the
+# tracker's own): the first frame above them ran the op that saves; its code and instruction are the save's call site.
+_PASSING: set = set()
+
+
+def passes_saves_on(fn: Callable) -> Callable:
+    """Mark ``fn`` as a function a save passes through on its way to the tracker: its frame is no call site."""
+    _PASSING.add(fn.__code__)
+    return fn
+
+
+def _call_site() -> tuple:
+    """The code and instruction of the frame that ran the op saving now (the first frame outside ``_PASSING``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code in _PASSING:
+        frame = frame.f_back
+    return (None, -1) if frame is None else (frame.f_code, frame.f_lasti)
 
 
 def in_backward() -> bool:
@@ -63,7 +100,8 @@ _new_key = partial(tuple.__new__, Key)  # Key(...) without its Python __new__: e
 
 
 class ModuleTracker:
-    """Follows module calls of one model with forward pre- and post-hooks and hands out keys.
+    """Follows module calls of one model with forward pre- and post-hooks and hands out keys; once passes repeat,
+    hands them out by position with the model's own hooks alone (the module docstring).
 
     ``on_new_pass`` runs when a forward pass starts: the model itself called while none of its modules runs,
     or a submodule called alone (``model.body(x)``) a second time since the last start; ``on_pass_end`` when
@@ -87,7 +125,9 @@ class ModuleTracker:
         self._registered: dict[int, tuple] = {}
         self._enter_hook, self._exit_hook = self._enter, self._exit
         self._names: dict[int, tuple[nn.Module, str]] = {}  # id of a module of the model -> (it, its name)
-        self._stack: list[list] = []  # [name, call number, saves so far, module]
+        # [name, call number, saves so far, module, unseen]: ``unseen``, a call rebuilt when keys stopped going by
+        # position, whose return no hook may tell (it began without the tracker's hooks)
+        self._stack: list[list] = []
         self.calls: dict[str, int] = {}  # module -> its calls in the pass under way
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
         self._outside = self._backward = 0
@@ -98,8 +138,20 @@ class ModuleTracker:
         # Called as a followed module call begins or returns, before the stack changes: compiled graphs' logged saves
         # are recorded then, under the module that ran them (compiled.py).
         self.on_boundary: Callable[[], None] | None = None
+        # Keys by position (the module docstring). The last followed pass of the model: its saves, each (key, node,
+        # dtype, call site's code and instruction), and where each came among its events (a module entered: its name;
+        # one returned: None; a save: True).
+        self._trace: list[tuple] = []
+        self._marks: list[int] = []
+        self._events: list = []
+        self._saves, self._saves_at, self._log = [], [], []  # the same, of the followed pass under way
+        self.by_position = False  # keys are handed out by position now, the model's own hooks alone
+        self._position = 0  # saves of the pass under way, by position
+        self._repeats = 0  # followed passes in a row that saved what the one before saved
+        self.divergences = 0  # passes that left the keys by position
+        self._recording = False  # the pass under way began at the model itself, followed: its saves are recorded
 
-    def attach(self) -> None:
+    def attach(self, only_model: bool = False) -> None:
         """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
         calls from other threads, an evaluation say, run as plain PyTorch and are not followed).
 
@@ -108,12 +160,19 @@ class ModuleTracker:
         gave TorchDynamo's guard tree 957 lines a call on ``benchmarks.host``'s MLP of 17 modules, against compiled
         plain's 307 (559 now). The model's modules are read at each attach: one added later is followed from the
         next installation on. Attached again, a module gets the hooks it had, under the same ids: new ones at every
-        installation recompiled the model each time, until TorchDynamo's recompile limit (8) left it uncompiled."""
+        installation recompiled the model each time, until TorchDynamo's recompile limit (8) left it uncompiled.
+        ``only_model``: the model's own hooks alone (keys by position)."""
         self._thread = threading.get_ident()
+        self._unhook()
+        self.by_position = only_model
         self._names = {id(module): (module, name) for name, module in self.model.named_modules()}
         registered, self._registered = self._registered, {}  # the model's modules now: none that left it is held
         for module, _ in self._names.values():
             known = registered.get(id(module))
+            if known is not None and known[0] is module:
+                self._registered[id(module)] = known
+            if only_model and module is not self.model:
+                continue
             if known is not None and known[0] is module:
                 _, pre, post = known
                 module._forward_pre_hooks[pre.id] = self._enter_hook  # what register_forward_pre_hook sets
@@ -126,10 +185,16 @@ class ModuleTracker:
             self._handles += [pre, post]
 
     def detach(self) -> None:
+        self._unhook()
+        self.by_position = False
+        self._stack.clear()
+
+    def _unhook(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._stack.clear()
+
+    # -- module calls ---------------------------------------------------------------------------------------
 
     def _enter(self, module: nn.Module, args) -> None:
         # A compiled region's saves are named by its graph (compiled.py); calls while backward runs (a
@@ -144,17 +209,25 @@ class ModuleTracker:
         stack, name = self._stack, known[1]
         if stack and (module is self.model or module is stack[0][3]) and self._interrupted(module):
             del stack[:]
+            self._recording = False  # an interrupted pass is no pass to repeat
             self.on_pass_end()
         if not stack:
             if module is self.model or name in self._entered:
                 self.calls.clear()
                 self._entered.clear()
-                self._outside = self._backward = 0
+                self._outside = self._backward = self._position = 0
+                self._recording = not self.by_position and module is self.model
+                if self._recording:
+                    self._saves, self._saves_at, self._log = [], [], []
                 self.on_new_pass()
+                if self.by_position and (self.output_hooks or self.on_boundary is not None):
+                    self.attach()  # what watches module calls needs them all followed
             self._entered.add(name)
         calls = self.calls
         call = calls[name] = calls.get(name, 0) + 1
-        stack.append([name, call, 0, module])
+        stack.append([name, call, 0, module, False])
+        if self._recording:
+            self._log.append(name)
 
     def _interrupted(self, entering: nn.Module) -> bool:
         """Whether the outermost module on the stack is no longer running: no frame of ``nn.Module``'s call
@@ -177,13 +250,102 @@ class ModuleTracker:
         if self.on_boundary is not None:
             self.on_boundary()
         stack, name = self._stack, known[1]
+        while stack and stack[-1][4] and stack[-1][3] is not module:  # rebuilt calls that returned unseen
+            stack.pop()
         if stack and stack[-1][0] == name:
             frame = stack.pop()
+            if self._recording:
+                self._log.append(None)
             if self.output_hooks:
                 for hook in self.output_hooks:
                     hook(name, frame[1], module, output)
             if not stack:  # the model, or a submodule called alone, returned: its forward ended
+                self._ended()
                 self.on_pass_end()
+
+    def _ended(self) -> None:
+        """A forward ended: a followed pass of the model becomes the pass to repeat (keys go by position once enough
+        passes in a row repeat it); a pass by position that made fewer saves than the one it repeats ends keys by
+        position (what it skipped may have shifted the rest)."""
+        if self.by_position:
+            if self._position and self._position != len(self._trace):
+                self._diverged()
+            return
+        if not self._recording or not self._saves:  # a pass that saved nothing (an evaluation) changes nothing
+            return
+        self._recording = False
+        self._repeats = self._repeats + 1 if self._saves == self._trace else 0
+        self._trace, self._marks, self._events = self._saves, self._saves_at, self._log
+        if (
+            self._repeats >= 1 << self.divergences and self.divergences < MAX_DIVERGENCES
+            and not self.output_hooks and self.on_boundary is None
+        ):  # fmt: skip
+            self.attach(only_model=True)
+
+    def _diverged(self) -> None:
+        """Keys stop going by position: every module followed again, after more repeats (the module docstring)."""
+        self.divergences += 1
+        self._repeats = 0
+        self.attach()
+
+    def _diverge(self) -> None:
+        """A save of the pass under way differs from the one at its position (or comes while a module of the model runs
+        outside a pass of it): keys stop going by position, and the stack is rebuilt where the pass stands."""
+        position = self._position - 1 if self._stack else 0  # the saves of the pass that matched
+        self._diverged()
+        # A submodule called alone after a pass by position: the calls of the whole pass repeated, its stack empty.
+        stack, calls = self._replayed(position if self._stack else len(self._trace))
+        names = self._names
+        running = self._running()
+        kept = 0
+        while kept < min(len(stack), len(running)) and stack[kept][3] is running[kept]:
+            kept += 1
+        del stack[kept:]
+        for module in running[kept:]:
+            name = names[id(module)][1]
+            call = calls[name] = calls.get(name, 0) + 1
+            stack.append([name, call, 0, module, True])
+        for frame in stack:
+            frame[4] = frame[3] is not self.model  # the model's own calls had their hooks
+        if stack and not self._stack:
+            self._entered.add(stack[0][0])
+        self._stack[:], self.calls = stack, calls
+
+    def _replayed(self, saves: int) -> tuple[list[list], dict[str, int]]:
+        """The stack and calls of the pass repeated, as they stood at its save ``saves`` (its first ``saves`` made)."""
+        modules = {name: module for module, name in self._names.values()}
+        stack, calls = [], {}
+        for event in self._events[: self._marks[saves - 1] + 1 if saves else 0]:
+            if event is True:
+                stack[-1][2] += 1
+            elif event is None:
+                stack.pop()
+            else:
+                call = calls[event] = calls.get(event, 0) + 1
+                stack.append([event, call, 0, modules.get(event), True])
+        return stack, calls
+
+    def _running(self) -> list[nn.Module]:
+        """The model's modules whose calls are running, outermost first, as Python's frames show them."""
+        names, found, frame = self._names, [], sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                module = frame.f_locals.get("self")
+                known = names.get(id(module))
+                if known is not None and known[0] is module:
+                    found.append(module)
+            frame = frame.f_back
+        found.reverse()
+        return found
+
+    def _returned_unseen(self) -> None:
+        """Drop the rebuilt calls on top of the stack that are no longer running (no hook tells their return)."""
+        running = {id(module) for module in self._running()}
+        stack = self._stack
+        while stack and stack[-1][4] and id(stack[-1][3]) not in running:
+            stack.pop()
+
+    # -- keys -----------------------------------------------------------------------------------------------
 
     @property
     def inside(self) -> bool:
@@ -194,15 +356,49 @@ class ModuleTracker:
         """The innermost module running eagerly (its name and call), or ``None``."""
         return (self._stack[-1][0], self._stack[-1][1]) if self._stack else None
 
+    @passes_saves_on
+    def at_position(self, t: torch.Tensor) -> tuple | None:
+        """Where keys go by position and a pass of the model is under way: the save at this one's position in the pass
+        repeated, ``(key, node, dtype, code, instruction)``, if ``t`` matches it (its shape, dtype, node and call
+        site), the position then passed; else ``None``, nothing changed (:meth:`key` then tells the divergence). A
+        forward save only."""
+        position = self._position
+        if position < len(self._trace) and self._stack:
+            at = self._trace[position]
+            if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site() == at[3:]:
+                self._position = position + 1
+                return at
+        return None
+
+    @passes_saves_on
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""
         if graph_task_id() != -1:  # in_backward(), called for every save
             self._backward += 1
             return Key(BACKWARD, 1, self._backward - 1, tuple(t.shape))
-        if not self._stack:
+        stack = self._stack
+        if self.by_position:
+            if stack:
+                position = self._position
+                self._position = position + 1
+                if position < len(self._trace):
+                    at = self._trace[position]
+                    if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site() == at[3:]:
+                        return at[0]
+                self._diverge()
+            elif self._running():  # a submodule called alone
+                self._diverge()
+        if stack and stack[-1][4]:
+            self._returned_unseen()
+        if not stack:
             self._outside += 1
             return Key(OUTSIDE, 1, self._outside - 1, tuple(t.shape))
-        frame = self._stack[-1]
+        frame = stack[-1]
         index = frame[2]
         frame[2] = index + 1
-        return _new_key((frame[0], frame[1], index, tuple(t.shape)))
+        key = _new_key((frame[0], frame[1], index, tuple(t.shape)))
+        if self._recording:
+            self._saves.append((key, type(t.grad_fn), t.dtype, *_call_site()))
+            self._saves_at.append(len(self._log))
+            self._log.append(True)
+        return key

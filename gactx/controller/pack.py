@@ -32,9 +32,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from gactx.config import Config
 from gactx.controller.checkpoint import SAVING
 from gactx.controller.decide import BOOL_MASK, Decision, decide, may_share
-from gactx.controller.identity import BACKWARD, Key, ModuleTracker, Slot, graph_task_id, in_backward
+from gactx.controller.identity import (
+    BACKWARD,
+    Key,
+    ModuleTracker,
+    Slot,
+    graph_task_id,
+    in_backward,
+    passes_saves_on,
+)
 from gactx.controller.offload import Offloader
-from gactx.controller.plan import Plan
+from gactx.controller.plan import MASK62, Plan
 from gactx.controller.policy import ModelStorages, is_weight, keep_reason, storage_ptr
 from gactx.controller.probes import Deferred, Waiting
 from gactx.controller.replay import Replay, replayable
@@ -169,6 +177,7 @@ class PackPath:
 
     # -- the path -------------------------------------------------------------------------------------------
 
+    @passes_saves_on
     def pack(self, t: torch.Tensor):
         if self.before_save is not None:
             self.before_save()
@@ -176,9 +185,12 @@ class PackPath:
             with self.watcher.quiet():  # what the pack hook itself runs (a detach) is not the model's
                 return self._pack(t)
         if not self.fresh and graph_task_id() == -1:  # most saves: a pass under way, no backward running
+            if self.tracker.by_position and not self.observers:
+                return self._by_position(t)
             return self._pack_in(t, self.stats)
         return self._pack(t)
 
+    @passes_saves_on
     def _pack(self, t: torch.Tensor):
         if in_backward():
             # Saved while backward runs (a reentrant checkpoint recomputing its segment): compressed alike,
@@ -190,8 +202,8 @@ class PackPath:
                 self.stats = forward
         return self._pack_in(t, self.begin_pass_if_fresh())
 
+    @passes_saves_on
     def _pack_in(self, t: torch.Tensor, stats: PassStats):
-        cfg = self.config
         try:  # storage_ptr(t), inlined: every save
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -203,7 +215,47 @@ class PackPath:
             # Kept with its history (policy.KEEP_PARAMETER): a parameter, a view of one or a cast copy of one (the node
             # that saves it is never the node that made it, so no node holds its own output; store.as_is)
             return Kept(t, t._version)
-        key = self.tracker.key(t)
+        return self._keyed(t, self.tracker.key(t), ptr, ptrs, stats)
+
+    @passes_saves_on
+    def _by_position(self, t: torch.Tensor):
+        """A save of a pass whose keys go by position (``identity.py``), where the save at its position was replayed:
+        :meth:`_pack_in` and :meth:`_replayed` in one, with what the tracker checked against the position (shape,
+        dtype, node) not checked again. Any other save goes their way."""
+        stats, ptrs = self.stats, self._ptrs
+        try:  # storage_ptr(t), inlined
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return self._pack_in(t, stats)
+        if ptrs is None:
+            return self._pack_in(t, stats)
+        if is_weight(t, ptr, ptrs):
+            return Kept(t, t._version) if t.layout is torch.strided and not t.is_meta else self._pack_in(t, stats)
+        at = self.tracker.at_position(t)
+        if at is None:
+            return self._pack_in(t, stats)
+        key, node, dtype = at[0], at[1], at[2]
+        replay = self.replays.get(key)
+        if (
+            replay is None or replay.native is None or replay.shared
+            or replay.node is not node or replay.dtype is not dtype or t.layout is not torch.strided
+            or self._measured is not None or SAVING.inputs
+        ):  # fmt: skip
+            return self._keyed(t, key, ptr, ptrs, stats)
+        seen = stats.live.get(ptr)
+        if seen is not None and seen[0]() is not None:  # a storage an earlier save of the pass holds
+            return self._keyed(t, key, ptr, ptrs, stats)
+        handle = replay.native(t, (self._plan.seed_base + replay.weyl) & MASK62)
+        if handle is None:  # not contiguous (stored in memory order), or on another device than the CPU's packer's
+            return self._keyed(t, key, ptr, ptrs, stats)
+        replay.record = stats.record_replayed(t, key, ptr, replay.record)
+        if replay.claims:
+            self._claimed.add(node_id(t.grad_fn))
+        return handle
+
+    def _keyed(self, t: torch.Tensor, key: Key, ptr: int | None, ptrs: frozenset[int], stats: PassStats):
+        """:meth:`_pack_in` of a save that is no weight, named ``key``."""
+        cfg = self.config
         if self._measured is not None and key.slot not in self._measured:
             # A probe pass against the exact base: a save it does not probe, as it is, by an alias of its own (the
             # tensor lives on only where something else holds it, as in training: store.Packed reads it there).

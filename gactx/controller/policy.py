@@ -81,16 +81,17 @@ def is_weight(t: torch.Tensor, ptr: int, model_ptrs: frozenset[int]) -> bool:
     # storage around backward.
     if ptr in model_ptrs:
         return True
+    fn = t.grad_fn
+    if fn is not None:  # made by an op: a weight only through views and copies (most saves end here)
+        through = _THROUGH.get(type(fn))
+        if through is None:
+            through = _THROUGH[type(fn)] = type(fn).__name__ in _COPY_OR_VIEW_NODES
+        if not through:
+            return False
     owner = t if t._base is None else t._base  # storage_owner(t) and _is_parameter(owner), inlined: every save
     if getattr(owner, "_is_param", False) if type(owner) is torch.Tensor else isinstance(owner, torch.nn.Parameter):
         return True
-    fn = t.grad_fn
-    if fn is None:
-        return False
-    through = _THROUGH.get(type(fn))
-    if through is None:
-        through = _THROUGH[type(fn)] = type(fn).__name__ in _COPY_OR_VIEW_NODES
-    return through and is_weight_copy(t)
+    return fn is not None and is_weight_copy(t)
 
 
 # Node class -> whether its name is a view's or a copy's (_COPY_OR_VIEW_NODES): looked up by class, not by name, as

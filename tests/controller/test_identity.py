@@ -1,11 +1,12 @@
 """gactx/controller/identity.py: pass boundaries survive interrupts and submodules called alone; keys stay
-the same from step to step."""
+the same from step to step, and by position the same as every module followed."""
 
 import pytest
 import torch
 from torch import nn
 
 import gactx
+from gactx.controller import identity
 
 
 class Body(nn.Module):
@@ -213,3 +214,184 @@ def test_a_module_outside_the_model_names_no_save_and_a_module_added_later_is_fo
     with controller:
         model(x).sum().backward()
         assert _keys(controller) == ["body.a[0]", "body[0]", "head[0]", "extra[0]"]
+
+
+# -- keys by position --------------------------------------------------------------------------------------------
+
+
+class Scaled(nn.Linear):
+    """A linear layer whose op is called from code of its own: another call site than nn.Linear's."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class Block(nn.Module):
+    """Saves inside a child's call, then in its own frame after the child returned, then in the child's second call."""
+
+    def __init__(self, lin: nn.Module | None = None, act=torch.tanh) -> None:
+        super().__init__()
+        self.lin, self.act = lin or nn.Linear(32, 32), act
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.lin(self.act(h) * 2) + h.sigmoid()
+
+
+class Switch(nn.Module):
+    """a, then b where ``extra`` says, then c; ``skip_c`` leaves c out. b is like a and c (``like=True``) or saves first
+    from another call site (its linear layer's own code)."""
+
+    def __init__(self, like: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Block(), Block() if like else Block(Scaled(32, 32)), Block()
+        self.extra, self.skip_c = False, False
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.extra:
+            x = self.b(x)
+        return x if self.skip_c else self.c(x)
+
+
+def _step(model, controller, x) -> list[str]:
+    model(x).sum().backward()
+    controller.iterate()
+    return _keys(controller)
+
+
+def _by_position(controller) -> bool:
+    return controller.diagnostics()["keys_by_position"]
+
+
+def test_keys_by_position_are_the_followed_keys_and_leave_only_the_models_hooks(monkeypatch):
+    """Two passes that save the same make the third go by position: the same keys, records and gradients (the noise
+    seeds are the keys'), bit for bit, as every module followed; the submodules have no hooks of gactx's then."""
+    grads = {}
+    for followed in (True, False):
+        with monkeypatch.context() as patch:
+            if followed:
+                patch.setattr(identity, "MAX_DIVERGENCES", 0)
+            torch.manual_seed(0)
+            model, x = Switch(), torch.randn(16, 32)
+            steps = []
+            with gactx.Controller(model, level="L1") as controller:
+                for _ in range(5):
+                    keys = _step(model, controller, x)
+                    grad = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                    steps.append((keys, controller.memory_stats(), grad))
+                    model.zero_grad()
+                assert _by_position(controller) is not followed
+                hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+                assert hooked == ([name for name, _ in model.named_modules()] if followed else [""])
+            grads[followed] = steps
+    for (keys, stats, g), (keys_f, stats_f, g_f) in zip(grads[False], grads[True], strict=True):
+        assert keys == keys_f and stats == stats_f
+        assert all(torch.equal(a, b) for a, b in zip(g, g_f, strict=True))
+    assert any("#2" in k for k in keys) and "a[0]" in keys  # a child's second call, a save in the block's own frame
+
+
+def test_a_pass_that_differs_from_its_position_is_keyed_as_a_followed_pass_from_there_on():
+    """b's first save is no save of c's (the same tensor, shape and node, saved from another call site): the stack is
+    rebuilt where the pass stands (a's calls replayed, b and b.lin found running by their frames), so b.lin's return,
+    which no hook saw, and the second call of b.lin are named as a followed pass names them. The next pass follows
+    every module; passes by position come back after two repeats in a row (twice as many as the first time)."""
+    torch.manual_seed(0)
+    model, x = Switch(), torch.randn(16, 32)
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            _step(model, controller, x)
+        assert _by_position(controller)
+        model.extra = True
+        diverged = _step(model, controller, x)
+        assert not _by_position(controller) and controller.diagnostics()["divergences"] == 1
+        followed = _step(model, controller, x)
+        assert diverged == followed and "b.lin#2[0]" in followed and "b[0]" in followed
+        assert not _by_position(controller)
+        _step(model, controller, x)
+        assert not _by_position(controller), "after a divergence: two repeats"
+        _step(model, controller, x)
+        assert _by_position(controller)
+        assert _step(model, controller, x) == followed
+
+
+def test_a_block_like_the_next_inserted_is_taken_for_it_for_one_pass():
+    """What keys by position cannot see (identity.py): b saves what c saved, in shape, dtype, node and call site. Its
+    saves take c's keys in that pass (the ops, and so the rules, are the same), c's then get new keys, stored as a
+    new key's are; the pass ends keys by position, and the next names every save as followed."""
+    torch.manual_seed(0)
+    model, x = Switch(like=True), torch.randn(16, 32)
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            before = _step(model, controller, x)
+        model.extra = True
+        taken = _step(model, controller, x)
+        assert taken[: len(before)] == before and not any(k.startswith("b") for k in taken)
+        assert not _by_position(controller)
+        followed = _step(model, controller, x)
+        assert [k for k in followed if k.startswith("b")] == ["b.lin[0]", "b[0]", "b.lin#2[0]", "b[1]"]
+        assert followed == [k for k in followed if not k.startswith("c")] + before[len(before) // 2 :]
+
+
+def test_a_pass_by_position_with_fewer_saves_ends_them_and_a_model_that_keeps_changing_is_followed_for_good():
+    torch.manual_seed(0)
+    model, x = Switch(), torch.randn(16, 32)
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            keys = _step(model, controller, x)
+        model.skip_c = True
+        short = _step(model, controller, x)
+        assert short == keys[: len(short)] and not _by_position(controller)
+        model.skip_c = False
+        for divergences in range(2, identity.MAX_DIVERGENCES + 1):  # stable for a while, then once the other branch
+            steps = 0
+            while not _by_position(controller):
+                _step(model, controller, x)
+                steps += 1
+            assert steps == 1 << divergences - 1, "twice the repeats after each divergence"
+            model.skip_c = True
+            _step(model, controller, x)
+            model.skip_c = False
+        assert controller.diagnostics()["divergences"] == identity.MAX_DIVERGENCES
+        for _ in range(40):
+            _step(model, controller, x)
+        assert not _by_position(controller)
+        assert all(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_submodule_called_alone_while_keys_go_by_position_is_named_as_a_followed_one(monkeypatch):
+    """body's first save comes while no pass of the model is under way (keys by position hold only the model's hook):
+    its frames show body running, so it joins the pass as a followed submodule call does (its second call)."""
+    keys = {}
+    for followed in (True, False):
+        with monkeypatch.context() as patch:
+            if followed:
+                patch.setattr(identity, "MAX_DIVERGENCES", 0)
+            torch.manual_seed(0)
+            model, x = Net(), torch.randn(16, 32)
+            with gactx.Controller(model, level="L1") as controller:
+                for _ in range(3):
+                    model(x).sum().backward()
+                assert _by_position(controller) is not followed
+                whole = _keys(controller)
+                model.body(x.clone()).sum().backward()  # a new input: each of body's saves stored anew
+                keys[followed] = _keys(controller)
+                assert not _by_position(controller)
+    assert keys[False] == keys[True] == whole + ["body.a#2[0]", "body#2[0]"]
+
+
+def test_the_free_estimate_follows_every_module_while_it_collects():
+    """ActNN's estimate hooks module outputs: a pass by position where it collects gets every module's hooks back."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(256, 32)
+    controller = gactx.Controller(model, level="L2", estimator="actnn", adapt_interval=4)
+    by_position, keys = [], set()
+    with controller:
+        for _ in range(6):
+            model(x).sum().backward()
+            controller.iterate()
+            by_position.append(_by_position(controller))
+            keys.add(tuple(_keys(controller)))
+    assert by_position == [False, True, True, False, True, True]  # step 4's estimate is collected in pass 4
+    assert controller.last_adaptation.step == 4 and len(controller.sensitivity) == 3
+    assert len(keys) == 1 and controller.diagnostics()["divergences"] == 0

@@ -1,7 +1,8 @@
 """gactx/controller/pack.py: the path of one saved tensor is short. Followed through pack in eager mode (the input of
 a linear layer at L1, an unwatched pass, not the pass's first save), it leaves the pack path for one module at a
 time (the policy, the keys, the pass's statistics, the learned sites, the decision, the store) and never calls up into
-the Controller; in the passes after, the same save is replayed (replay.py): the policy, the key, the replay.
+the Controller; in the passes after, the same save is replayed (replay.py): the policy, the key (by position once
+passes repeat: identity.py), the replay.
 """
 
 import sys
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import gactx
+from gactx.controller import identity
 from gactx.controller.pack import PackPath
 
 HUB = "controller/pack.py"
@@ -30,6 +32,7 @@ def _follow_one_save(monkeypatch, before: int) -> list[tuple[str, str]]:
 
     original = PackPath.pack
 
+    @identity.passes_saves_on  # a frame between autograd and the tracker: no call site (keys by position check those)
     def pack(self, t):
         state["n"] += 1
         if not (state["on"] and state["n"] == 2):  # saves: input 0, weight (kept), input 1
@@ -74,6 +77,15 @@ def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
 
 
 def test_the_same_save_in_a_later_pass_is_replayed_in_three_stops(monkeypatch):
+    """Keys by position (identity.py: from the third pass, two passes having saved the same): the policy, the save at
+    its position, the record; with every module call followed, the policy, the key, the replay (its record nested)."""
+    calls = _follow_one_save(monkeypatch, before=3)
+    modules = [f for f, _ in calls]
+    rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    assert rooms == ["controller/policy.py", "controller/identity.py", "controller/stats.py"], calls
+    assert ("controller/identity.py", "at_position") in calls
+
+    monkeypatch.setattr(identity, "MAX_DIVERGENCES", 0)  # keys never by position
     calls = _follow_one_save(monkeypatch, before=3)
     modules = [f for f, _ in calls]
     rooms = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
