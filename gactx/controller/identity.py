@@ -56,9 +56,11 @@ def passes_saves_on(fn: Callable) -> Callable:
     return fn
 
 
-def _call_site() -> tuple:
-    """The code and instruction of the frame that ran the op saving now (the first frame outside ``_PASSING``)."""
-    frame = sys._getframe(1)
+def _call_site(depth: int = 1) -> tuple:
+    """The code and instruction of the frame that ran the op saving now: the first frame outside ``_PASSING``, looked
+    for from ``depth`` frames up (a caller that knows the frames between it and autograd's hook passes them over: a
+    frame object is made for each frame read on the way)."""
+    frame = sys._getframe(depth)
     while frame is not None and frame.f_code in _PASSING:
         frame = frame.f_back
     return (None, -1) if frame is None else (frame.f_code, frame.f_lasti)
@@ -350,6 +352,8 @@ class ModuleTracker:
     @property
     def inside(self) -> bool:
         """Whether a module of the model is running (a forward pass is under way)."""
+        if self._stack and self._stack[-1][4]:
+            self._returned_unseen()
         return bool(self._stack)
 
     def frame(self) -> tuple[str, int] | None:
@@ -365,7 +369,8 @@ class ModuleTracker:
         position = self._position
         if position < len(self._trace) and self._stack:
             at = self._trace[position]
-            if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site() == at[3:]:
+            # Called from the pack path's lane (its pack and _by_position): the 3 frames above this one pass saves on.
+            if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site(4) == at[3:]:
                 self._position = position + 1
                 return at
         return None

@@ -376,7 +376,7 @@ def test_a_submodule_called_alone_while_keys_go_by_position_is_named_as_a_follow
                 whole = _keys(controller)
                 model.body(x.clone()).sum().backward()  # a new input: each of body's saves stored anew
                 keys[followed] = _keys(controller)
-                assert not _by_position(controller)
+                assert not _by_position(controller) and not controller.diagnostics()["in_forward"]
     assert keys[False] == keys[True] == whole + ["body.a#2[0]", "body#2[0]"]
 
 
