@@ -233,7 +233,8 @@ class Controller:
         try:
             # Compiled regions run eagerly here: each probe changes one tensor's width, which a compiled graph
             # would have to be recompiled for.
-            with torch.compiler.set_stance("force_eager"):
+            # Every module followed: the closure's passes are no training passes to repeat by position (identity.py).
+            with torch.compiler.set_stance("force_eager"), self._tracker.following():
                 began = time.perf_counter()
                 estimate = self.estimator.estimate(backprop, self.step, progress)
                 before_call = max(estimate.seconds - (time.perf_counter() - began), 0.0)

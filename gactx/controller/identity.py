@@ -16,7 +16,8 @@ tracker's stack is rebuilt where the pass stands: the last pass's module calls u
 laid against the modules Python's frames show running. A module whose call saved nothing and that no frame shows any
 more is the one thing this cannot see: a later call of it may be numbered one lower than a followed pass numbers it.
 Every divergence doubles the matching passes needed before keys go by position again, and after ``MAX_DIVERGENCES``
-the tracker follows every call for good. Keys go by position only while nothing else needs module calls: no module
+the tracker follows every call for good. An adaptation's probes (the closure, on another batch) follow every module
+and leave the passes to repeat as they were (:meth:`ModuleTracker.following`). Keys go by position only while nothing else needs module calls: no module
 output hooks (the free estimator's), no compiled graphs (their saves are named at module boundaries), passes that
 begin at the model itself.
 """
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import NamedTuple
 
@@ -152,6 +154,7 @@ class ModuleTracker:
         self._repeats = 0  # followed passes in a row that saved what the one before saved
         self.divergences = 0  # passes that left the keys by position
         self._recording = False  # the pass under way began at the model itself, followed: its saves are recorded
+        self._paused = False  # inside following(): no pass is one to repeat
 
     def attach(self, only_model: bool = False) -> None:
         """Follow the model's calls in this thread (saved-tensor hooks act in the thread that installed them;
@@ -186,6 +189,21 @@ class ModuleTracker:
             self._registered[id(module)] = (module, pre, post)
             self._handles += [pre, post]
 
+    @contextmanager
+    def following(self) -> Iterator[None]:
+        """Every module followed for the block, and none of its passes a pass to repeat or a divergence: an adaptation's
+        probes run the closure (another batch: other shapes). After it, the passes to repeat are the training's again,
+        and keys go by position from the next pass that repeats them."""
+        state = (self._trace, self._marks, self._events, self._repeats, self.divergences)
+        paused, self._paused = self._paused, True
+        if self.by_position:
+            self.attach()
+        try:
+            yield
+        finally:
+            self._paused = paused
+            self._trace, self._marks, self._events, self._repeats, self.divergences = state
+
     def detach(self) -> None:
         self._unhook()
         self.by_position = False
@@ -218,7 +236,7 @@ class ModuleTracker:
                 self.calls.clear()
                 self._entered.clear()
                 self._outside = self._backward = self._position = 0
-                self._recording = not self.by_position and module is self.model
+                self._recording = not self.by_position and not self._paused and module is self.model
                 if self._recording:
                     self._saves, self._saves_at, self._log = [], [], []
                 self.on_new_pass()
@@ -272,6 +290,8 @@ class ModuleTracker:
         if self.by_position:
             if self._position and self._position != len(self._trace):
                 self._diverged()
+            return
+        if self._paused:
             return
         if not self._recording or not self._saves:  # a pass that saved nothing (an evaluation) changes nothing
             return

@@ -395,3 +395,24 @@ def test_the_free_estimate_follows_every_module_while_it_collects():
     assert by_position == [False, True, True, False, True, True]  # step 4's estimate is collected in pass 4
     assert controller.last_adaptation.step == 4 and len(controller.sensitivity) == 3
     assert len(keys) == 1 and controller.diagnostics()["divergences"] == 0
+
+
+def test_an_adaptations_probes_on_a_sub_batch_leave_keys_by_position_as_they_were():
+    """GACT's estimate runs the closure on a sub-batch (other shapes): its passes follow every module and count neither
+    as repeats nor as divergences, and the next training pass, which repeats the training's, goes by position again."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(256, 32)
+    controller = gactx.Controller(model, level="L2.2", adapt_interval=3)
+    with controller:
+        keys = set()
+        for _ in range(3):
+            model(x).sum().backward()
+            keys.add(tuple(_keys(controller)))
+        assert _by_position(controller)
+        controller.iterate(lambda: model(x[:64]).sum().backward())  # the step where it adapts
+        assert controller.last_adaptation is not None and controller.diagnostics()["divergences"] == 0
+        for _ in range(2):
+            model(x).sum().backward()
+            keys.add(tuple(_keys(controller)))
+            assert _by_position(controller)
+        assert len(keys) == 1 and controller.diagnostics()["divergences"] == 0
