@@ -7,19 +7,21 @@ never depend on a global save counter, so recomputation and dynamic graphs canno
 
 The tracker finds them with a forward pre- and post-hook on every module of the model. Those hooks cost every module
 call (``nn.Module`` takes its slow path for a module with hooks) about as much as gactx's whole pack path costs a
-small save. So once two forward passes in a row saved the same sequence (each save's key, node and dtype), the
-tracker keeps only the model's own hooks and hands out the keys of the last pass by position: the ``i``-th save of a
-pass gets the ``i``-th key while its shape, dtype and ``grad_fn`` node are the ones saved there. The first save that
-differs (another branch, another length, more saves), or a save made while a module of the model runs with no pass
-of the model under way (a submodule called alone), ends that. The modules get their hooks back at once, and the
-tracker's stack is rebuilt where the pass stands: the last pass's module calls up to the last save that matched,
-laid against the modules Python's frames show running. A module whose call saved nothing and that no frame shows any
-more is the one thing this cannot see: a later call of it may be numbered one lower than a followed pass numbers it.
-Every divergence doubles the matching passes needed before keys go by position again, and after ``MAX_DIVERGENCES``
-the tracker follows every call for good. An adaptation's probes (the closure, on another batch) follow every module
-and leave the passes to repeat as they were (:meth:`ModuleTracker.following`). Keys go by position only while nothing else needs module calls: no module
-output hooks (the free estimator's), no compiled graphs (their saves are named at module boundaries), passes that
-begin at the model itself.
+small save. So once two forward passes in a row saved the same sequence (each save's key, dtype, ``grad_fn`` node and
+call site: the code and instruction of the frame that ran the op), the tracker keeps only the model's own hooks and
+hands out the keys of the last pass by position: the ``i``-th save of a pass gets the ``i``-th key while it matches
+there. The first save that differs (another branch, another length, more saves), or a save made while a module of
+the model runs with no pass of the model under way (a submodule called alone), ends that. The modules get their hooks
+back at once, and the tracker's stack is rebuilt where the pass stands: the last pass's module calls up to the last
+save that matched, laid against the modules Python's frames show running. A pass by position that makes fewer saves
+ends it too, for the next pass. What this cannot see is a difference in the module alone: a block inserted before an
+identical one takes that one's keys for the pass (the same ops, so the same rules; the docs say more), and a module
+whose call saved nothing and that no frame shows any more may have a later call numbered one lower than a followed
+pass numbers it. Every divergence doubles the matching passes needed before keys go by position again, and after
+``MAX_DIVERGENCES`` the tracker follows every call for good. An adaptation's probes (the closure, on another batch)
+follow every module and leave the passes to repeat as they were (:meth:`ModuleTracker.following`). Keys go by
+position only while nothing else needs module calls: no module output hooks (the free estimator's), no compiled
+graphs (their saves are named at module boundaries), passes that begin at the model itself.
 """
 
 from __future__ import annotations

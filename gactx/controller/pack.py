@@ -17,7 +17,9 @@ For each tensor autograd saves, :meth:`PackPath.pack`:
 Followed through for one saved tensor, the path leaves this module for one other at a time: the policy (a
 parameter?), the keys, the policy again (its value), the pass's statistics (is its storage kept already), the sites
 (its op, as learned), the decision, the store, the record, the handle; a replayed save the policy, the keys and its
-replay. It never calls up into the Controller (``tests/controller/test_pack.py`` follows one).
+replay; while keys go by position (``identity.py``), a replayed save the policy, the save at its position and the
+record (:meth:`PackPath._by_position`). It never calls up into the Controller (``tests/controller/test_pack.py``
+follows one).
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class PackPath:
     def _by_position(self, t: torch.Tensor):
         """A save of a pass whose keys go by position (``identity.py``), where the save at its position was replayed:
         :meth:`_pack_in` and :meth:`_replayed` in one, with what the tracker checked against the position (shape,
-        dtype, node) not checked again. Any other save goes their way."""
+        dtype, node, call site) not checked again. Any other save goes their way."""
         stats, ptrs = self.stats, self._ptrs
         try:  # storage_ptr(t), inlined
             ptr = t.untyped_storage().data_ptr()
