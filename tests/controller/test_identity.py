@@ -264,27 +264,33 @@ def _by_position(controller) -> bool:
     return controller.diagnostics()["keys_by_position"]
 
 
-def test_keys_by_position_are_the_followed_keys_and_leave_only_the_models_hooks(monkeypatch):
-    """Two passes that save the same make the third go by position: the same keys, records and gradients (the noise
-    seeds are the keys'), bit for bit, as every module followed; the submodules have no hooks of gactx's then."""
-    grads = {}
+def _followed_then_by_position(monkeypatch):
+    """The loop's body twice, from seed 0: with every module followed (keys never by position), then as gactx runs."""
     for followed in (True, False):
         with monkeypatch.context() as patch:
             if followed:
                 patch.setattr(identity, "MAX_DIVERGENCES", 0)
             torch.manual_seed(0)
-            model, x = Switch(), torch.randn(16, 32)
-            steps = []
-            with gactx.Controller(model, level="L1") as controller:
-                for _ in range(5):
-                    keys = _step(model, controller, x)
-                    grad = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                    steps.append((keys, controller.memory_stats(), grad))
-                    model.zero_grad()
-                assert _by_position(controller) is not followed
-                hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
-                assert hooked == ([name for name, _ in model.named_modules()] if followed else [""])
-            grads[followed] = steps
+            yield followed
+
+
+def test_keys_by_position_are_the_followed_keys_and_leave_only_the_models_hooks(monkeypatch):
+    """Two passes that save the same make the third go by position: the same keys, records and gradients (the noise
+    seeds are the keys'), bit for bit, as every module followed; the submodules have no hooks of gactx's then."""
+    grads = {}
+    for followed in _followed_then_by_position(monkeypatch):
+        model, x = Switch(), torch.randn(16, 32)
+        steps = []
+        with gactx.Controller(model, level="L1") as controller:
+            for _ in range(5):
+                keys = _step(model, controller, x)
+                grad = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                steps.append((keys, controller.memory_stats(), grad))
+                model.zero_grad()
+            assert _by_position(controller) is not followed
+            hooked = [name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+            assert hooked == ([name for name, _ in model.named_modules()] if followed else [""])
+        grads[followed] = steps
     for (keys, stats, g), (keys_f, stats_f, g_f) in zip(grads[False], grads[True], strict=True):
         assert keys == keys_f and stats == stats_f
         assert all(torch.equal(a, b) for a, b in zip(g, g_f, strict=True))
@@ -363,20 +369,16 @@ def test_a_submodule_called_alone_while_keys_go_by_position_is_named_as_a_follow
     """body's first save comes while no pass of the model is under way (keys by position hold only the model's hook):
     its frames show body running, so it joins the pass as a followed submodule call does (its second call)."""
     keys = {}
-    for followed in (True, False):
-        with monkeypatch.context() as patch:
-            if followed:
-                patch.setattr(identity, "MAX_DIVERGENCES", 0)
-            torch.manual_seed(0)
-            model, x = Net(), torch.randn(16, 32)
-            with gactx.Controller(model, level="L1") as controller:
-                for _ in range(3):
-                    model(x).sum().backward()
-                assert _by_position(controller) is not followed
-                whole = _keys(controller)
-                model.body(x.clone()).sum().backward()  # a new input: each of body's saves stored anew
-                keys[followed] = _keys(controller)
-                assert not _by_position(controller) and not controller.diagnostics()["in_forward"]
+    for followed in _followed_then_by_position(monkeypatch):
+        model, x = Net(), torch.randn(16, 32)
+        with gactx.Controller(model, level="L1") as controller:
+            for _ in range(3):
+                model(x).sum().backward()
+            assert _by_position(controller) is not followed
+            whole = _keys(controller)
+            model.body(x.clone()).sum().backward()  # a new input: each of body's saves stored anew
+            keys[followed] = _keys(controller)
+            assert not _by_position(controller) and not controller.diagnostics()["in_forward"]
     assert keys[False] == keys[True] == whole + ["body.a#2[0]", "body#2[0]"]
 
 
