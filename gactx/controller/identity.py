@@ -21,7 +21,8 @@ pass numbers it. Every divergence doubles the matching passes needed before keys
 ``MAX_DIVERGENCES`` the tracker follows every call for good. An adaptation's probes (the closure, on another batch)
 follow every module and leave the passes to repeat as they were (:meth:`ModuleTracker.following`). Keys go by
 position only while nothing else needs module calls: no module output hooks (the free estimator's), no compiled
-graphs (their saves are named at module boundaries), passes that begin at the model itself.
+graphs (their saves are named at module boundaries), passes that begin at the model itself. What a followed pass
+saved, and its module calls, are kept in ``positions.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from gactx.controller.positions import Trace, call_site, passes_saves_on
+
 __all__ = [
     "BACKWARD", "MAX_DIVERGENCES", "Key", "ModuleTracker", "OUTSIDE", "graph_task_id", "in_backward", "passes_saves_on",
 ]  # fmt: skip
@@ -47,27 +50,6 @@ MAX_DIVERGENCES = 4  # passes that left the keys by position: after this many, e
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
 # Read on every module call: bound once (TorchDynamo knows the function, however it is reached).
 _is_compiling, _get_ident = torch.compiler.is_compiling, threading.get_ident
-
-
-# The code of the functions a save passes through from autograd to the tracker (the pack hook's, the pack path's, the
-# tracker's own): the first frame above them ran the op that saves; its code and instruction are the save's call site.
-_PASSING: set = set()
-
-
-def passes_saves_on(fn: Callable) -> Callable:
-    """Mark ``fn`` as a function a save passes through on its way to the tracker: its frame is no call site."""
-    _PASSING.add(fn.__code__)
-    return fn
-
-
-def _call_site(depth: int = 1) -> tuple:
-    """The code and instruction of the frame that ran the op saving now: the first frame outside ``_PASSING``, looked
-    for from ``depth`` frames up (a caller that knows the frames between it and autograd's hook passes them over: a
-    frame object is made for each frame read on the way)."""
-    frame = sys._getframe(depth)
-    while frame is not None and frame.f_code in _PASSING:
-        frame = frame.f_back
-    return (None, -1) if frame is None else (frame.f_code, frame.f_lasti)
 
 
 def in_backward() -> bool:
@@ -144,13 +126,8 @@ class ModuleTracker:
         # Called as a followed module call begins or returns, before the stack changes: compiled graphs' logged saves
         # are recorded then, under the module that ran them (compiled.py).
         self.on_boundary: Callable[[], None] | None = None
-        # Keys by position (the module docstring). The last followed pass of the model: its saves, each (key, node,
-        # dtype, call site's code and instruction), and where each came among its events (a module entered: its name;
-        # one returned: None; a save: True).
-        self._trace: list[tuple] = []
-        self._marks: list[int] = []
-        self._events: list = []
-        self._saves, self._saves_at, self._log = [], [], []  # the same, of the followed pass under way
+        # Keys by position (the module docstring): the last followed pass of the model, and the one under way.
+        self._trace = Trace()
         self.by_position = False  # keys are handed out by position now, the model's own hooks alone
         self._position = 0  # saves of the pass under way, by position
         self._repeats = 0  # followed passes in a row that saved what the one before saved
@@ -196,7 +173,7 @@ class ModuleTracker:
         """Every module followed for the block, and none of its passes a pass to repeat or a divergence: an adaptation's
         probes run the closure (another batch: other shapes). After it, the passes to repeat are the training's again,
         and keys go by position from the next pass that repeats them."""
-        state = (self._trace, self._marks, self._events, self._repeats, self.divergences)
+        state = (self._repeats, self.divergences)
         paused, self._paused = self._paused, True
         if self.by_position:
             self.attach()
@@ -204,7 +181,7 @@ class ModuleTracker:
             yield
         finally:
             self._paused = paused
-            self._trace, self._marks, self._events, self._repeats, self.divergences = state
+            self._repeats, self.divergences = state
 
     def detach(self) -> None:
         self._unhook()
@@ -240,7 +217,7 @@ class ModuleTracker:
                 self._outside = self._backward = self._position = 0
                 self._recording = not self.by_position and not self._paused and module is self.model
                 if self._recording:
-                    self._saves, self._saves_at, self._log = [], [], []
+                    self._trace.begin()
                 self.on_new_pass()
                 if self.by_position and (self.output_hooks or self.on_boundary is not None):
                     self.attach()  # what watches module calls needs them all followed
@@ -249,7 +226,7 @@ class ModuleTracker:
         call = calls[name] = calls.get(name, 0) + 1
         stack.append([name, call, 0, module, False])
         if self._recording:
-            self._log.append(name)
+            self._trace.entered(name)
 
     def _interrupted(self, entering: nn.Module) -> bool:
         """Whether the outermost module on the stack is no longer running: no frame of ``nn.Module``'s call
@@ -277,7 +254,7 @@ class ModuleTracker:
         if stack and stack[-1][0] == name:
             frame = stack.pop()
             if self._recording:
-                self._log.append(None)
+                self._trace.returned()
             if self.output_hooks:
                 for hook in self.output_hooks:
                     hook(name, frame[1], module, output)
@@ -295,11 +272,13 @@ class ModuleTracker:
             return
         if self._paused:
             return
-        if not self._recording or not self._saves:  # a pass that saved nothing (an evaluation) changes nothing
+        if not self._recording:
             return
         self._recording = False
-        self._repeats = self._repeats + 1 if self._saves == self._trace else 0
-        self._trace, self._marks, self._events = self._saves, self._saves_at, self._log
+        repeated = self._trace.end()
+        if repeated is None:  # a pass that saved nothing (an evaluation) changes nothing
+            return
+        self._repeats = self._repeats + 1 if repeated else 0
         if (
             self._repeats >= 1 << self.divergences and self.divergences < MAX_DIVERGENCES
             and not self.output_hooks and self.on_boundary is None
@@ -318,7 +297,8 @@ class ModuleTracker:
         position = self._position - 1 if self._stack else 0  # the saves of the pass that matched
         self._diverged()
         # A submodule called alone after a pass by position: the calls of the whole pass repeated, its stack empty.
-        stack, calls = self._replayed(position if self._stack else len(self._trace))
+        modules = {name: module for module, name in self._names.values()}
+        stack, calls = self._trace.calls_at(position if self._stack else len(self._trace), modules)
         names = self._names
         running = self._running()
         kept = 0
@@ -334,20 +314,6 @@ class ModuleTracker:
         if stack and not self._stack:
             self._entered.add(stack[0][0])
         self._stack[:], self.calls = stack, calls
-
-    def _replayed(self, saves: int) -> tuple[list[list], dict[str, int]]:
-        """The stack and calls of the pass repeated, as they stood at its save ``saves`` (its first ``saves`` made)."""
-        modules = {name: module for module, name in self._names.values()}
-        stack, calls = [], {}
-        for event in self._events[: self._marks[saves - 1] + 1 if saves else 0]:
-            if event is True:
-                stack[-1][2] += 1
-            elif event is None:
-                stack.pop()
-            else:
-                call = calls[event] = calls.get(event, 0) + 1
-                stack.append([event, call, 0, modules.get(event), True])
-        return stack, calls
 
     def _running(self) -> list[nn.Module]:
         """The model's modules whose calls are running, outermost first, as Python's frames show them."""
@@ -388,14 +354,13 @@ class ModuleTracker:
         repeated, ``(key, node, dtype, code, instruction)``, if ``t`` matches it (its shape, dtype, node and call
         site), the position then passed; else ``None``, nothing changed (:meth:`key` then tells the divergence). A
         forward save only."""
-        position = self._position
-        if position < len(self._trace) and self._stack:
-            at = self._trace[position]
-            # Called from the pack path's lane (its pack and _by_position): the 3 frames above this one pass saves on.
-            if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site(4) == at[3:]:
-                self._position = position + 1
-                return at
-        return None
+        if not self._stack:
+            return None
+        # Called from the pack path's lane (its pack and _by_position), under the hook: 3 frames that pass saves on.
+        at = self._trace.at(self._position, t, call_site(3))
+        if at is not None:
+            self._position += 1
+        return at
 
     @passes_saves_on
     def key(self, t: torch.Tensor) -> Key:
@@ -408,10 +373,9 @@ class ModuleTracker:
             if stack:
                 position = self._position
                 self._position = position + 1
-                if position < len(self._trace):
-                    at = self._trace[position]
-                    if at[0][3] == t.shape and t.dtype is at[2] and type(t.grad_fn) is at[1] and _call_site() == at[3:]:
-                        return at[0]
+                at = self._trace.at(position, t, call_site())
+                if at is not None:
+                    return at[0]
                 self._diverge()
             elif self._running():  # a submodule called alone
                 self._diverge()
@@ -425,7 +389,5 @@ class ModuleTracker:
         frame[2] = index + 1
         key = _new_key((frame[0], frame[1], index, tuple(t.shape)))
         if self._recording:
-            self._saves.append((key, type(t.grad_fn), t.dtype, *_call_site()))
-            self._saves_at.append(len(self._log))
-            self._log.append(True)
+            self._trace.saved(key, t, call_site())
         return key
