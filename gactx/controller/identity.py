@@ -173,7 +173,6 @@ class ModuleTracker:
         """Every module followed for the block, and none of its passes a pass to repeat or a divergence: an adaptation's
         probes run the closure (another batch: other shapes). After it, the passes to repeat are the training's again,
         and keys go by position from the next pass that repeats them."""
-        state = (self._repeats, self.divergences)
         paused, self._paused = self._paused, True
         if self.by_position:
             self.attach()
@@ -181,7 +180,6 @@ class ModuleTracker:
             yield
         finally:
             self._paused = paused
-            self._repeats, self.divergences = state
 
     def detach(self) -> None:
         self._unhook()
@@ -233,11 +231,8 @@ class ModuleTracker:
         has it as ``self`` (``entering``'s own call, of this pre-hook, aside). Read only where the model or
         the outermost module is entered again with modules on the stack: a recursive call, or a forward that
         was interrupted."""
-        bottom, frame, running = self._stack[0][3], sys._getframe(1), 0
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is bottom:
-                running += 1
-            frame = frame.f_back
+        bottom = self._stack[0][3]
+        running = sum(1 for module in self._running() if module is bottom)
         return running <= (1 if entering is bottom else 0)
 
     def _exit(self, module: nn.Module, args, output) -> None:
@@ -270,9 +265,7 @@ class ModuleTracker:
             if self._position and self._position != len(self._trace):
                 self._diverged()
             return
-        if self._paused:
-            return
-        if not self._recording:
+        if not self._recording:  # a pass of a submodule alone, an interrupted one, or one inside following()
             return
         self._recording = False
         repeated = self._trace.end()
