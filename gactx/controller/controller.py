@@ -24,13 +24,14 @@ from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_
 from gactx.controller.adaptation.schedule import Schedule, stable
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.identity import ModuleTracker, Slot
+from gactx.controller.lane import eager_hooks
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.plan import Plan
 from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
-from gactx.controller.store import Packed, unpack
+from gactx.controller.store import Packed
 
 __all__ = ["Controller", "Packed"]
 
@@ -138,7 +139,8 @@ class Controller:
         """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
         that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
         hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
-        return HookGraph(self._path.pack, self._compiled.pack), HookGraph(unpack, self._compiled.unpack)
+        pack, unpack = eager_hooks(self._path, self.model)
+        return HookGraph(pack, self._compiled.pack), HookGraph(unpack, self._compiled.unpack)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""

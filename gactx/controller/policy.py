@@ -172,6 +172,10 @@ def _tables(model: torch.nn.Module) -> tuple[list[dict], set[int]]:
 
 
 def _storages(tables: list[dict]) -> frozenset[int]:
-    ptrs = {storage_ptr(t) for table in tables for t in table.values() if t is not None}
-    ptrs.discard(None)
-    return frozenset(ptrs)
+    try:  # storage_ptr(t), inlined: once a pass, for every parameter and buffer
+        ptrs = [t.untyped_storage().data_ptr() for table in tables if table for t in table.values() if t is not None]
+        return frozenset(ptrs)
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor without a storage among them
+        ptrs = {storage_ptr(t) for table in tables for t in table.values() if t is not None}
+        ptrs.discard(None)
+        return frozenset(ptrs)

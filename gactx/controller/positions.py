@@ -8,6 +8,7 @@ tracker's own; each marked with :func:`passes_saves_on`).
 
 from __future__ import annotations
 
+import dis
 import sys
 from collections.abc import Callable
 
@@ -32,7 +33,19 @@ def call_site(skip: int = 0) -> tuple:
     frame = sys._getframe(skip + 1)
     while frame is not None and frame.f_code in _PASSING:
         frame = frame.f_back
-    return (None, -1) if frame is None else (frame.f_code, frame.f_lasti)
+    if frame is None:
+        return None, -1
+    code, instruction = frame.f_code, frame.f_lasti
+    if PRECALL is not None and code.co_code[instruction] == PRECALL:
+        instruction += PRECALL_TO_CALL
+    return code, instruction
+
+
+# Python 3.11's specialized PRECALL instructions make the call themselves: once a frame's code is specialized (after a
+# few runs), a call site's instruction reads as its PRECALL, before that as the CALL after it. Read as the CALL's, it
+# stays the same (a specialized call otherwise diverged keys by position once). None after 3.11 (no PRECALL).
+PRECALL = dis.opmap.get("PRECALL")
+PRECALL_TO_CALL = 2 + 2 * getattr(dis, "_inline_cache_entries", {PRECALL: 0})[PRECALL] if PRECALL else 0
 
 
 class Trace:

@@ -2,7 +2,8 @@
 a linear layer at L1, an unwatched pass, not the pass's first save), it leaves the pack path for one module at a
 time (the policy, the keys, the pass's statistics, the learned sites, the decision, the store) and never calls up into
 the Controller; in the passes after, the same save is replayed (replay.py): the policy, the key (by position once
-passes repeat: identity.py), the replay.
+passes repeat: identity.py), the replay. Followed is the Python path: the C++ lane (lane.py), which takes the
+replayed saves of passes by position where it serves, is off (test_lane.py holds it to the Python path).
 """
 
 import sys
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import gactx
-from gactx.controller import identity
+from gactx.controller import identity, lane
 from gactx.controller.pack import PackPath
 
 HUB = "controller/pack.py"
@@ -22,6 +23,7 @@ def _follow_one_save(monkeypatch, before: int) -> list[tuple[str, str]]:
     layer's input in the pass after ``before`` passes (the first watched), nested calls left out (they belong to the
     call that made them)."""
     calls, state = [], {"n": -1, "on": False}
+    monkeypatch.setattr(lane, "NATIVE", False)
 
     def tracer(frame, event, arg):
         if event == "call" and "/gactx/" in frame.f_code.co_filename:

@@ -1,7 +1,10 @@
 """gactx/controller/positions.py: a followed pass's saves and module calls, as keys by position read them."""
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+import gactx
 from gactx.controller.identity import Key
 from gactx.controller.positions import Trace, call_site, passes_saves_on
 
@@ -58,3 +61,24 @@ def test_the_calls_at_a_save_are_those_of_the_pass_up_to_it():
     stack, calls = trace.calls_at(3, modules)
     assert [f[0] for f in stack] == ["", "b"] and calls == {"": 1, "a": 2, "b": 1}
     assert trace.calls_at(0, modules) == ([], {})
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Sequential(nn.Linear(24, 24), nn.GELU()), nn.Linear(24, 24)
+
+    def forward(self, x):
+        return self.b(checkpoint(self.a, x, use_reentrant=False))
+
+
+def test_a_call_site_stays_the_same_once_its_code_is_specialized():
+    """Python 3.11 specializes a frame's code after a few runs; a call it specializes is made by its PRECALL, read as
+    the CALL after it (positions.PRECALL). torch's non-reentrant checkpoint saves its inputs from a list comprehension
+    whose call is specialized in the first passes: keys by position must not diverge there."""
+    model = Checkpointed()
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(12):
+            model(torch.randn(8, 24)).sum().backward()
+        diagnostics = controller.diagnostics()
+    assert diagnostics["keys_by_position"] and diagnostics["divergences"] == 0

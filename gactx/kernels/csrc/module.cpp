@@ -5,6 +5,14 @@
 #include "kernels.h"
 #include "saved.h"
 
+namespace gactx {
+// The pack hook's lane and the unpack hook's eager work, as functions of Python's own (lane.cpp).
+pybind11::object make_lane(pybind11::object path, pybind11::object tracker, pybind11::object kept,
+                           pybind11::object saving, pybind11::object through_names, pybind11::object passing,
+                           int precall, int precall_to_call);
+pybind11::object make_unpack(pybind11::object kept);
+}  // namespace gactx
+
 namespace {
 
 // What makes the error of a saved tensor changed in place (store.modified_in_place, set by the pack path): raised from
@@ -64,6 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("quantized", &gactx::Packer::quantized)
       .def_static("bins", &gactx::Packer::bins)
       .def("__call__", &gactx::Packer::pack);
+  m.def("lane", &gactx::make_lane);
+  m.def("unpack_hook", &gactx::make_unpack);
   m.def("set_modified_error", [](py::object make) {
     if (modified_error == nullptr) modified_error = new py::object();
     *modified_error = std::move(make);

@@ -1,0 +1,56 @@
+"""The eager hooks' work with no Python frame of gactx's for most saves of a model on a CPU: the C++ lane.
+
+Once a model's passes repeat, keys go by position (``identity.py``) and most saves take the pack path's lane,
+:meth:`~gactx.controller.pack.PackPath._by_position`: the parameter test, the save at its position, the replayed
+save's C++ packer, the record. In Python that lane cost about a third of eager L1's step on ``benchmarks.host``'s
+MLP at 64 (8 Python calls and 23 C++ calls a save around a 4 us kernel). ``csrc/lane.cpp`` does the same steps in C++,
+reading and writing the same Python objects (the path's pass statistics, the tracker's position, the replays): a save
+it cannot take whole (the pass's first, a tensor made by no op or by a view, one whose storage an earlier save holds,
+anything not replayed with a packer of its own, ...) goes to :meth:`PackPath.pack` from the start, as if the lane
+were not there, and the lane changes nothing before it knows it takes a save. So records, keys, seeds and bytes are
+the Python path's, bit for bit (``tests/controller/test_lane.py``).
+
+The unpack hook's eager work (``store.unpack``) is a C function too: a tensor as it is, else ``handle.unpack()``.
+
+The lane is used where the C++ kernels serve the model (its parameters on a CPU, ``backend`` ``"auto"`` or
+``"cpp"``, the extension built) on Python 3.11 or later (it reads frames through ``PyFrame_GetLasti``); elsewhere, or
+with :data:`NATIVE` false, the hooks are the Python path's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+
+import torch
+
+from gactx.controller.checkpoint import SAVING
+from gactx.controller.pack import PackPath
+from gactx.controller.policy import _COPY_OR_VIEW_NODES
+from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
+from gactx.controller.store import Kept, unpack
+from gactx.kernels import cpu
+
+__all__ = ["NATIVE", "eager_hooks"]
+
+NATIVE = True  # the C++ lane where it serves (False: the Python path's hooks alone, as a comparison runs them)
+
+
+def eager_hooks(path: PackPath, model: torch.nn.Module) -> tuple[Callable, Callable]:
+    """The pack and unpack hooks' eager work for ``path`` (the model's): the C++ lane and unpack where they serve
+    (the module docstring), else ``path.pack`` and ``store.unpack``."""
+    if not (NATIVE and sys.version_info >= (3, 11) and path.config.backend in ("auto", "cpp") and _on_cpu(model)):
+        return path.pack, unpack
+    built = cpu.extension()
+    if built is None:
+        return path.pack, unpack
+    site = (-1 if PRECALL is None else PRECALL, PRECALL_TO_CALL)  # positions.call_site's reading of an instruction
+    pack = built.lane(path, path.tracker, Kept, SAVING, _COPY_OR_VIEW_NODES, _PASSING, *site)
+    return pack, built.unpack_hook(Kept)
+
+
+def _on_cpu(model: torch.nn.Module) -> bool:
+    """Whether the model's first parameter (or buffer) is on a CPU; a model with neither: whether no GPU is there."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return not torch.cuda.is_available() if first is None else first.device.type == "cpu"
