@@ -141,6 +141,13 @@ class HookGraph(torch.fx.GraphModule):
     def forward(self, x):
         return self.__call__(x)
 
+    def call_natively(self, built) -> None:
+        """This hook's ``__call__`` made the C++ extension's (``built``, ``csrc/lane.cpp``): the same choice with no
+        Python frame, on the class ``torch.fx.GraphModule`` makes for each instance. Where this torch keeps the traced
+        hooks' context in a ``threading.local`` only (``_LOCAL``)."""
+        if _LOCAL is not None:
+            type(self).__call__ = built.hook_call(self, _LOCAL, _frame_callback)
+
     @passes_saves_on
     def __call__(self, x):  # autograd calls a hook for every saved tensor: no module call machinery
         if (_hook_context() if _LOCAL is None else _LOCAL.__dict__.get("state")) is not None:

@@ -24,7 +24,7 @@ from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_
 from gactx.controller.adaptation.schedule import Schedule, stable
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.identity import ModuleTracker, Slot
-from gactx.controller.lane import eager_hooks
+from gactx.controller.lane import graph_hooks
 from gactx.controller.offload import Offloader
 from gactx.controller.pack import PackPath
 from gactx.controller.plan import Plan
@@ -139,8 +139,7 @@ class Controller:
         """The hooks: GraphModules that AOTAutograd inlines into the graphs it compiles (``compiled.py``) and
         that run the eager path when called eagerly. torch.compile guards on the hooks' identity, so new
         hooks (after an allocation changed) recompile the graphs made with the old ones, and only then."""
-        pack, unpack = eager_hooks(self._path, self.model)
-        return HookGraph(pack, self._compiled.pack), HookGraph(unpack, self._compiled.unpack)
+        return graph_hooks(self._path, self._compiled, self.model)
 
     def uninstall_hook(self) -> None:
         """Stop compressing. Graphs built while installed stay valid: their handles decode on their own."""

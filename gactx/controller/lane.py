@@ -10,7 +10,9 @@ anything not replayed with a packer of its own, ...) goes to :meth:`PackPath.pac
 were not there, and the lane changes nothing before it knows it takes a save. So records, keys, seeds and bytes are
 the Python path's, bit for bit (``tests/controller/test_lane.py``).
 
-The unpack hook's eager work (``store.unpack``) is a C function too: a tensor as it is, else ``handle.unpack()``.
+The unpack hook's eager work (``store.unpack``) is a C function too: a tensor as it is, a ``store.Kept``'s tensor at
+its version, else ``handle.unpack()``; and so is each hook's own call (``HookGraph.__call__``: traced, under
+TorchDynamo, or eager), so that no Python frame of gactx's runs for a save the lane takes.
 
 The lane is used where the C++ kernels serve the model (its parameters on a CPU, ``backend`` ``"auto"`` or
 ``"cpp"``, the extension built) on Python 3.11 or later (it reads frames through ``PyFrame_GetLasti``); elsewhere, or
@@ -21,33 +23,37 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable
 
 import torch
 
 from gactx.controller.checkpoint import SAVING
+from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.pack import PackPath
 from gactx.controller.policy import _COPY_OR_VIEW_NODES
 from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
 from gactx.controller.store import Kept, unpack
 from gactx.kernels import cpu
 
-__all__ = ["NATIVE", "eager_hooks"]
+__all__ = ["NATIVE", "graph_hooks"]
 
 NATIVE = True  # the C++ lane where it serves (False: the Python path's hooks alone, as a comparison runs them)
 
 
-def eager_hooks(path: PackPath, model: torch.nn.Module) -> tuple[Callable, Callable]:
-    """The pack and unpack hooks' eager work for ``path`` (the model's): the C++ lane and unpack where they serve
-    (the module docstring), else ``path.pack`` and ``store.unpack``."""
-    if not (NATIVE and sys.version_info >= (3, 11) and path.config.backend in ("auto", "cpp") and _on_cpu(model)):
-        return path.pack, unpack
-    built = cpu.extension()
+def graph_hooks(path: PackPath, compiled: CompiledPath, model: torch.nn.Module) -> tuple[HookGraph, HookGraph]:
+    """The controller's pack and unpack hooks for ``path`` (the model's) and ``compiled``: their eager work the C++
+    lane and unpack, and their own calls C++ (``HookGraph.call_natively``), where the lane serves (the module
+    docstring); else ``path.pack`` and ``store.unpack``, called from Python."""
+    built = None
+    if NATIVE and sys.version_info >= (3, 11) and path.config.backend in ("auto", "cpp") and _on_cpu(model):
+        built = cpu.extension()
     if built is None:
-        return path.pack, unpack
+        return HookGraph(path.pack, compiled.pack), HookGraph(unpack, compiled.unpack)
     site = (-1 if PRECALL is None else PRECALL, PRECALL_TO_CALL)  # positions.call_site's reading of an instruction
-    pack = built.lane(path, path.tracker, Kept, SAVING, _COPY_OR_VIEW_NODES, _PASSING, *site)
-    return pack, built.unpack_hook(Kept)
+    eager = built.lane(path, path.tracker, Kept, SAVING, _COPY_OR_VIEW_NODES, _PASSING, *site)
+    hooks = HookGraph(eager, compiled.pack), HookGraph(built.unpack_hook(Kept), compiled.unpack)
+    for hook in hooks:
+        hook.call_natively(built)
+    return hooks
 
 
 def _on_cpu(model: torch.nn.Module) -> bool:

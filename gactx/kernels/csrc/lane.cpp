@@ -22,6 +22,8 @@
 
 #include <frameobject.h>
 
+#include <atomic>
+#include <chrono>
 #include <unordered_map>
 #include <vector>
 
@@ -59,6 +61,10 @@ const Names& names() {
 }
 
 constexpr uint64_t kMask62 = (uint64_t(1) << 62) - 1;
+
+// The packers' time inside lanes while timing is on (benchmarks.host: the lane's kernels, which no Python wrapper sees).
+std::atomic<bool> timing{false};
+std::atomic<int64_t> timed_ns{0};
 
 // A new reference, or an error raised (an attribute the Python side always has).
 py::object attr(PyObject* o, PyObject* name) {
@@ -347,7 +353,12 @@ PyObject* Lane::take(PyObject* path, PyObject* obj) {
   const uint64_t weyl = PyLong_AsUnsignedLongLongMask(attr(replay, n.weyl).ptr());
   if (PyErr_Occurred()) throw py::error_already_set();
   // 5. Taken: stored, recorded, claimed, passed.
+  const bool timed = timing.load(std::memory_order_relaxed);
+  const auto begin = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   std::unique_ptr<Saved> saved = packer->pack(t, int64_t((seed_base + weyl) & kMask62));
+  if (timed) {
+    timed_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - begin).count();
+  }
   if (!saved) return nullptr;
   py::object handle = py::cast(std::move(saved));
   py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(owner, nullptr));
@@ -410,6 +421,54 @@ PyObject* unpack_call(PyObject* kept, PyObject* handle) {
   return PyObject_CallMethodNoArgs(handle, unpack_name);
 }
 
+// HookGraph.__call__ (compiled.py) for one hook: ``compiled(x)`` while AOTAutograd traces it (the state of
+// ``local``, a threading.local, set), ``disabled(x)`` where TorchDynamo intercepts frames (``frame_callback()`` not
+// None), else ``eager(x)``: each read from the hook's instance dict at the call (a benchmark may swap ``eager``).
+struct Dispatch {
+  py::object hook_ref, local, frame_callback;
+};
+
+PyObject* dispatch_call(PyObject* self, PyObject* x) {
+  try {
+    auto* d = static_cast<Dispatch*>(PyCapsule_GetPointer(self, "gactx.Dispatch"));
+    static PyObject* dict_name = PyUnicode_InternFromString("__dict__");
+    static PyObject* state_name = PyUnicode_InternFromString("state");
+    static PyObject* compiled_name = PyUnicode_InternFromString("compiled");
+    static PyObject* disabled_name = PyUnicode_InternFromString("disabled");
+    static PyObject* eager_name = PyUnicode_InternFromString("eager");
+    PyObject* hook = PyWeakref_GetObject(d->hook_ref.ptr());
+    if (hook == Py_None) {
+      PyErr_SetString(PyExc_RuntimeError, "gactx: a saved-tensor hook that was freed");
+      return nullptr;
+    }
+    py::object local = py::reinterpret_steal<py::object>(PyObject_GetAttr(d->local.ptr(), dict_name));
+    if (!local) return nullptr;
+    PyObject* state = PyDict_GetItemWithError(local.ptr(), state_name);
+    if (state == nullptr && PyErr_Occurred()) return nullptr;
+    PyObject* name = eager_name;
+    if (state != nullptr && state != Py_None) {
+      name = compiled_name;
+    } else {
+      py::object callback = py::reinterpret_steal<py::object>(PyObject_CallNoArgs(d->frame_callback.ptr()));
+      if (!callback) return nullptr;
+      if (!callback.is_none()) name = disabled_name;
+    }
+    py::object dict = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(hook, nullptr));
+    if (!dict) return nullptr;
+    PyObject* fn = PyDict_GetItemWithError(dict.ptr(), name);
+    if (fn == nullptr) {
+      if (!PyErr_Occurred()) PyErr_SetObject(PyExc_AttributeError, name);
+      return nullptr;
+    }
+    return PyObject_CallOneArg(fn, x);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  }
+}
+
+PyMethodDef dispatch_def{"hook_call", dispatch_call, METH_O, "HookGraph.__call__ (compiled.py)"};
+
 PyMethodDef lane_def{"lane", lane_call, METH_O, "the pack hook's lane (lane.cpp)"};
 PyMethodDef unpack_def{"unpack", unpack_call, METH_O, "the unpack hook's eager work (store.unpack)"};
 
@@ -442,6 +501,25 @@ py::object make_lane(py::object path, py::object tracker, py::object kept, py::o
   PyObject* fn = PyCFunction_New(&lane_def, capsule.ptr());
   if (fn == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(fn);
+}
+
+py::object make_dispatch(py::object hook, py::object local, py::object frame_callback) {
+  auto* d = new Dispatch{py::reinterpret_steal<py::object>(PyWeakref_NewRef(hook.ptr(), nullptr)), local, frame_callback};
+  if (!d->hook_ref) {
+    delete d;
+    throw py::error_already_set();
+  }
+  py::capsule capsule(d, "gactx.Dispatch", [](PyObject* c) {
+    delete static_cast<Dispatch*>(PyCapsule_GetPointer(c, "gactx.Dispatch"));
+  });
+  PyObject* fn = PyCFunction_New(&dispatch_def, capsule.ptr());
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+int64_t lane_timing(bool on) {
+  timing.store(on);
+  return timed_ns.exchange(0);
 }
 
 py::object make_unpack(py::object kept) {

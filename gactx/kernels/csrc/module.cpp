@@ -11,6 +11,8 @@ pybind11::object make_lane(pybind11::object path, pybind11::object tracker, pybi
                            pybind11::object saving, pybind11::object through_names, pybind11::object passing,
                            int precall, int precall_to_call);
 pybind11::object make_unpack(pybind11::object kept);
+int64_t lane_timing(bool on);
+pybind11::object make_dispatch(pybind11::object hook, pybind11::object local, pybind11::object frame_callback);  // timing of the lanes' packers on or off; the nanoseconds timed since the last call
 }  // namespace gactx
 
 namespace {
@@ -74,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &gactx::Packer::pack);
   m.def("lane", &gactx::make_lane);
   m.def("unpack_hook", &gactx::make_unpack);
+  m.def("lane_timing", &gactx::lane_timing);
+  m.def("hook_call", &gactx::make_dispatch);
   m.def("set_modified_error", [](py::object make) {
     if (modified_error == nullptr) modified_error = new py::object();
     *modified_error = std::move(make);
