@@ -12,7 +12,7 @@ the Python path's, bit for bit (``tests/controller/test_lane.py``).
 
 The unpack hook's eager work (``store.unpack``) is a C function too: a tensor as it is, a ``store.Kept``'s tensor at
 its version, else ``handle.unpack()``; and so is each hook's own call (``HookGraph.__call__``: traced, under
-TorchDynamo, or eager), so that no Python frame of gactx's runs for a save the lane takes.
+TorchDynamo, or eager), so that no Python frame of gactx's runs for a save the lane takes (``csrc/hooks.cpp``).
 
 The lane is used where the C++ kernels serve the model (its parameters on a CPU, ``backend`` ``"auto"`` or
 ``"cpp"``, the extension built) on Python 3.11 or later (it reads frames through ``PyFrame_GetLasti``); elsewhere, or

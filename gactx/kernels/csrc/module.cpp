@@ -6,7 +6,8 @@
 #include "saved.h"
 
 namespace gactx {
-// The pack hook's lane and the unpack hook's eager work, as functions of Python's own (lane.cpp).
+// The pack hook's lane (lane.cpp), the unpack hook's eager work and a hook's own call (hooks.cpp), as functions of
+// Python's own.
 pybind11::object make_lane(pybind11::object path, pybind11::object tracker, pybind11::object kept,
                            pybind11::object saving, pybind11::object through_names, pybind11::object passing,
                            int precall, int precall_to_call);
