@@ -2,12 +2,13 @@
 
 Once a model's passes repeat, keys go by position (``identity.py``) and most saves take the pack path's lane,
 :meth:`~gactx.controller.pack.PackPath._by_position`: the parameter test, the save at its position, the replayed
-save's C++ packer, the record. In Python that lane cost about a third of eager L1's step on ``benchmarks.host``'s
-MLP at 64 (8 Python calls and 23 C++ calls a save around a 4 us kernel). ``csrc/lane.cpp`` does the same steps in C++,
+save's C++ packer, the record. In Python that lane and the hooks' calls cost about 0.2x of plain's step on
+``benchmarks.host``'s MLP at 64 (eager L1 1.71x plain, 1.54x in C++; 15.2 Python calls a save, 1.5 in C++: the
+benchmarks' docs). ``csrc/lane.cpp`` does the same steps in C++,
 reading and writing the same Python objects (the path's pass statistics, the tracker's position, the replays): a save
-it cannot take whole (the pass's first, a tensor made by no op or by a view, one whose storage an earlier save holds,
-anything not replayed with a packer of its own, ...) goes to :meth:`PackPath.pack` from the start, as if the lane
-were not there, and the lane changes nothing before it knows it takes a save. So records, keys, seeds and bytes are
+it cannot take whole (a tensor made by a view or copy, one whose storage an earlier save holds, one not replayed with
+a packer of its own, any save of a pass not by position, ...) goes to :meth:`PackPath.pack` from the start, as if the
+lane were not there, and the lane changes nothing before it knows it takes a save. So records, keys, seeds and bytes are
 the Python path's, bit for bit (``tests/controller/test_lane.py``).
 
 The unpack hook's eager work (``store.unpack``) is a C function too: a tensor as it is, a ``store.Kept``'s tensor at
