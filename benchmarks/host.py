@@ -17,8 +17,8 @@ At ``w = 64`` kernel time vanishes and the difference to plain is host time: it 
 - compression: L1 against L0 (choosing the storage, the kernel calls, the handle);
 - pack and unpack: each hook's own wall time under L1, measured by a saved-tensor hook around gactx's;
 - the hooks' host time a save: both hooks' time in a step less the time inside the C++ kernels' calls (CPU), shared
-  over the step's compressed saves: what gactx's Python costs a save, kernels excluded (the floor's is the least
-  a hook pays);
+  over the step's compressed saves: what gactx's host code (Python, and the C++ lane's own checks and record) costs a
+  save, kernels excluded (the floor's is the least a hook pays);
 
 and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
 GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
@@ -28,7 +28,10 @@ the module that made it. A forward pre- and post-hook on each module that pushes
 and a pack hook that keeps parameters and sends every other tensor through the same kernel call gactx's pack path ends
 in (2-bit codes), with its decode on unpack: no policy, no key, no record, no handle. gactx pays those hooks only
 until two passes in a row saved the same; then its keys go by position, with the model's own hook alone
-(``gactx/controller/identity.py``), and it may read below the floor.
+(``gactx/controller/identity.py``), the saves of such passes are taken by the C++ lane (``gactx/controller/lane.py``:
+no Python frame of gactx's for a save), and it may read below the floor. L0 replays no save, so the lane hands each
+of its saves to the Python path: L0 against plain is the Python path's hooks and bookkeeping, and L1 against L0
+("compression") may read below zero.
 
     python -m benchmarks.host                  # writes benchmarks/runs/<device>/host.{json,md,csv} (git-ignored)
     python -m benchmarks.host --update-results # writes the committed benchmarks/results/<device>/host.*
