@@ -6,8 +6,8 @@ save's C++ packer, the record. In Python that lane and the hooks' calls cost abo
 ``benchmarks.host``'s MLP at 64 (eager L1 1.71x plain, 1.54x in C++; 15.2 Python calls a save, 1.5 in C++: the
 benchmarks' docs). ``csrc/lane.cpp`` does the same steps in C++,
 reading and writing the same Python objects (the path's pass statistics, the tracker's position, the replays): a save
-it cannot take whole (a tensor made by a view or copy, one whose storage an earlier save holds, one not replayed with
-a packer of its own, any save of a pass not by position, ...) goes to :meth:`PackPath.pack` from the start, as if the
+it cannot take whole (one whose storage an earlier save holds, one not replayed with a packer of its own, one not
+contiguous, any save of a pass not by position, ...) goes to :meth:`PackPath.pack` from the start, as if the
 lane were not there, and the lane changes nothing before it knows it takes a save. So records, keys, seeds and bytes are
 the Python path's, bit for bit (``tests/controller/test_lane.py``).
 
@@ -30,7 +30,7 @@ import torch
 from gactx.controller.checkpoint import SAVING
 from gactx.controller.compiled import CompiledPath, HookGraph
 from gactx.controller.pack import PackPath
-from gactx.controller.policy import _COPY_OR_VIEW_NODES
+from gactx.controller.policy import _VIEW_NODES
 from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
 from gactx.controller.store import Kept, unpack
 from gactx.kernels import cpu
@@ -50,7 +50,7 @@ def graph_hooks(path: PackPath, compiled: CompiledPath, model: torch.nn.Module) 
     if built is None:
         return HookGraph(path.pack, compiled.pack), HookGraph(unpack, compiled.unpack)
     site = (-1 if PRECALL is None else PRECALL, PRECALL_TO_CALL)  # positions.call_site's reading of an instruction
-    eager = built.lane(path, path.tracker, Kept, SAVING, _COPY_OR_VIEW_NODES, _PASSING, *site)
+    eager = built.lane(path, path.tracker, Kept, SAVING, _VIEW_NODES, _PASSING, *site)
     hooks = HookGraph(eager, compiled.pack), HookGraph(built.unpack_hook(Kept), compiled.unpack)
     for hook in hooks:
         hook.call_natively(built)

@@ -136,6 +136,39 @@ def test_the_lane_takes_every_save_of_a_repeated_pass_of_linear_layers_and_gelus
     assert _python_packs(monkeypatch, "mlp", level="L0") == 6  # its 2 weights kept; the rest (no replay at L0): Python
 
 
+def test_the_lane_takes_views_of_results_and_hands_on_what_it_cannot_take(monkeypatch):
+    """Heads split by views: the lane judges views as policy.is_weight does and takes those replayed with a packer; it
+    hands on the input's view (data that lives anyway: its own byte range) and a transpose (not contiguous)."""
+    native = _python_packs(monkeypatch, "heads")
+    monkeypatch.setattr(lane, "NATIVE", False)
+    assert native <= 2 < _python_packs(monkeypatch, "heads")
+
+
+def test_an_autocast_copy_of_a_weight_is_kept_by_the_lane_as_by_the_python_path(monkeypatch):
+    """A bfloat16 autocast copy of a weight (a new storage, made by ToCopyBackward0 from the leaf) and its view are
+    weights: kept with their history, no record, in both paths."""
+
+    def run(native: bool):
+        monkeypatch.setattr(lane, "NATIVE", native)
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), torch.randn(64, 64)
+        out = []
+        with gactx.Controller(model, level="L1") as controller:
+            for _ in range(5):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().square().sum()
+                loss.backward()
+                out.append(([str(r.key) for r in controller.records], [p.grad.clone() for p in model.parameters()]))
+                model.zero_grad(set_to_none=True)
+            by_position = controller.diagnostics()["keys_by_position"]
+        return out, by_position
+
+    native, python = run(True), run(False)
+    assert native[1] and python[1]
+    for (keys_a, grads_a), (keys_b, grads_b) in zip(native[0], python[0], strict=True):
+        assert keys_a == keys_b and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
 def test_a_weight_changed_in_place_after_its_save_raises_autograds_error():
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
     x = torch.randn(8, 16)

@@ -6,8 +6,8 @@
 // PassStats.record_replayed do it:
 //   1. the pass under way goes by position: no compiled graph's log to read first, no watched pass, a save after the
 //      pass's first, no backward running, keys by position, no observers;
-//   2. a parameter (its storage the model's, or a leaf that is one) is kept with its version (store.Kept); a tensor made
-//      by a view or copy (a weight's maybe: policy.is_weight) goes the Python way;
+//   2. a parameter (its storage the model's; a leaf, or a view or copy of a leaf, that is one: policy.is_weight) is
+//      kept with its version (store.Kept);
 //   3. the save at the pass's position matches: shape, dtype, node, call site (positions.Trace.at);
 //   4. its key was replayed with a C++ packer of its own, no later save shares it, no probe or checkpointed input,
 //      its storage new to the pass, its record the one to repeat (the same storage number and bytes);
@@ -16,6 +16,7 @@
 #include <torch/python.h>
 
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -24,6 +25,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -89,16 +91,22 @@ void add_to(PyObject* dict, PyObject* name, int64_t delta) {
   if (PyDict_SetItem(dict, name, sum.ptr()) < 0) throw py::error_already_set();
 }
 
+// What a node of a class is to policy.is_weight (Lane::kind_of).
+enum Kind { kUnjudged = -1, kOther = 0, kView, kCopy, kAccumulate };
+
+// An autograd node's pointer as this torch holds one (a shared or an intrusive pointer, by version).
+using NodePtr = std::decay_t<decltype(torch::autograd::Edge().function)>;
+
 struct Lane {
   // The pack path and its tracker, weakly (the tracker calls up into the controller, which holds the hooks: a strong
   // reference from here would make a cycle the collector cannot see through the capsule), and their own dicts,
   // read while they live.
-  py::object path_ref, tracker_ref, kept, saving, through_names, passing, parameter;
+  py::object path_ref, tracker_ref, kept, saving, view_names, passing, parameter;
   PyObject *path_dict = nullptr, *tracker_dict = nullptr;
   std::vector<PyObject*> passing_codes;  // the code objects that pass saves on (identity.passes_saves_on), by identity
   Py_ssize_t passing_size = -1;
   int precall = -1, precall_to_call = 0;  // positions.PRECALL and PRECALL_TO_CALL (-1: no PRECALL)
-  std::unordered_map<PyTypeObject*, bool> through;  // node class -> made by a view or copy (static classes only)
+  std::unordered_map<PyTypeObject*, Kind> kinds;  // node class -> its Kind (static classes only)
 
   // The code objects of ``passing`` (a set that grows as modules are imported), read again when it grew.
   void read_passing() {
@@ -151,17 +159,49 @@ struct Lane {
 #endif
   }
 
-  // Whether a node of this class is a view's or a copy's (policy._COPY_OR_VIEW_NODES): such a save may be a weight.
-  // -1 for a class the lane does not judge (one made in Python, which may be freed and its address reused).
-  int made_through(PyTypeObject* type) {
-    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) return -1;
-    auto found = through.find(type);
-    if (found != through.end()) return found->second;
+  // What a node of this class is to policy.is_weight: a view's (policy._VIEW_NODES), a copy's (ToCopyBackward0), a
+  // leaf's gradient accumulator, or another op's; kUnjudged for a class made in Python (it may be freed and its
+  // address reused).
+  Kind kind_of(PyTypeObject* type) {
+    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) return kUnjudged;
+    auto found = kinds.find(type);
+    if (found != kinds.end()) return found->second;
     py::object name = attr(reinterpret_cast<PyObject*>(type), names().name);
-    const int contains = PySet_Contains(through_names.ptr(), name.ptr());
-    if (contains < 0) throw py::error_already_set();
-    through.emplace(type, contains == 1);
-    return contains;
+    const int view = PySet_Contains(view_names.ptr(), name.ptr());
+    if (view < 0) throw py::error_already_set();
+    const std::string text = name.cast<std::string>();
+    const Kind kind = view ? kView : text == "ToCopyBackward0" ? kCopy : text == "AccumulateGrad" ? kAccumulate : kOther;
+    kinds.emplace(type, kind);
+    return kind;
+  }
+
+  Kind kind_of(const NodePtr& fn) {
+    py::object node = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(fn));
+    if (!node) throw py::error_already_set();
+    return kind_of(Py_TYPE(node.ptr()));
+  }
+
+  // policy.is_weight_copy: a view (a few deep) of a copy of a leaf that requires grad (an autocast weight): 1, 0, or
+  // -1 where a node on the way is one the lane does not judge.
+  int weight_copy(const NodePtr& fn) {
+    auto node = fn;
+    for (int i = 0; i < 4; ++i) {
+      if (!node) break;
+      const Kind kind = kind_of(node);
+      if (kind == kUnjudged) return -1;
+      if (kind != kView) break;
+      node = node->next_edges().empty() ? nullptr : node->next_edge(0).function;
+    }
+    if (!node) return 0;
+    const Kind kind = kind_of(node);
+    if (kind != kCopy) return kind == kUnjudged ? -1 : 0;
+    for (const auto& edge : node->next_edges()) {
+      if (!edge.function) continue;
+      const Kind next = kind_of(edge.function);
+      if (next == kUnjudged) return -1;
+      if (next == kAccumulate) return 1;
+    }
+    return 0;
   }
 
   // The handle of the save of ``obj``, or nullptr where the Python path takes it (no error set).
@@ -178,8 +218,7 @@ struct Lane {
     return handle.release().ptr();
   }
 
-  // Whether the leaf ``obj`` (``t``), or the base it views, is a parameter (policy.is_weight's owner test): 1, 0, or -1
-  // where the lane does not judge it (a subclass of a tensor that is no parameter).
+  // Whether ``obj`` (``t``), or the base it views, is a parameter (policy.is_weight's owner test): 1 or 0.
   int is_parameter(PyObject* obj, const at::Tensor& t) {
     py::object base;
     PyObject* owner = obj;
@@ -201,7 +240,7 @@ struct Lane {
     }
     const int instance = PyObject_IsInstance(owner, parameter.ptr());
     if (instance < 0) throw py::error_already_set();
-    return instance ? 1 : -1;
+    return instance;
   }
 
   PyObject* call(PyObject* obj) {
@@ -244,27 +283,28 @@ PyObject* Lane::take(PyObject* path, PyObject* obj) {
   if (ptrs == nullptr || stats == nullptr || !PyFrozenSet_Check(ptrs)) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.has_storage()) return nullptr;
-  // 2. A parameter (policy.is_weight): its storage the model's, or a leaf that is one; a tensor made by a view or copy
-  // (a weight's maybe) goes the Python way.
+  // 2. A parameter (policy.is_weight): its storage the model's, or a leaf, a view or a cast copy that is one.
   py::object ptr = py::reinterpret_steal<py::object>(PyLong_FromLongLong(reinterpret_cast<int64_t>(t.storage().data())));
   const int weight = PySet_Contains(ptrs, ptr.ptr());
   if (weight < 0) throw py::error_already_set();
   const bool strided = t.layout() == at::kStrided;
-  if (weight) {
-    if (!strided || t.is_meta()) return nullptr;
-    return kept_handle(obj, t._version());
-  }
+  if (weight) return strided && !t.is_meta() ? kept_handle(obj, t._version()) : nullptr;
   const auto& fn = t.grad_fn();
   py::object node;
   PyTypeObject* node_type = Py_TYPE(Py_None);
+  Kind kind = kOther;
   if (fn) {
     node = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(fn));
     if (!node) throw py::error_already_set();
     node_type = Py_TYPE(node.ptr());
-    if (made_through(node_type) != 0) return nullptr;
-  } else {
-    const int param = is_parameter(obj, t);
-    if (param != 0) return param > 0 ? kept_handle(obj, t._version()) : nullptr;
+    kind = kind_of(node_type);
+    if (kind == kUnjudged) return nullptr;
+  }
+  if (!fn || kind == kView || kind == kCopy) {  // a weight only through views and copies (most saves end above)
+    int weight = is_parameter(obj, t);
+    if (!weight && fn) weight = weight_copy(fn);
+    if (weight < 0) return nullptr;
+    if (weight) return strided && !t.is_meta() ? kept_handle(obj, t._version()) : nullptr;
   }
   // 3. The save at its position (ModuleTracker.at_position, Trace.at).
   PyObject* stack = item(tracker_dict, n.stack);
@@ -400,7 +440,7 @@ PyMethodDef lane_def{"lane", lane_call, METH_O, "the pack hook's lane (lane.cpp)
 
 }  // namespace
 
-py::object make_lane(py::object path, py::object tracker, py::object kept, py::object saving, py::object through_names,
+py::object make_lane(py::object path, py::object tracker, py::object kept, py::object saving, py::object view_names,
                      py::object passing, int precall, int precall_to_call) {
   auto* lane = new Lane();
   lane->precall = precall, lane->precall_to_call = precall_to_call;
@@ -410,7 +450,7 @@ py::object make_lane(py::object path, py::object tracker, py::object kept, py::o
     delete lane;
     throw py::error_already_set();
   }
-  lane->kept = kept, lane->saving = saving, lane->through_names = through_names, lane->passing = passing;
+  lane->kept = kept, lane->saving = saving, lane->view_names = view_names, lane->passing = passing;
   lane->parameter = py::module_::import("torch.nn").attr("Parameter");
   // The instances' own dicts, borrowed: read only while the weak references say that path and tracker live.
   lane->path_dict = PyObject_GenericGetDict(path.ptr(), nullptr);

@@ -9,7 +9,7 @@ namespace gactx {
 // The pack hook's lane (lane.cpp), the unpack hook's eager work and a hook's own call (hooks.cpp), as functions of
 // Python's own.
 pybind11::object make_lane(pybind11::object path, pybind11::object tracker, pybind11::object kept,
-                           pybind11::object saving, pybind11::object through_names, pybind11::object passing,
+                           pybind11::object saving, pybind11::object view_names, pybind11::object passing,
                            int precall, int precall_to_call);
 pybind11::object make_unpack(pybind11::object kept);
 int64_t lane_timing(bool on);
