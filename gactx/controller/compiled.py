@@ -142,7 +142,7 @@ class HookGraph(torch.fx.GraphModule):
         return self.__call__(x)
 
     def call_natively(self, built) -> None:
-        """This hook's ``__call__`` made the C++ extension's (``built``, ``csrc/lane.cpp``): the same choice with no
+        """This hook's ``__call__`` made the C++ extension's (``built``, ``csrc/hooks.cpp``): the same choice with no
         Python frame, on the class ``torch.fx.GraphModule`` makes for each instance. Where this torch keeps the traced
         hooks' context in a ``threading.local`` only (``_LOCAL``)."""
         if _LOCAL is not None:

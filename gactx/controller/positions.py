@@ -36,7 +36,7 @@ def call_site(skip: int = 0) -> tuple:
     if frame is None:
         return None, -1
     code, instruction = frame.f_code, frame.f_lasti
-    if PRECALL is not None and code.co_code[instruction] == PRECALL:
+    if PRECALL is not None and instruction >= 0 and code.co_code[instruction] == PRECALL:
         instruction += PRECALL_TO_CALL
     return code, instruction
 

@@ -300,11 +300,11 @@ PyObject* Lane::take(PyObject* path, PyObject* obj) {
     kind = kind_of(node_type);
     if (kind == kUnjudged) return nullptr;
   }
-  if (!fn || kind == kView || kind == kCopy) {  // a weight only through views and copies (most saves end above)
-    int weight = is_parameter(obj, t);
-    if (!weight && fn) weight = weight_copy(fn);
-    if (weight < 0) return nullptr;
-    if (weight) return strided && !t.is_meta() ? kept_handle(obj, t._version()) : nullptr;
+  if (!fn || kind == kView || kind == kCopy) {  // a weight only so: most saves are other ops' results
+    int param = is_parameter(obj, t);
+    if (!param && fn) param = weight_copy(fn);
+    if (param < 0) return nullptr;
+    if (param) return strided && !t.is_meta() ? kept_handle(obj, t._version()) : nullptr;
   }
   // 3. The save at its position (ModuleTracker.at_position, Trace.at).
   PyObject* stack = item(tracker_dict, n.stack);
