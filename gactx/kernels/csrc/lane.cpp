@@ -1,11 +1,11 @@
 // The pack hook's lane for saves whose keys go by position (gactx/controller/pack.py, PackPath._by_position): the same
 // steps in C++, read from the same Python objects, with no Python frame. A save it cannot take whole goes to the Python
-// path (``fallback``), which takes it from the start; nothing is changed before the lane knows it takes the save.
+// path (``PackPath.pack``), which takes it from the start; nothing is changed before the lane knows it takes the save.
 //
 // Followed step by step, as PackPath.pack, PackPath._by_position, ModuleTracker.at_position and
 // PassStats.record_replayed do it:
-//   1. the pass under way goes by position: no compiled graph's log to read first, no watched pass, a save after the
-//      pass's first, no backward running, keys by position, no observers;
+//   1. the pass under way goes by position: no compiled graph's log to read first, no watched pass, no backward
+//      running, keys by position, no observers (the pass's first save begins its statistics, as the Python path does);
 //   2. a parameter (its storage the model's; a leaf, or a view or copy of a leaf, that is one: policy.is_weight) is
 //      kept with its version (store.Kept);
 //   3. the save at the pass's position matches: shape, dtype, node, call site (positions.Trace.at);
