@@ -255,6 +255,7 @@ class Passes:
         self.difference: Callable[[dict], list | None] | None = None
         # told the slots the next passes probe, in order, where difference reads what it needs by windows
         self.expect: Callable[[list], None] | None = None
+        self.later: list = []  # the slots the estimate measures after those of the measurement under way, in order
         self.partial = 0  # the passes difference ran from the probed nodes down
         self.rotated: dict = {}  # the slots measured together by _rotated -> how many estimates in a row
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
@@ -311,7 +312,7 @@ class Passes:
         own at the probe width in the last estimate (:meth:`_rotation`). Returns ``(slot -> D, slot -> profile
         measured alone)``."""
         if self.expect is not None:
-            self.expect(list(row))
+            self.expect([*row, *self.later])
         expected = {}
         if GROUPED:
             for slot, (_, _, unit) in row.items():
@@ -336,7 +337,7 @@ class Passes:
                 joint = self._rotation(row, single, kept)
             if self.expect is not None:  # the groups first, then the slots measured alone, then those rotated
                 alone = [s for s in row if s not in taken and s not in found and s not in joint]
-                self.expect(grouped + alone + joint)
+                self.expect(grouped + alone + joint + self.later)
 
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)

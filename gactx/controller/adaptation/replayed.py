@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from gactx.controller.adaptation import rows
 from gactx.controller.identity import in_backward
 
 __all__ = ["PARTIAL", "REPLAY", "WINDOW", "Replayed"]
@@ -56,6 +57,12 @@ PARTIAL = True
 # 9% faster (ResNet-50 small 3 window reads instead of 5), their peak 0 to 4 MiB higher (the LoRA decoder's 51-54
 # MiB against 54-58; gactx.PeakMemory, CPU); the first adaptations' peaks 0.2 and 1.4 MiB higher.
 WINDOW = 32
+# A pass calls a node exactly on its given gradient no more than once a window: the next pass that calls it too takes
+# the last one's results (the linear inputs probed together and their sketches' calibration pairs, the queries and
+# keys that one attention product reads); False: twice a pass.
+KEEP_EXACT = True
+# A pass asks for an embedding table's gradient as the rows its indices reach (rows.py); False: the whole table.
+ROWS = True
 
 
 class Replayed:
@@ -77,6 +84,8 @@ class Replayed:
         self._nodes: dict[Hashable, list] = {}  # slot -> the nodes that read its deferred saves
         self._broken: set[Hashable] = set()  # slots a pass from their nodes cannot probe (module docstring)
         self._given: dict = {}  # node -> the gradient it is given in the base (the window's nodes)
+        self._exact: dict = {}  # node -> its exact call's results on that gradient, the last pass's nodes (copies)
+        self._tables: dict | None = None  # position in the estimate's parameters -> rows.Rows, once a pass needs them
         self._results: dict = {}  # node -> a fingerprint of what the engine's call gave (_fingerprint), until checked
         self._checked: dict = {}  # node -> whether a call outside the engine gives what the engine's did (_same)
         self._bad: set = set()  # nodes not given one gradient in a backward: never, or more than once
@@ -138,11 +147,16 @@ class Replayed:
         results = [self._call(node) for node in nodes]
         if any(out is None for out in results):
             return None
-        results = [tuple(None if t is None else t.clone() for t in out) for out in results]
-        set_probe({})
-        exact = [self._call(node) for node in nodes]
+        results = [_copied(out) for out in results]
+        # The exact calls: the last pass's where it called the same node on the same gradient (the linear inputs
+        # probed together, and their calibration pairs, call the same nodes pass after pass), copied as above.
+        kept, self._exact = self._exact if KEEP_EXACT else {}, {}
+        if any(node not in kept for node in nodes):
+            set_probe({})
+        exact = [kept[node] if node in kept else self._call(node) for node in nodes]
         if any(out is None for out in exact) or not all(map(self._same, nodes, exact)):
             return None
+        self._exact = {node: out if node in kept else _copied(out) for node, out in zip(nodes, exact, strict=True)}
         set_probe(probes)  # backward below them reads the probed saves that lie there probed
         edges, deltas = [], []
         for node, mine, base in zip(nodes, results, exact, strict=True):
@@ -155,7 +169,20 @@ class Replayed:
                     deltas.append(delta)
         if not edges:
             return [None] * len(params)
-        return list(torch.autograd.grad(edges, list(params), deltas, retain_graph=True, allow_unused=True))
+        tables = self._rows(params)
+        inputs = [tables[i].edge if i in tables else p for i, p in enumerate(params)]
+        out = list(torch.autograd.grad(edges, inputs, deltas, retain_graph=True, allow_unused=True))
+        for i, table in tables.items():  # an embedding's weight: the rows its indices reach (rows.py)
+            out[i] = table.of(out[i])
+        return out
+
+    def _rows(self, params: Sequence[torch.Tensor]) -> dict:
+        """:func:`rows.tables` of the estimate's parameters below the recorded calls, found by the first pass that
+        asks."""
+        if self._tables is None:
+            roots = [_node(t) for tensors, _, _ in self.calls for t in _each(tensors)]
+            self._tables = rows.tables(roots, params) if ROWS else {}
+        return self._tables
 
     def _needed(self, probes: dict) -> list | None:
         """The nodes that read the probed slots' saves, or ``None`` where a pass from them cannot stand for the whole
@@ -176,6 +203,7 @@ class Replayed:
         up to :data:`WINDOW` nodes, by a backward from the closure's roots to their edges (module docstring); the
         window before is dropped."""
         window = list(nodes)
+        self._exact = {}  # called on the gradients of the window before
         for slot in self._upcoming:
             if slot in self._broken:
                 continue
@@ -236,6 +264,7 @@ class Replayed:
     def close(self) -> None:
         """Drop the recorded calls, and with them the graphs and the saves they keep."""
         self.calls, self._nodes, self._given, self._results, self._checked, self._bad = [], {}, {}, {}, {}, set()
+        self._exact, self._tables = {}, None
 
     def _watch(self, slot: Hashable, forward: bool) -> None:
         """A deferred save of ``slot`` is unpacked (``PackPath.unpacked``), in the recording run's backward."""
@@ -306,6 +335,21 @@ def _dot(t: torch.Tensor) -> torch.Tensor:
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()
     return torch.dot(flat, flat)
+
+
+def _each(tensors) -> tuple:
+    """A backward call's ``tensors`` as a tuple (one tensor, or a sequence of tensors or gradient edges)."""
+    return (tensors,) if isinstance(tensors, (torch.Tensor, GradientEdge)) else tuple(tensors)
+
+
+def _node(root):
+    """The node a backward call starts from at ``root`` (a tensor's ``grad_fn``, a gradient edge's node)."""
+    return root.node if isinstance(root, GradientEdge) else root.grad_fn
+
+
+def _copied(results: tuple) -> tuple:
+    """A node's call's results, copied: its next call may write over the buffers it handed back."""
+    return tuple(None if t is None else t.clone() for t in results)
 
 
 def _outputs(out) -> tuple:

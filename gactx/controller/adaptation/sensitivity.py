@@ -269,6 +269,8 @@ def estimate_sensitivities(
                 first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
         raw, probed, curves = {}, {}, {}
         if together:
+            if passes.expect is not None:  # a window of given gradients holds the measurements' nodes after them
+                passes.expect([*blocks, *(s for _, row in _in_order(measures) for s in row)])
             against = (passes.distance, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
             joint, runs = probe_together(
                 lambda: _gradient(model, backprop, snapshot),
@@ -301,8 +303,9 @@ def estimate_sensitivities(
         # at 1 bit (on the line) at most NEGLIGIBLE of the variance the allocation in force predicts.
         narrow = variance_factor(CURVE_WIDTHS[0]) / variance_factor(probe_bits)  # S at 1 bit over S at the probe's
         negligible = NEGLIGIBLE * allocated / narrow if allocated is not None and math.isfinite(allocated) else 0.0
-        last = CURVE_WIDTHS[-1]  # the curves' second widths last: every other tensor measured before them
-        for what, row in sorted(measures.items(), key=lambda item: item[0][0] == "width" and item[0][1] == last):
+        order = _in_order(measures)
+        for n, (what, row) in enumerate(order):
+            passes.later = [s for _, after in order[n + 1 :] for s in after]
             pending = firsts & row.keys() if what[0] == "width" else set()
             if pending:
                 skipped = _negligible(pending, raw, narrow)
@@ -366,6 +369,13 @@ def estimate_sensitivities(
         unexplained = _unexplained(first[0], capped, shape, noise_of)
     return Estimate(capped, passes.done, time.perf_counter() - start, probed, curves, profiles=profiles,
                     parts=passes.parts, unexplained=unexplained, partial=passes.partial)  # fmt: skip
+
+
+def _in_order(measures: dict) -> list:
+    """``measures`` (:func:`_measures`) as ``(what, row)`` in the order they are measured: the curves' second widths
+    last, every other tensor measured before them."""
+    last = CURVE_WIDTHS[-1]
+    return sorted(measures.items(), key=lambda item: item[0][0] == "width" and item[0][1] == last)
 
 
 def _unexplained(measured: float, sensitivity: dict, shape_of, noise_of) -> float:

@@ -325,3 +325,57 @@ def test_a_pass_from_the_nodes_that_fails_leaves_whole_replays(monkeypatch, capl
     assert failing[0] == whole[0] and failing[1] == whole[1] and failing[2] == whole[2]
     assert counts["from the nodes"] == 0 and counts["whole"] > 0
     assert "failed (a node this device cannot call); whole replays from here on" in caplog.text
+
+
+def test_an_estimates_window_holds_the_nodes_of_its_later_measurements(monkeypatch):
+    """The window of given gradients is filled with the nodes of the measurements after the one under way too (the
+    curves' second widths read the same normalisation nodes as their first): where every probed node fits in one
+    window, as on the zoo BERT, an estimate reads its base gradients once."""
+    from benchmarks.zoo import build
+
+    reads = []
+    read = replayed.Replayed._read
+
+    def spy(self, nodes):
+        read(self, nodes)
+        reads.append(len(self._given))
+
+    monkeypatch.setattr(replayed.Replayed, "_read", spy)
+    model, run = build("bert", 1)
+    with gactx.Controller(model, "L2.2", seed=0) as controller:
+        torch.manual_seed(0)
+        run().backward()
+        adaptation = controller.adapt(lambda: (torch.manual_seed(0), run().backward()))
+    parts = adaptation.passes_by_part
+    assert parts["curve widths"][1] > 0 and parts["against the base"][1] > 0 and parts["linear inputs together"][1] > 0
+    assert len(reads) == 1 and reads[0] <= replayed.WINDOW
+
+
+@pytest.mark.parametrize("name", ["bert", "transformer_layer", "mlp"])
+def test_a_node_is_called_exactly_once_a_window(name, monkeypatch):
+    """A pass that calls the same node as the pass before (the linear inputs probed together and their sketches'
+    calibration pairs; the queries and keys one attention product reads) takes that pass's exact results
+    (``KEEP_EXACT``): fewer node calls, and the sensitivities and allocation of calling it every pass, bit for bit."""
+    from benchmarks.zoo import build
+
+    results = []
+    for keep in (False, True):
+        monkeypatch.setattr(replayed, "KEEP_EXACT", keep)
+        calls = [0]
+        call = replayed.Replayed._call
+
+        def spy(self, node, call=call, calls=calls):
+            calls[0] += 1
+            return call(self, node)
+
+        monkeypatch.setattr(replayed.Replayed, "_call", spy)
+        model, run = build(name, 1)
+        with gactx.Controller(model, "L2.2", seed=0) as controller:
+            torch.manual_seed(0)
+            run().backward()
+            controller.adapt(lambda run=run: (torch.manual_seed(0), run().backward()))
+        monkeypatch.setattr(replayed.Replayed, "_call", call)
+        results.append((dict(controller.sensitivity), dict(controller.allocation), calls[0]))
+    (each, each_bits, each_calls), (kept, kept_bits, kept_calls) = results
+    assert kept == each and kept_bits == each_bits
+    assert kept_calls < each_calls
