@@ -30,8 +30,8 @@ from torch import nn
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
 __all__ = [
-    "GROUPED", "PURITY", "ROTATE", "ROTATIONS", "UNEXPLAINED", "Passes", "Profiles", "form_groups", "layout_of",
-    "parts", "probe_in_groups", "smallest", "solve", "squares",
+    "GROUPED", "HALVES", "PURITY", "ROTATE", "ROTATIONS", "UNEXPLAINED", "Passes", "Profiles", "form_groups",
+    "layout_of", "parts", "probe_in_groups", "smallest", "solve", "squares",
 ]  # fmt: skip
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
@@ -53,6 +53,11 @@ ROTATE = True
 # ResNet-50, BERT-base, ViT-B/16 (small) and the LoRA decoder, the zoo BERT, GAT, ResNet and transformer layer (1.00x
 # to 1.02x at 1).
 ROTATIONS = 2
+# Where the pass of the tensors measured together in a rotation is not borne out (Passes._rotated), each half of them
+# is measured together in turn, and so on down to fewer than HALVES (then each alone): one tensor that moved apart from
+# the others costs a few passes, not one for each of them (ResNet-50 small: a later adaptation's 14 rotated tensors
+# cost it 14 more passes). 0: each alone.
+HALVES = 4
 
 
 @dataclass(frozen=True)
@@ -398,11 +403,22 @@ class Passes:
         times the pass's distance over their expectations' sum. ``{}`` where the pass measured, over what they were
         expected to put, less than half or more than twice the ``reference`` ratio (the median of the tensors the
         estimate measured on their own: they moved apart from the others since, and may have moved apart from each
-        other; the pass is counted as spent)."""
-        found = self._scaled(row, {s: float(expected[s].sum()) for s in joint}, lambda measured, want: (
+        other; the pass is counted as spent), or for the members of no half that was borne out (:data:`HALVES`)."""
+        return self._halved(row, joint, expected, lambda measured, want: (
             reference > 0 and 0.5 * reference <= measured / want <= 2 * reference
         ))  # fmt: skip
-        return found
+
+    def _halved(self, row: dict, members: list, expected: dict, accept: Callable[[float, float], bool]) -> dict:
+        """``slot -> D`` of ``members`` from one pass with all of them probed (:meth:`_scaled`); where ``accept``
+        refuses it and they are :data:`HALVES` or more, each half of them (in their order) measured so in turn, and so
+        on down. Those of no pass borne out are left out, to be measured alone."""
+        found = self._scaled(row, {s: float(expected[s].sum()) for s in members}, accept)
+        if found or HALVES < 2 or len(members) < HALVES:
+            return found
+        self.total += 2 - len(members)  # two passes for them, not one each (as _scaled counted them)
+        half = len(members) // 2
+        first = self._halved(row, members[:half], expected, accept)
+        return {**first, **self._halved(row, members[half:], expected, accept)}
 
     def _scaled(self, row: dict, want: dict, accept: Callable[[float, float], bool]) -> dict:
         """``slot -> D`` of the slots of ``want`` (slot -> what each is expected to put in the gradient) from one pass

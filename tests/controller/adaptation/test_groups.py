@@ -274,3 +274,38 @@ def test_tensors_are_measured_together_at_most_rotations_estimates_in_a_row(monk
     assert kept == _in_a_row(kept)  # the profiles count the estimates in a row
     assert max(n for k in kept for n in k.values()) == 2  # some twice in a row, none three times
     assert max(map(len, rotated)) > max(map(len, by_halves))  # more of them at once
+
+
+def _rotation(true: dict, monkeypatch, halves: int) -> tuple[dict, list[set], int]:
+    """A rotation of the slots of ``true`` (slot -> what a pass probing it measures), each expected at 1 and the other
+    tensors' median ratio 1: what :meth:`groups.Passes._rotated` found, the slots of each pass it ran, and the passes
+    the progress's total counts for them after it, those of the members left to be measured alone included (one pass
+    was planned)."""
+    monkeypatch.setattr(groups, "HALVES", halves)
+    passes = groups.Passes(lambda: [], lambda probes: None, (1,), None)
+    ran = []
+
+    def run(first, second):
+        ran.append(set(first))
+        return torch.tensor([float(sum(true[s] for s in first))], dtype=torch.float64)
+
+    passes.run = run
+    row = {s: (s, None, 1.0) for s in true}
+    expected = {s: _profile(1.0) for s in true}
+    before = passes.total
+    found = passes._rotated(row, list(true), expected, 1.0)
+    return found, ran, passes.total - before + 1
+
+
+def test_a_rotation_not_borne_out_is_measured_again_in_halves(monkeypatch):
+    """Eight tensors measured together where one of them grew 30-fold since its last measurement: the pass is refused
+    (its ratio 4.6 against the others' 1), so is the half that holds it, and so on down, while each half without it is
+    borne out at its members' own scale. Five passes where each alone after the first took eight more, the one that
+    grew measured alone; each member found is scaled by what its own half measured; the progress counts what ran."""
+    true = {f"t{i}": 1.0 for i in range(8)} | {"t5": 30.0}
+    found, ran, counted = _rotation(true, monkeypatch, halves=4)
+    assert ran == [set(true), {"t0", "t1", "t2", "t3"}, {"t4", "t5", "t6", "t7"}, {"t4", "t5"}, {"t6", "t7"}]
+    assert found == {s: 1.0 for s in ("t0", "t1", "t2", "t3", "t6", "t7")}  # t4 and t5 are left to be measured alone
+    assert counted == len(ran) + 2  # and t4 and t5 alone
+    none, ran_alone, counted_alone = _rotation(true, monkeypatch, halves=0)
+    assert none == {} and ran_alone == [set(true)] and counted_alone == 1 + 8
