@@ -46,7 +46,7 @@ WORKLOADS = ("resnet50", "bert-base", "llama-lora")  # benchmarks/workloads.py's
 WORKLOAD_STEPS = 6  # training steps of each: the first adapts; the step time is the median of the others
 # Later adaptations in a row after training, their seconds averaged: the first follows the allocation made at step 1
 # (its budget for the negligible tensors is that allocation's, made on the untrained model), the next ones follow
-# one made on the trained model, and measure alone what the one before measured together (groups.ROTATE). Each
+# one made on the trained model, and measure alone what the one before measured together (passes.ROTATE). Each
 # starts after a full collection of Python's garbage collector: one of the whole process (0.17 s for its 330K
 # objects, with the five models' libraries loaded) otherwise fell inside the second, whichever work made it due. As many
 # as one cycle of gact_estimator.RECHECK: where the checks read far below the threshold, one of them replays its first

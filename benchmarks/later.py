@@ -5,12 +5,12 @@
     python -m benchmarks.later --quick          # the zoo ResNet, one seed, three later adaptations
 
 A later estimate measures some tensors together and scales each by what their pass measured over what they were
-expected to put (gactx/controller/adaptation/groups.py: the negligible ones, and up to ``ROTATIONS / (ROTATIONS + 1)``
+expected to put (gactx/controller/adaptation/passes.py: the negligible ones, and up to ``ROTATIONS / (ROTATIONS + 1)``
 of those no group takes). Each model trains at L2.2: a first adaptation, then ``--later`` rounds of ``--steps`` SGD
 steps (learning rate 0.01), each followed by a later adaptation; the gradient error of the allocation each later
 adaptation but the first makes (which follows the first adaptation and rotates nothing) is the mean over ``--draws``
 gradients of ``||g - g_exact||^2 / ||g_exact||^2`` on the training batch. Arms, in turn on the same seeds: ``alone``
-(``groups.ROTATE`` off: no tensor rotated) and ``as is`` (the defaults). The benchmark workloads adapt on their probe
+(``passes.ROTATE`` off: no tensor rotated) and ``as is`` (the defaults). The benchmark workloads adapt on their probe
 sub-batch (``benchmarks.methods.sub_batch``), the zoo models on their batch.
 """
 
@@ -27,13 +27,13 @@ from benchmarks.harness import Bench, where
 from benchmarks.methods import sub_batch
 from benchmarks.schemes import drawn_errors, gradient
 from benchmarks.table import markdown_table
-from gactx.controller.adaptation import groups
+from gactx.controller.adaptation import passes
 
 MODELS = (
     "resnet50", "bert-base", "vit-b16", "llama-lora", "zoo:transformer_layer", "zoo:bert", "zoo:gat", "zoo:resnet",
 )  # fmt: skip
 SEEDS = {"resnet50": 2, "bert-base": 2, "vit-b16": 1, "llama-lora": 1}  # the zoo's: 3
-ARMS = {"alone": False, "as is": True}  # groups.ROTATE
+ARMS = {"alone": False, "as is": True}  # passes.ROTATE
 
 
 def _model(name: str) -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
@@ -53,7 +53,7 @@ def _model(name: str) -> tuple[torch.nn.Module, Callable[[], torch.Tensor], Call
 
 
 def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) -> dict:
-    """One seed of one arm (``groups.ROTATE`` as set): the errors of the later allocations, their passes and
+    """One seed of one arm (``passes.ROTATE`` as set): the errors of the later allocations, their passes and
     seconds."""
     torch.manual_seed(seed)
     model, loss, closure_loss = _model(name)
@@ -68,7 +68,7 @@ def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) ->
     with controller:
         gradient(model, loss)
         controller.adapt(closure)
-    errors, passes, seconds = [], [], []
+    errors, counts, seconds = [], [], []
     for k in range(later):
         for i in range(steps):
             optimizer.zero_grad()
@@ -78,32 +78,32 @@ def adapt_and_train(name: str, seed: int, later: int, steps: int, draws: int) ->
         with controller:
             gradient(model, loss)
             a = controller.adapt(closure)
-        passes.append(a.passes)
+        counts.append(a.passes)
         seconds.append(a.seconds)
         if k == 0:  # after the first adaptation, whose curves' widths leave nothing to rotate
             continue
         exact = gradient(model, loss)
         with controller:
             errors.append(statistics.mean(drawn_errors(model, loss, controller, exact, draws)))
-    return {"errors": errors, "passes": passes, "seconds": seconds}
+    return {"errors": errors, "passes": counts, "seconds": seconds}
 
 
 def measure(name: str, seeds: int, later: int, steps: int, draws: int) -> list[dict]:
     """Both arms of one model, the same seeds each: a row an arm."""
     rows = []
     for arm, rotate in ARMS.items():
-        before = groups.ROTATE
-        groups.ROTATE = rotate
+        before = passes.ROTATE
+        passes.ROTATE = rotate
         start = time.perf_counter()
         try:
             runs = [adapt_and_train(name, seed, later, steps, draws) for seed in range(seeds)]
         finally:
-            groups.ROTATE = before
+            passes.ROTATE = before
         errors = [e for r in runs for e in r["errors"]]
-        passes, spent = [p for r in runs for p in r["passes"]], sum(s for r in runs for s in r["seconds"])
+        counts, spent = [p for r in runs for p in r["passes"]], sum(s for r in runs for s in r["seconds"])
         rows.append({
             "model": name, "arm": arm, "seeds": seeds, "error": statistics.mean(errors), "errors": errors,
-            "passes": passes, "adaptation_s": spent, "seconds": round(time.perf_counter() - start, 1),
+            "passes": counts, "adaptation_s": spent, "seconds": round(time.perf_counter() - start, 1),
         })  # fmt: skip
     alone = rows[0]["error"]
     for row in rows:

@@ -3,7 +3,7 @@
 import json
 
 from benchmarks import later
-from gactx.controller.adaptation import groups
+from gactx.controller.adaptation import passes
 
 
 def test_quick_run_compares_each_tensor_alone_with_the_estimator_as_it_is(tmp_path):
@@ -11,7 +11,7 @@ def test_quick_run_compares_each_tensor_alone_with_the_estimator_as_it_is(tmp_pa
     assert [(r["model"], r["arm"]) for r in rows] == [("zoo:resnet", "alone"), ("zoo:resnet", "as is")]
     assert all(len(r["errors"]) == 2 and len(r["passes"]) == 3 and r["error"] > 0 for r in rows)
     assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] == rows[1]["error"] / rows[0]["error"]
-    assert groups.ROTATE  # each arm sets it back
+    assert passes.ROTATE  # each arm sets it back
     data = json.loads((tmp_path / "later.json").read_text())
     assert data["rows"] == json.loads(json.dumps(rows))
     assert "| zoo:resnet | as is | 1 |" in (tmp_path / "later.md").read_text()

@@ -10,7 +10,7 @@ from torch import nn
 
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
-from gactx.controller.adaptation import groups
+from gactx.controller.adaptation import passes
 from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 from tests.helpers import gradient_error
 
@@ -128,10 +128,10 @@ def test_linear_and_convolution_inputs_probed_together_measure_what_each_alone_d
     """Their noise reaches only their own weights' gradients: two passes for all of them give each one's sensitivity
     (and each sketch's calibration), the numbers probing them one at a time gives, in fewer passes."""
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import groups, sensitivity
+    from gactx.controller.adaptation import passes, sensitivity
     from gactx.controller.adaptation.gact_estimator import GactEstimator
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # alone means alone: no tensors probed in groups either
+    monkeypatch.setattr(passes, "GROUPED", False)  # alone means alone: no tensors probed in groups either
     # Pairs for every tensor: with a base pass, whether it runs depends on how many passes it saves, which probing
     # together changes (test_a_linear_tensor_is_probed_in_one_pass_against_a_base covers it).
     monkeypatch.setattr(sensitivity, "BASE", False)
@@ -165,9 +165,9 @@ def test_same_seed_same_sensitivities_and_bits():
 
 
 def test_adaptation_leaves_the_model_as_it_was(monkeypatch):
-    from gactx.controller.adaptation import groups
+    from gactx.controller.adaptation import passes
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes below are counted so
+    monkeypatch.setattr(passes, "GROUPED", False)  # each tensor alone: the passes below are counted so
     (x, y), _ = digits_data()
     torch.manual_seed(0)
     model = digits_cnn()  # BatchNorm and Dropout
@@ -440,9 +440,9 @@ def test_a_curve_width_narrower_than_the_stored_form_takes_one_pass_against_the_
     where they are stored wider: fewer passes for the curves, the sensitivities ranked as with pairs."""
     _every_curve_fitted(monkeypatch)
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import curves, groups
+    from gactx.controller.adaptation import curves, passes
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # each measurement its own passes: counted so
+    monkeypatch.setattr(passes, "GROUPED", False)  # each measurement its own passes: counted so
     results = {}
     for on in (False, True):
         monkeypatch.setattr(curves, "CURVE_BASE", on)
@@ -481,7 +481,7 @@ def test_a_normalisations_input_is_probed_at_two_widths_and_its_statistics_kept(
     from gactx.controller.adaptation import gact_estimator
 
     monkeypatch.setattr(gact_estimator, "KEEP_CURVES", keep)
-    monkeypatch.setattr(groups, "ROTATE", False)  # each tensor its own pass (not two of three together: groups.py)
+    monkeypatch.setattr(passes, "ROTATE", False)  # each tensor its own pass (not two of three together: passes.py)
     torch.manual_seed(0)
     model, x = Normalised(), torch.randn(256, 32)
     controller = _adapted(model, lambda: model(x).square().mean(), min_numel=0)
@@ -548,11 +548,11 @@ def _transformer_layer():
 
 def _first_adaptation_without_and_with(monkeypatch, module, switch: str) -> dict:
     """``{on: (sensitivities, passes, gradient error)}`` of the zoo transformer layer's first adaptation with the
-    module's switch off and on; no tensors probed in groups (``groups.GROUPED``: its own test), whose profiles one
+    module's switch off and on; no tensors probed in groups (``passes.GROUPED``: its own test), whose profiles one
     side's first estimate may not measure."""
-    from gactx.controller.adaptation import groups
+    from gactx.controller.adaptation import passes
 
-    monkeypatch.setattr(groups, "GROUPED", False)
+    monkeypatch.setattr(passes, "GROUPED", False)
     results = {}
     for on in (False, True):
         monkeypatch.setattr(module, switch, on)
@@ -589,9 +589,9 @@ def test_a_curve_whose_tensor_adds_little_is_read_on_the_line_through_its_first_
     transformer layer one of its two LayerNorm inputs in each of the first adaptation's two estimates: 40 passes
     against 43, the same tensors measured, and the allocation's gradient error within a tenth of fitting every
     curve's (at the same budget)."""
-    from gactx.controller.adaptation import groups, sensitivity
+    from gactx.controller.adaptation import passes, sensitivity
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # each measurement its own passes: counted so
+    monkeypatch.setattr(passes, "GROUPED", False)  # each measurement its own passes: counted so
     results = {}
     for share in (0.0, sensitivity.NEGLIGIBLE):
         monkeypatch.setattr(sensitivity, "NEGLIGIBLE", share)
@@ -648,9 +648,9 @@ def test_a_later_adaptation_keeps_the_curves_and_probes_one_width(monkeypatch):
     ResNet-50 small 115 passes against 221, the same gradient error, ranks 0.99, measured by pairs)."""
     _every_curve_fitted(monkeypatch)
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import gact_estimator, groups
+    from gactx.controller.adaptation import gact_estimator, passes
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes are counted so
+    monkeypatch.setattr(passes, "GROUPED", False)  # each tensor alone: the passes are counted so
     monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
     results = {}
     for keep in (False, True):
@@ -679,11 +679,11 @@ def test_a_tensor_probed_in_the_form_it_is_stored_in_takes_one_pass_against_the_
     attention's probabilities at 4 bits, whose backward is not linear in them), it is probed in that form against the
     base pass, whose draw of it is a pair's second draw: one pass instead of a pair, the pairs' sensitivities within
     their own noise (``sensitivity.STORED_BASE``; no tensors probed in groups, which take the tensors probed against
-    the base: ``groups.GROUPED``, its own test)."""
+    the base: ``passes.GROUPED``, its own test)."""
     from benchmarks.estimators import spearman
-    from gactx.controller.adaptation import groups, sensitivity
+    from gactx.controller.adaptation import passes, sensitivity
 
-    monkeypatch.setattr(groups, "GROUPED", False)
+    monkeypatch.setattr(passes, "GROUPED", False)
     results = {}
     for same in (False, True):
         monkeypatch.setattr(sensitivity, "STORED_BASE", same)
@@ -716,9 +716,9 @@ def test_the_second_estimate_of_a_first_adaptation_reads_the_widths_the_first_al
     widths are those of the second estimate's own first pass (a table read when its estimate began held the last
     pass's, the default width everywhere: no pass fewer)."""
     from benchmarks.workloads import build
-    from gactx.controller.adaptation import groups, sensitivity
+    from gactx.controller.adaptation import passes, sensitivity
 
-    monkeypatch.setattr(groups, "GROUPED", False)  # each tensor alone: the passes are compared so
+    monkeypatch.setattr(passes, "GROUPED", False)  # each tensor alone: the passes are compared so
     passes = {}
     for same in (False, True):
         monkeypatch.setattr(sensitivity, "STORED_BASE", same)

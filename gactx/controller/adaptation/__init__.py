@@ -1,7 +1,8 @@
 """Adaptive bits: the sensitivity estimators (``estimators.py``, behind one protocol: GACT's, ``gact_estimator.py``
-over ``sensitivity.py``, which measures tensors whose noise lands apart in the same passes, ``groups.py``, and replays
-the closure's backward, ``replayed.py``, its probes' forms read from the training pass's records, ``trained.py``;
-ActNN's, ``free_sensitivity.py``; what both hold, ``measuring.py``), the storage choices a tensor may be offered and
+over ``sensitivity.py``, whose passes (``passes.py``) measure tensors whose noise lands apart in the same ones,
+``groups.py``, and replay the closure's backward, ``replayed.py`` (an embedding's gradient as its rows, ``rows.py``),
+its probes' forms read from the training pass's records, ``trained.py``; ActNN's, ``free_sensitivity.py``; what both
+hold, ``measuring.py``), the storage choices a tensor may be offered and
 their measured errors (``choices.py``), the variance model of a width (``widths.py``), the allocator under a budget
 (``allocator.py``) and one adaptation's plan from an estimate (``budget.py``), what an adaptation costs against
 training (``cost.py``) and when adaptations run (``schedule.py``); ``ranks.py`` keeps the ranks of

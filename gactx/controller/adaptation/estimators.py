@@ -9,7 +9,7 @@ plan, the free collector's hooks, the storage choices' meter. It reaches the sav
 
 - :class:`GactEstimator` (GACT, ``gact_estimator.py``): about ``2 + L`` extra passes of a closure, each perturbing one
   tensor or a group of tensors whose noise lands apart, all but one a replay of its backward (``sensitivity.py``,
-  ``groups.py``, ``replayed.py``).
+  ``passes.py``, ``groups.py``, ``replayed.py``).
 - :class:`ActnnEstimator` (ActNN): read in the ordinary training step before an adaptation, no extra pass
   (``free_sensitivity.py``).
 """

@@ -51,7 +51,8 @@ from torch import nn
 
 from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
-from gactx.controller.adaptation.groups import Passes, Profiles, layout_of, parts, smallest
+from gactx.controller.adaptation.groups import Profiles, layout_of, parts, smallest
+from gactx.controller.adaptation.passes import Passes
 from gactx.controller.adaptation.probe import Probe
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 from gactx.controller.adaptation.together import probe_together, weight_blocks
@@ -83,7 +84,7 @@ EXACT_BASE = True
 # it is read on the line through its first width (which overrates it at wider widths); against every tensor's at its
 # first width instead, a ViT-B/16's error rose 11%. Negligible tensors measured against the base at the probe width
 # whose sensitivity and profile an estimate knows (a later one) are measured together, in one pass
-# (groups.Passes.measure); against the probe width's total instead of the 1-bit one, the zoo transformer layer's later
+# (passes.Passes.measure); against the probe width's total instead of the 1-bit one, the zoo transformer layer's later
 # allocation erred 1.10x. 0: neither.
 NEGLIGIBLE = 0.01
 # What Estimate.parts calls each kind of measurement (besides "discovery" and "base", a pass each).
@@ -200,7 +201,7 @@ def estimate_sensitivities(
     out of deferring (``Plan.deferred``), where the passes after the first replay the closure's backward
     (``replayed.py``). ``allocated``: the gradient variance the allocation in force predicts, where there is one: the
     tensors of one-pass measurements whose variances at 1 bit sum to at most :data:`NEGLIGIBLE` of it are measured
-    together, in one pass (``groups.Passes.measure``). ``trained()``: where ``discover`` returned without running its
+    together, in one pass (``passes.Passes.measure``). ``trained()``: where ``discover`` returned without running its
     pass, the probes that store each slot as training does; the first pass is then a replay of the base's forward
     under them (``gact_estimator.REPLAY_FIRST``), ``None`` where there is none."""
     start = time.perf_counter()

@@ -216,12 +216,12 @@ def test_a_probed_sketch_calibrates_every_sketch_of_its_tensor():
 
 def test_gact_probes_the_sketchable_tensors_together_with_their_calibration_pairs(monkeypatch):
     from benchmarks.zoo import build
-    from gactx.controller.adaptation import gact_estimator, groups
+    from gactx.controller.adaptation import gact_estimator, passes
     from gactx.controller.adaptation.choices import CALIBRATION_PAIRS
 
     # No groups: the two controllers' passes then differ by the calibration pairs alone, measured by every estimate
     # (else by the first alone: kept, below), the first of each pair in a pass against the exact base.
-    monkeypatch.setattr(groups, "GROUPED", False)
+    monkeypatch.setattr(passes, "GROUPED", False)
     monkeypatch.setattr(gact_estimator, "KEEP_CALIBRATION", False)
     monkeypatch.setattr(gact_estimator, "UNEXPLAINED", math.inf)  # against the exact base throughout: counted so
     model, run = build("transformer_layer", 1)
