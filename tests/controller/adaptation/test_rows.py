@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import gactx
 from gactx.controller.adaptation import replayed, rows
@@ -11,10 +12,12 @@ from gactx.controller.adaptation import replayed, rows
 
 class Tagger(nn.Module):
     """Four embedding tables: one with a padding row and gradients scaled by frequency, a plain one, one whose weight
-    the output layer shares, and one whose weight has a hook; a normalisation and an MLP above their sum."""
+    the output layer shares, and one whose weight has a hook; a normalisation and an MLP above their sum. The sum may
+    be computed inside a non-reentrant checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed
         self.words = nn.Embedding(500, 16, padding_idx=0, scale_grad_by_freq=True)
         self.tags = nn.Embedding(200, 16)
         self.tied = nn.Embedding(300, 16)
@@ -24,8 +27,11 @@ class Tagger(nn.Module):
         self.out = nn.Linear(16, 300)
         self.out.weight = self.tied.weight
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.words(ids[..., 0]) + self.tags(ids[..., 1]) + self.tied(ids[..., 2]) + self.hooked(ids[..., 3])
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.words(ids[..., 0]) + self.tags(ids[..., 1]) + self.tied(ids[..., 2]) + self.hooked(ids[..., 3])
+        x = checkpoint(self.embed, ids, use_reentrant=False) if self.checkpointed else self.embed(ids)
         return self.out(self.mix(x))
 
 
@@ -57,10 +63,12 @@ def test_only_an_embeddings_own_untouched_weight_is_read_as_its_rows():
     assert found[names.index("words.weight")].scale is not None  # the padding row and the frequencies
 
 
-def test_an_estimate_reads_the_tables_as_rows_and_measures_what_the_dense_gradients_measure(monkeypatch):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_an_estimate_reads_the_tables_as_rows_and_measures_what_the_dense_gradients_measure(checkpointed, monkeypatch):
     """An adaptation of the tagger with the tables read as rows (``replayed.ROWS``) and with their dense gradients:
     the same sensitivities up to rounding and the same allocation, its passes from the probed nodes, those that reach
-    the tables reading them as rows."""
+    the tables reading them as rows; with the tables' sum inside a non-reentrant checkpoint too (its saves read
+    outside a backward by the pass that finds the tables)."""
     ids, target = _batch()
     read = []
     of = rows.Rows.of
@@ -69,7 +77,7 @@ def test_an_estimate_reads_the_tables_as_rows_and_measures_what_the_dense_gradie
     for on in (False, True):
         monkeypatch.setattr(replayed, "ROWS", on)
         torch.manual_seed(0)
-        model = Tagger()
+        model = Tagger(checkpointed)
 
         def backprop(model=model):
             F.cross_entropy(model(ids[:16]).flatten(0, 1), target[:16].flatten()).backward()
