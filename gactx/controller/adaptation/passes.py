@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -61,7 +61,6 @@ class Passes:
         self.difference: Callable[[dict], list | None] | None = None
         # told the slots the next passes probe, in order, where difference reads what it needs by windows
         self.expect: Callable[[list], None] | None = None
-        self.later: list = []  # the slots the estimate measures after those of the measurement under way, in order
         self.partial = 0  # the passes difference ran from the probed nodes down
         self.rotated: dict = {}  # the slots measured together by _rotated -> how many estimates in a row
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
@@ -107,18 +106,20 @@ class Passes:
         return parts(self._gradient(), self.base)
 
     def measure(
-        self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str, negligible: float = 0.0
-    ) -> tuple[dict, dict]:
+        self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str, negligible: float = 0.0,
+        later: Sequence = (),
+    ) -> tuple[dict, dict]:  # fmt: skip
         """Measure each slot of ``row`` (slot -> first probe, second or ``None``, D per unit of sensitivity): in groups
         where its profile is known (measured in this estimate, ``shares``, or ``kept``) and its sensitivity (``raw``
         or ``kept``), else alone; the passes counted to ``part``. Slots measured against the base that are expected
         to put the least in the gradient, at most ``negligible`` together (``sensitivity.NEGLIGIBLE``), are measured
         in one pass, each scaled by what it measured over what they were expected to put (:meth:`_together`); there,
         of the slots no group takes, up to half are measured together likewise, last, where each was measured on its
-        own at the probe width in the last estimate (:meth:`_rotation`). Returns ``(slot -> D, slot -> profile
-        measured alone)``."""
+        own at the probe width in the last estimate (:meth:`_rotation`). ``later``: the slots the estimate measures
+        after these, in order (a window of given gradients holds their nodes too). Returns ``(slot -> D, slot ->
+        profile measured alone)``."""
         if self.expect is not None:
-            self.expect([*row, *self.later])
+            self.expect([*row, *later])
         expected = {}
         if GROUPED:
             for slot, (_, _, unit) in row.items():
@@ -143,7 +144,7 @@ class Passes:
                 joint = self._rotation(row, single, kept)
             if self.expect is not None:  # the groups first, then the slots measured alone, then those rotated
                 alone = [s for s in row if s not in taken and s not in found and s not in joint]
-                self.expect(grouped + alone + joint + self.later)
+                self.expect([*grouped, *alone, *joint, *later])
 
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)

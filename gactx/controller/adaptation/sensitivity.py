@@ -306,7 +306,6 @@ def estimate_sensitivities(
         negligible = NEGLIGIBLE * allocated / narrow if allocated is not None and math.isfinite(allocated) else 0.0
         order = _in_order(measures)
         for n, (what, row) in enumerate(order):
-            passes.later = [s for _, after in order[n + 1 :] for s in after]
             pending = firsts & row.keys() if what[0] == "width" else set()
             if pending:
                 skipped = _negligible(pending, raw, narrow)
@@ -316,8 +315,9 @@ def estimate_sensitivities(
                     continue
             fitted = what[0] == "width" and any(len(plans[s][0]) > 1 for s in row)  # widths of curves
             found, fresh = passes.measure(
-                row, kept, raw, shares, PARTS["curves" if fitted else what[0]], negligible if what == ("one",) else 0.0
-            )
+                row, kept, raw, shares, PARTS["curves" if fitted else what[0]], negligible if what == ("one",) else 0.0,
+                [s for _, after in order[n + 1 :] for s in after],  # their nodes fill the window too
+            )  # fmt: skip
             if what[0] != "choice":  # a sketch's noise is not the codes'
                 shares.update(fresh)
             measured[what] = found
