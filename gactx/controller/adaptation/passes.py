@@ -31,8 +31,9 @@ ROTATIONS = 2
 # Where the pass of the tensors measured together in a rotation is not borne out (Passes._rotated), each half of them
 # is measured together, and where one half is borne out, the other's halves in turn, down to fewer than HALVES (then
 # each alone): one tensor that moved apart from the others costs a few passes, not one for each of them (ResNet-50
-# small: a later adaptation's 14 rotated tensors cost it 14 more passes); where both halves are refused, two passes
-# more than each alone. 0: each alone.
+# small: a later adaptation's 14 rotated tensors cost it 14 more passes); where both halves are refused and their
+# ratios disagree (beyond SPREAD), two passes more than each alone; where they agree, each half at its own scale (a
+# trained ResNet-50 small's refused later adaptation 19 passes, not 27). 0: each alone.
 HALVES = 4
 # A rotation's pass is borne out where what it measured over what its tensors were expected to put is within this factor
 # of the median such ratio of the tensors measured on their own (Passes._rotated). A pass against the base of one
@@ -63,6 +64,8 @@ class Passes:
         self.expect: Callable[[list], None] | None = None
         self.partial = 0  # the passes difference ran from the probed nodes down
         self.rotated: dict = {}  # the slots measured together by _rotated -> how many estimates in a row
+        # of those, the ones scaled by halves that bore out only each other (_halves): on their own in the next estimate
+        self.unsettled: set = set()
         self.parts: dict[str, tuple[int, int]] = {"discovery": (0, 1)}  # part -> (measurements, passes)
 
     def spent(self, part: str, measurements: int, passes: int) -> None:
@@ -157,7 +160,8 @@ class Passes:
             ratios = [found[s] / float(e.sum()) for s, e in expected.items() if s in found and e.sum() > 0]
             rotated = self._rotated(row, joint, expected, statistics.median(ratios) if ratios else 1.0)
             found.update(rotated)
-            self.rotated.update((s, kept.rotated.get(s, 0) + 1) for s in rotated)
+            # each measured on its own in the next estimate where no more may be so in a row, or _halves says so
+            self.rotated.update((s, ROTATIONS if s in self.unsettled else kept.rotated.get(s, 0) + 1) for s in rotated)
             for slot in joint:  # their pass not borne out: each alone
                 if slot not in found:
                     measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
@@ -178,7 +182,7 @@ class Passes:
         self.total += 1 - len(small)  # their passes, as the progress tells them before this one runs
         return self._scaled(row, {s: float(expected[s].sum()) for s in small}, lambda measured, _: (
             measured <= 2 * negligible
-        ))  # fmt: skip
+        ))[0]  # fmt: skip
 
     def _rotation(self, row: dict, single: dict, kept: Profiles) -> list:
         """The tensors of ``row`` that no group took (``single``: slot -> what each is expected to put in the gradient)
@@ -211,37 +215,46 @@ class Passes:
         def accept(measured: float, want: float) -> bool:
             return reference > 0 and reference / SPREAD <= measured / want <= SPREAD * reference
 
-        found = self._scaled(row, {s: float(expected[s].sum()) for s in joint}, accept)
+        found, _ = self._scaled(row, {s: float(expected[s].sum()) for s in joint}, accept)
         return found or self._halves(row, joint, expected, accept)
 
     def _halves(self, row: dict, refused: list, expected: dict, accept: Callable[[float, float], bool]) -> dict:
         """Where ``refused`` (tensors whose pass together ``accept`` refused) are :data:`HALVES` or more: each half of
         them measured together in one pass (:meth:`_scaled`), and where one half is borne out and the other is not,
-        the other's halves so in turn, and so on down. Where both are refused, the tensors that moved are in both: each
-        is measured alone, at two passes more than measuring them so at once. ``slot -> D`` of those borne out."""
+        the other's halves so in turn, and so on down. Where both are refused but bear each other out (their ratios of
+        measured to expected within :data:`SPREAD` of each other: the tensors moved together, apart from those
+        measured on their own), each half is scaled by its own pass, and its tensors are measured on their own in the
+        next estimate (:attr:`unsettled`). Else the tensors that moved are in both: each is measured alone, at two
+        passes more than measuring them so at once. ``slot -> D`` of those borne out."""
         if HALVES < 2 or len(refused) < HALVES:
             return {}
         self.total += 2 - len(refused)  # two passes for them, not one each (as _scaled counted them)
         half = len(refused) // 2
         parts = refused[:half], refused[half:]
-        first, second = (self._scaled(row, {s: float(expected[s].sum()) for s in p}, accept) for p in parts)
+        (first, a), (second, b) = (self._scaled(row, {s: float(expected[s].sum()) for s in p}, accept) for p in parts)
         if first and not second:
             return {**first, **self._halves(row, parts[1], expected, accept)}
         if second and not first:
             return {**second, **self._halves(row, parts[0], expected, accept)}
+        agree = all(math.isfinite(r) and r > 0 for r in (a, b)) and max(a, b) <= SPREAD * min(a, b)
+        if not first and not second and agree:
+            self.total -= len(refused)  # not measured alone after all (_scaled counted each so)
+            self.unsettled.update(refused)
+            return {s: float(expected[s].sum()) * r for p, r in zip(parts, (a, b), strict=True) for s in p}
         return {**first, **second}
 
-    def _scaled(self, row: dict, want: dict, accept: Callable[[float, float], bool]) -> dict:
-        """``slot -> D`` of the slots of ``want`` (slot -> what each is expected to put in the gradient) from one pass
-        against the base with all of them probed: each its expectation times the pass's distance over their
-        expectations' sum. ``{}`` where ``accept(measured, expected)`` (their sums) refuses what the pass measured:
-        then each is measured as the others are, and the pass is counted as spent."""
+    def _scaled(self, row: dict, want: dict, accept: Callable[[float, float], bool]) -> tuple[dict, float]:
+        """``(slot -> D, ratio)`` of the slots of ``want`` (slot -> what each is expected to put in the gradient) from
+        one pass against the base with all of them probed: each its expectation times the pass's ``ratio``, its
+        distance over their expectations' sum. ``{}`` where ``accept(measured, expected)`` (their sums) refuses what
+        the pass measured: then each is measured as the others are, and the pass is counted as spent."""
         measured = float(self.run({s: row[s][0] for s in want}, None).sum())
         total = sum(want.values())
+        ratio = measured / total if total > 0 and math.isfinite(measured) else math.nan
         if not (total > 0 and math.isfinite(measured) and accept(measured, total)):
             self.total += len(want)
-            return {}
-        return {s: w * measured / total for s, w in want.items()}
+            return {}, ratio
+        return {s: w * measured / total for s, w in want.items()}, ratio
 
     def _agreed(self, slots: list, expected: dict) -> dict:
         """``expected`` averaged over the ranks (``ranks.mean_over_ranks``), for the slots every rank expects something

@@ -124,10 +124,49 @@ def test_a_rotation_not_borne_out_is_measured_again_in_halves(monkeypatch):
     assert none == {} and ran_alone == [set(true)] and counted_alone == 1 + 8
 
 
-def test_a_rotation_whose_halves_are_both_refused_measures_each_alone(monkeypatch):
-    """Two of the eight grew, one in each half: both halves are refused too, and halving stops there (the tensors that
-    moved are in both): each is measured alone, two passes more than without halving, not a pass for every quarter."""
-    true = {f"t{i}": 1.0 for i in range(8)} | {"t1": 30.0, "t6": 30.0}
+def test_a_rotation_whose_halves_are_both_refused_and_disagree_measures_each_alone(monkeypatch):
+    """One of the eight grew in one half, three in the other: both halves are refused, and their ratios (8.25 and
+    22.75) do not bear each other out (the tensors that moved are in both): halving stops there and each is measured
+    alone, two passes more than without halving, not a pass for every quarter."""
+    true = {f"t{i}": 1.0 for i in range(8)} | {"t1": 30.0, "t5": 30.0, "t6": 30.0, "t7": 30.0}
     found, ran, counted = _rotation(true, monkeypatch, halves=4)
     assert ran == [set(true), {"t0", "t1", "t2", "t3"}, {"t4", "t5", "t6", "t7"}] and found == {}
     assert counted == len(ran) + 8
+
+
+def test_halves_that_bear_each_other_out_are_scaled_and_measured_alone_next(monkeypatch):
+    """All eight moved together, to three times what they were expected to put while the tensors measured on their
+    own moved by 1: the pass is refused, and so are both halves, but at one ratio, so each half is scaled by its own
+    pass (3 passes, against 9 each alone) and its tensors are unsettled, to be measured on their own in the next
+    estimate. One that grew in each half (t1 and t6, 30-fold) reads so too: each half at 8.25, for one estimate."""
+    true = {f"t{i}": 3.0 for i in range(8)}
+    found, ran, counted = _rotation(true, monkeypatch, halves=4)
+    assert found == pytest.approx({s: 3.0 for s in true}) and len(ran) == 3 and counted == 3
+    movers = {f"t{i}": 1.0 for i in range(8)} | {"t1": 30.0, "t6": 30.0}
+    found, ran, counted = _rotation(movers, monkeypatch, halves=4)
+    assert found == pytest.approx({s: 8.25 for s in movers}) and len(ran) == 3 and counted == 3
+
+
+def test_unsettled_tensors_are_measured_on_their_own_in_the_next_estimate(monkeypatch):
+    """Through :meth:`passes.Passes.measure`: of eight tensors no group takes (one profile each, all in one
+    parameter), a later estimate rotates five and measures three alone (each as expected); the five all moved to three
+    times their expectation: refused, then scaled by their halves, and the estimate's rotation counts mark them to be
+    measured on their own next time (:data:`passes.ROTATIONS`), so that the next estimate rotates none of them."""
+    monkeypatch.setattr(passes, "HALVES", 2)
+    slots = [f"t{i}" for i in range(8)]
+    kept = passes.Profiles((0,), {s: torch.tensor([1.0], dtype=torch.float64) for s in slots},
+                           dict.fromkeys(slots, 1.0), {}, frozenset(slots))  # fmt: skip
+    counted = passes.Passes(lambda: [], lambda probes: None, (1,), None)
+    moved = set()
+
+    def run(first, second):
+        return torch.tensor([sum(3.0 if s in moved else 1.0 for s in first)], dtype=torch.float64)
+
+    counted.run = run
+    row = {s: (s, None, 1.0) for s in slots}
+    moved.update(slots[:5])  # what the rotation takes: the first five (by counts, then expectations, all equal)
+    found, _ = counted.measure(row, kept, {}, {}, "against the base", negligible=1e-9)
+    assert found == pytest.approx({s: 3.0 if s in moved else 1.0 for s in slots})
+    assert counted.unsettled == moved and counted.rotated == dict.fromkeys(moved, passes.ROTATIONS)
+    later = passes.Profiles(kept.layout, kept.shares, dict(found), dict(counted.rotated), kept.probed)
+    assert not set(passes.Passes(lambda: [], lambda p: None, (1,), None)._rotation(row, found, later)) & moved
