@@ -14,7 +14,7 @@ import torch
 from gactx.controller.adaptation.groups import Profiles, measure_alone, parts, probe_in_groups, smallest, squares
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
-__all__ = ["GROUPED", "HALVES", "ROTATE", "ROTATIONS", "SPREAD", "Passes"]
+__all__ = ["CUTS", "GROUPED", "HALVES", "ROTATE", "ROTATIONS", "SPREAD", "Passes"]
 
 # Probe tensors whose profiles are known in groups (estimate_sensitivities); False: each alone.
 GROUPED = True
@@ -41,6 +41,11 @@ HALVES = 4
 # that noise. At 3, benchmarks.later's passes fell by at most 7% (none on ResNet-50 or BERT-base), and the LoRA
 # decoder's error rose from 0.968x to 1.021x of measuring each alone (ViT-B/16's fell from 0.997x to 0.976x).
 SPREAD = 2.0
+# Normalisation inputs of one kind measured alone whose noise passes one cut (cuts.py: a ResNet bottleneck's BatchNorm
+# inputs, below which lies the block's input) share the backward below it: each is measured down to the cut, and the
+# one whose gradient there differs most below it too; the others' part below is that one's, scaled by how much their
+# gradients at the cut differ (Passes._through). False: each its own backward below the cut.
+CUTS = True
 
 
 class Passes:
@@ -62,6 +67,11 @@ class Passes:
         self.difference: Callable[[dict], list | None] | None = None
         # told the slots the next passes probe, in order, where difference reads what it needs by windows
         self.expect: Callable[[list], None] | None = None
+        # the cut below a slot's nodes (replayed.Replayed.cut_of), a pass split there (split) and one below it (below)
+        self.cut_of: Callable | None = None
+        self.split: Callable | None = None
+        self.below: Callable | None = None
+        self.curved: frozenset = frozenset()  # the normalisation inputs, whose measurements alone may share a cut
         self.partial = 0  # the passes difference ran from the probed nodes down
         self.rotated: dict = {}  # the slots measured together by _rotated -> how many estimates in a row
         # of those, the ones scaled by halves that bore out only each other (_halves): on their own in the next estimate
@@ -152,9 +162,12 @@ class Passes:
         grouped, fresh = probe_in_groups({s: (row[s][0], row[s][1], e) for s, e in expected.items()}, self.run, formed)
         found.update(grouped)
         self.total += self.done - before - planned  # members the groups' passes did not explain, measured alone
-        for slot, (first, second, _) in row.items():
-            if slot not in found and slot not in joint:
-                measure_alone(slot, first, second, self.run, found, fresh)
+        alone = [s for s in row if s not in found and s not in joint]
+        for group in self._by_cut(row, alone):
+            if len(group) > 1:
+                self._through(row, group, found, fresh)
+            else:
+                measure_alone(group[0], row[group[0]][0], row[group[0]][1], self.run, found, fresh)
         if joint:
             # The tensors measured on their own (not with the negligible ones: those left ``expected``)
             ratios = [found[s] / float(e.sum()) for s, e in expected.items() if s in found and e.sum() > 0]
@@ -167,6 +180,58 @@ class Passes:
                     measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
         self.spent(part, len(row), self.done - start)
         return found, fresh
+
+    def _by_cut(self, row: dict, alone: list) -> list[list]:
+        """``alone`` (slots of ``row`` each to be measured on its own), in order, as groups: the normalisation inputs
+        measured against the base whose nodes' cut is one, of one kind of node, together where :data:`CUTS` (at the
+        first of them), each other slot on its own."""
+        if not CUTS or self.cut_of is None:
+            return [[s] for s in alone]
+        keys = {}
+        for slot in alone:
+            cut = self.cut_of(slot) if slot in self.curved and row[slot][1] is None else None
+            keys[slot] = None if cut is None else (cut.edge.node, cut.edge.output_nr, cut.kind)
+        members: dict = {}
+        for slot, key in keys.items():
+            if key is not None:
+                members.setdefault(key, []).append(slot)
+        out, done = [], set()
+        for slot in alone:
+            if slot in done:
+                continue
+            group = members[keys[slot]] if keys[slot] is not None else [slot]
+            done.update(group)
+            out.append(group)
+        return out
+
+    def _through(self, row: dict, group: list, found: dict, fresh: dict) -> None:
+        """Measure the slots of ``group`` (one cut below their nodes, :meth:`_by_cut`), each against the base: its pass
+        down to the cut (``split``: what it puts above, exact, and the difference of the gradient the cut is given),
+        then for the one whose difference there is largest, that difference's backward below the cut (``below``); the
+        others' parts below are that one's, each times its squared difference at the cut over that one's (:data:`CUTS`).
+        ``D`` into ``found`` and profiles into ``fresh``, as :func:`groups.measure_alone` gives them; a slot whose pass
+        cannot be split so is measured alone."""
+        split = {}
+        for slot in group:
+            got = self.split(slot, row[slot][0])
+            if got is None:
+                measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
+                continue
+            self._tick()
+            self.partial += 1
+            above, delta = got
+            energy = 0.0 if delta is None else float(delta.double().square().sum())  # a host read, as a pass's
+            split[slot] = (squares(above), delta, energy)
+        if not split:
+            return
+        widest = max(split, key=lambda s: split[s][2])
+        _, delta, most = split[widest]
+        below = squares(self.below(widest, delta)) if most > 0 else torch.zeros(len(self.sizes), dtype=torch.float64)
+        for slot, (above, _, energy) in split.items():
+            d = above + (below if slot == widest else below * (energy / most if most > 0 else 0.0))
+            found[slot] = whole = float(d.sum())
+            if whole > 0 and math.isfinite(whole):
+                fresh[slot] = d / whole
 
     def _together(self, row: dict, expected: dict, negligible: float) -> dict:
         """``slot -> D`` of the slots of ``row`` measured against the base whose expected contributions are the

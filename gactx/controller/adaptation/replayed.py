@@ -18,6 +18,8 @@ save reads it probed, as in a whole pass). So a pass runs each such node twice o
 inputs down (``torch.autograd.grad`` from their edges), not the whole backward: a tensor saved near the loss costs the
 nodes below it, one whose noise reaches only its weight's gradient (a product's activation operand) costs its node
 alone. The difference is a whole pass's up to rounding (tested), without the cancellation of two whole gradients.
+Such a pass can also stop at a cut below the probed nodes (``cuts.py``), handing back what the cut is given, and a
+backward from the cut alone continues it (:meth:`Replayed.split`, :meth:`Replayed.below`).
 
 The ``g_N`` are read by a backward from the closure's roots that stops below the nodes it reads them for (``inputs``
 at their edges), with a hook on each, for at most :data:`WINDOW` nodes at a time: the nodes of the pass that needs
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from gactx.controller.adaptation import rows
+from gactx.controller.adaptation import cuts, rows
 from gactx.controller.identity import in_backward
 
 __all__ = ["PARTIAL", "REPLAY", "WINDOW", "Replayed"]
@@ -86,6 +88,7 @@ class Replayed:
         self._given: dict = {}  # node -> the gradient it is given in the base (the window's nodes)
         self._exact: dict = {}  # node -> its exact call's results on that gradient, the last pass's nodes (copies)
         self._tables: dict | None = None  # position in the estimate's parameters -> rows.Rows, once a pass needs them
+        self._cuts: dict | None = None  # slot -> cuts.Cut below its nodes, once a pass asks (cut_of)
         self._results: dict = {}  # node -> a fingerprint of what the engine's call gave (_fingerprint), until checked
         self._checked: dict = {}  # node -> whether a call outside the engine gives what the engine's did (_same)
         self._bad: set = set()  # nodes not given one gradient in a backward: never, or more than once
@@ -133,6 +136,74 @@ class Replayed:
         self, probes: dict, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
     ) -> list[torch.Tensor | None] | None:
         """:meth:`difference`, where it may run."""
+        given = self._deltas(probes, set_probe)
+        if given is None:
+            return None
+        edges, deltas = given
+        if not edges:
+            return [None] * len(params)
+        tables = self._rows(params)
+        inputs = [tables[i].edge if i in tables else p for i, p in enumerate(params)]
+        out = list(torch.autograd.grad(edges, inputs, deltas, retain_graph=True, allow_unused=True))
+        for i, table in tables.items():  # an embedding's weight: the rows its indices reach (rows.py)
+            out[i] = table.of(out[i])
+        return out
+
+    def cut_of(self, slot: Hashable, params: Sequence[torch.Tensor]) -> cuts.Cut | None:
+        """The cut below ``slot``'s nodes (``cuts.py``), where a pass from them can probe it; found for every slot by
+        the first call."""
+        if self._cuts is None:
+            roots = [_node(t) for tensors, _, _ in self.calls for t in _each(tensors)] if self.calls else []
+            self._cuts = cuts.cuts(roots, self._nodes, params) if roots else {}
+        if not PARTIAL or self._failed or slot in self._broken:
+            return None
+        return self._cuts.get(slot)
+
+    def split(
+        self, slot: Hashable, probe, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
+    ) -> tuple[list, torch.Tensor | None] | None:
+        """A pass with ``slot`` probed, split at its cut (:meth:`cut_of`): the difference from the base of each of
+        ``params`` above it (``None`` below it, and where the noise does not reach), and the difference of the gradient
+        the cut is given (``None``: nothing reached it); ``None`` where such a pass cannot measure it."""
+        cut = self.cut_of(slot, params)
+        if cut is None:
+            return None
+        self._upcoming = [s for s in self._upcoming if s != slot]  # probed now, not next
+        try:
+            given = self._deltas({slot: probe}, set_probe)
+            if given is None:
+                return None
+            edges, deltas = given
+            out = [None] * len(params)
+            if not edges:
+                return out, None
+            inputs = [*(params[i] for i in cut.near), cut.edge]
+            found = torch.autograd.grad(edges, inputs, deltas, retain_graph=True, allow_unused=True)
+        except (RuntimeError, TypeError) as e:  # as difference()
+            self._failed = True
+            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
+            return None
+        for i, d in zip(cut.near, found[:-1], strict=True):
+            out[i] = d
+        return out, found[-1]
+
+    def below(self, slot: Hashable, delta: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
+        """The difference ``delta`` (the gradient ``slot``'s cut is given, :meth:`split`'s) makes to each of
+        ``params`` below the cut (``None`` above it, and where it does not reach): backward from the cut alone, under
+        the probe in force."""
+        cut = self.cut_of(slot, params)
+        out = [None] * len(params)
+        found = torch.autograd.grad(
+            [cut.edge], [params[i] for i in cut.far], [delta], retain_graph=True, allow_unused=True
+        )
+        for i, d in zip(cut.far, found, strict=True):
+            out[i] = d
+        return out
+
+    def _deltas(self, probes: dict, set_probe: Callable[[dict], None]) -> tuple[list, list] | None:
+        """The edges below the nodes that read the probed slots, and the difference each is handed by them under the
+        probes against the base (module docstring): where the noise reaches, the probes left in force; ``None`` where
+        a pass from the nodes cannot stand for the whole one."""
         nodes = self._needed(probes)
         if nodes is None:
             return None
@@ -167,14 +238,7 @@ class Replayed:
                 if bool(delta.any()):  # an edge the probe's noise does not reach costs no backward below it
                     edges.append(GradientEdge(after, n))
                     deltas.append(delta)
-        if not edges:
-            return [None] * len(params)
-        tables = self._rows(params)
-        inputs = [tables[i].edge if i in tables else p for i, p in enumerate(params)]
-        out = list(torch.autograd.grad(edges, inputs, deltas, retain_graph=True, allow_unused=True))
-        for i, table in tables.items():  # an embedding's weight: the rows its indices reach (rows.py)
-            out[i] = table.of(out[i])
-        return out
+        return edges, deltas
 
     def _rows(self, params: Sequence[torch.Tensor]) -> dict:
         """:func:`rows.tables` of the estimate's parameters below the recorded calls, found by the first pass that
@@ -264,7 +328,7 @@ class Replayed:
     def close(self) -> None:
         """Drop the recorded calls, and with them the graphs and the saves they keep."""
         self.calls, self._nodes, self._given, self._results, self._checked, self._bad = [], {}, {}, {}, {}, set()
-        self._exact, self._tables = {}, None
+        self._exact, self._tables, self._cuts = {}, None, None
 
     def _watch(self, slot: Hashable, forward: bool) -> None:
         """A deferred save of ``slot`` is unpacked (``PackPath.unpacked``), in the recording run's backward."""

@@ -14,10 +14,11 @@ the square of any bias its rounding puts into the gradient's mean. Tensors whose
 gradients are probed all at once (``together.py``). Every other measurement (a tensor at a width, a storage
 choice) is made for several tensors at once where the estimate knows where each one's noise lands in the gradient and
 those places overlap little (``groups.py``). The passes after the first two replay the second's backward calls, its
-forward run once, from the nodes that read what a pass probes down (``replayed.py``). The first pass stores every
-tensor as training does; how far its gradients are from the base's, over what the estimate predicts for it, is
-:attr:`Estimate.unexplained` (about 1 where the tensors' noises add; the estimator measures with the others at their
-widths where they interact).
+forward run once, from the nodes that read what a pass probes down (``replayed.py``); normalisation inputs measured
+alone whose noise passes one node (a residual block's input: ``cuts.py``) share the backward below it, each one's part
+there read as the largest one's, scaled (``passes.CUTS``). The first pass stores every tensor as training does; how far
+its gradients are from the base's, over what the estimate predicts for it, is :attr:`Estimate.unexplained` (about 1
+where the tensors' noises add; the estimator measures with the others at their widths where they interact).
 
 With :data:`EXACT_BASE` off, every pass stores the other tensors at their widths, with the same noise, and ``l`` is
 quantized at ``probe_bits`` with two different seeds: ``C_l = 1/2 * ||g_a - g_b||^2 / S(probe_bits)``, ``1 + 2 L``
@@ -260,6 +261,12 @@ def estimate_sensitivities(
                 if len(params) == len(sizes):
                     passes.difference = lambda probes: backprop.difference(probes, set_probe, params)
                     passes.expect = backprop.expect
+                    passes.cut_of = lambda slot: backprop.cut_of(slot, params)
+                    passes.split = lambda slot, probe: backprop.split(slot, probe, set_probe, params)
+                    passes.below = lambda slot, delta: backprop.below(slot, delta, params)
+                    passes.curved = frozenset(
+                        s for s in slots if curved is not None and curved(s) or shape_of is not None and shape_of(s)
+                    )
             probes = trained() if trained is not None and not first else None
             if probes is not None:  # the first pass, every tensor as training stores it: a replay (not counted again)
                 set_probe(probes)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import gactx
 from benchmarks.digits import digits_cnn, digits_data
-from gactx.controller.adaptation import gact_estimator, replayed
+from gactx.controller.adaptation import gact_estimator, passes, replayed
 from tests.conftest import DEVICES
 
 
@@ -103,9 +103,11 @@ def test_a_pass_from_the_probed_nodes_measures_alike_on_other_models(name, monke
     """A position embedding added by broadcasting (BERT: the node's result summed as the engine sums it), oneDNN's
     LSTM, a Python autograd function's saves (whole replays), a checkpointed model, GAT's shared saves, and the rest
     of the zoo that ``benchmarks.schemes`` measures: the same sensitivities as whole replays up to rounding (a
-    sensitivity a millionth of the largest is rounding in both), and the same allocation."""
+    sensitivity a millionth of the largest is rounding in both), and the same allocation. Each pass its own backward
+    below the probed nodes (no cut shared: ``test_cuts.py``)."""
     from benchmarks.zoo import build
 
+    monkeypatch.setattr(passes, "CUTS", False)
     results = []
     for partial in (False, True):
         monkeypatch.setattr(replayed, "PARTIAL", partial)
@@ -256,9 +258,11 @@ def test_a_checkpointed_model_replays_its_first_pass(reentrant, monkeypatch):
 def test_the_given_gradients_are_read_a_window_at_a_time(monkeypatch):
     """The gradients the probed nodes are given in the base are read for at most ``WINDOW`` nodes at a time, those the
     pass needs first and then those of the slots expected next: with a window of 2 the zoo ResNet's BatchNorm inputs
-    measure what whole replays measure, and no more than 2 nodes' gradients are ever held."""
+    measure what whole replays measure (each pass its own backward below them), and no more than 2 nodes' gradients
+    are ever held."""
     from benchmarks.zoo import build
 
+    monkeypatch.setattr(passes, "CUTS", False)
     held, reads = [], []
     read = replayed.Replayed._read
 
