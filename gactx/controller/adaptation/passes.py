@@ -226,7 +226,12 @@ class Passes:
             return
         widest = max(split, key=lambda s: split[s][2])
         _, delta, most = split[widest]
-        below = squares(self.below(widest, delta)) if most > 0 else torch.zeros(len(self.sizes), dtype=torch.float64)
+        far = self.below(widest, delta) if most > 0 else [None] * len(self.sizes)
+        if far is None:  # its backward below the cut raised: each measured alone (whole passes from here on)
+            for slot in split:
+                measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
+            return
+        below = squares(far)
         for slot, (above, _, energy) in split.items():
             d = above + (below if slot == widest else below * (energy / most if most > 0 else 0.0))
             found[slot] = whole = float(d.sum())

@@ -187,15 +187,23 @@ class Replayed:
             out[i] = d
         return out, found[-1]
 
-    def below(self, slot: Hashable, delta: torch.Tensor, params: Sequence[torch.Tensor]) -> list:
+    def below(self, slot: Hashable, delta: torch.Tensor, params: Sequence[torch.Tensor]) -> list | None:
         """The difference ``delta`` (the gradient ``slot``'s cut is given, :meth:`split`'s) makes to each of
         ``params`` below the cut (``None`` above it, and where it does not reach): backward from the cut alone, under
-        the probe in force."""
+        the probe in force; ``None`` where that raised (then whole replays measure the rest, as after
+        :meth:`difference`)."""
         cut = self.cut_of(slot, params)
         out = [None] * len(params)
-        found = torch.autograd.grad(
-            [cut.edge], [params[i] for i in cut.far], [delta], retain_graph=True, allow_unused=True
-        )
+        if cut is None or not cut.far:
+            return None if cut is None else out
+        try:
+            found = torch.autograd.grad(
+                [cut.edge], [params[i] for i in cut.far], [delta], retain_graph=True, allow_unused=True
+            )
+        except (RuntimeError, TypeError) as e:
+            self._failed = True
+            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
+            return None
         for i, d in zip(cut.far, found, strict=True):
             out[i] = d
         return out

@@ -132,3 +132,16 @@ def test_the_part_below_the_cut_is_the_widest_members_scaled():
     assert asked == ["b"]  # its squared difference at the cut 4, a's 2, c's none
     assert found == pytest.approx({"a": 1.0 + 16 * 2 / 4, "b": 4.0 + 16.0, "c": 9.0, "d": 5.0})
     assert fresh["b"].tolist() == pytest.approx([0.2, 0.8]) and counted.done == 1 + 3
+
+
+def test_a_backward_below_the_cut_that_fails_leaves_each_to_be_measured_alone():
+    """Where the backward below the cut cannot run (``below`` gives ``None``: it raised, and whole replays measure the
+    rest), every slot of the group is measured alone, each its own pass besides the split ones spent."""
+    counted = passes.Passes(lambda: [], lambda probes: None, (2,), None)
+    counted.split = lambda slot, probe: ([torch.tensor([1.0]), None], torch.tensor([1.0]))
+    counted.below = lambda slot, delta: None
+    alone = []
+    counted.run = lambda first, second: (alone.append(set(first)), torch.tensor([5.0, 1.0], dtype=torch.float64))[1]
+    found, fresh = {}, {}
+    counted._through({s: (s, None, 1.0) for s in "ab"}, ["a", "b"], found, fresh)
+    assert alone == [{"a"}, {"b"}] and found == {"a": 6.0, "b": 6.0} and counted.done == 1 + 2
