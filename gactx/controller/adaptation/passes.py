@@ -228,6 +228,7 @@ class Passes:
         _, delta, most = split[widest]
         far = self.below(widest, delta) if most > 0 else [None] * len(self.sizes)
         if far is None:  # its backward below the cut raised: each measured alone (whole passes from here on)
+            self.total += len(split)  # passes again, besides the split ones counted
             for slot in split:
                 measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
             return

@@ -126,11 +126,14 @@ class Replayed:
         try:
             return self._difference(probes, set_probe, params)
         except (RuntimeError, TypeError) as e:
-            # A node that cannot be called outside the engine in a way no check here foresaw (a device or a kind of
-            # node not met): the whole replay stands for every later pass, and raises what is the model's.
-            self._failed = True
-            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
-            return None
+            return self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        """A pass from the nodes raised: a node that cannot be called outside the engine in a way no check here
+        foresaw (a device or a kind of node not met). The whole replay stands for every later pass, and raises what
+        is the model's."""
+        self._failed = True
+        logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", error)
 
     def _difference(
         self, probes: dict, set_probe: Callable[[dict], None], params: Sequence[torch.Tensor]
@@ -179,10 +182,8 @@ class Replayed:
                 return out, None
             inputs = [*(params[i] for i in cut.near), cut.edge]
             found = torch.autograd.grad(edges, inputs, deltas, retain_graph=True, allow_unused=True)
-        except (RuntimeError, TypeError) as e:  # as difference()
-            self._failed = True
-            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
-            return None
+        except (RuntimeError, TypeError) as e:
+            return self._fail(e)
         for i, d in zip(cut.near, found[:-1], strict=True):
             out[i] = d
         return out, found[-1]
@@ -201,9 +202,7 @@ class Replayed:
                 [cut.edge], [params[i] for i in cut.far], [delta], retain_graph=True, allow_unused=True
             )
         except (RuntimeError, TypeError) as e:
-            self._failed = True
-            logger.info("gactx: a probe pass from the probed nodes failed (%s); whole replays from here on", e)
-            return None
+            return self._fail(e)
         for i, d in zip(cut.far, found, strict=True):
             out[i] = d
         return out
