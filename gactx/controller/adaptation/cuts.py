@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from torch.autograd.graph import GradientEdge
 
+from gactx.controller.adaptation.backward_graph import walk
+
 __all__ = ["Cut", "cuts"]
 
 _EXIT = object()  # below every leaf: what a node whose paths end at no single node post-dominates
@@ -44,8 +46,9 @@ def cuts(roots: Sequence, nodes: dict[Hashable, list], params: Sequence) -> dict
     paths into a weight's own stubs left out, :func:`_trunk`) and is given a gradient by more than one node (a merge:
     where a residual's branches meet), reached at one input, with no parameter both above and below it (a weight used
     on both sides: then a path to it passes the cut and one does not). ``params``: the estimate's, in its layout."""
-    successors, parents, order = _graph(roots)
-    ipdom, depth = _post_dominators(_trunk(successors, parents, order), order)
+    graph = walk(roots)
+    parents = graph.parents
+    ipdom, depth = _post_dominators(_trunk(graph.successors, parents, graph.order), graph.order)
     position = {id(p): i for i, p in enumerate(params)}
     far_of: dict = {}  # cut node -> the positions of the parameters below it
     out = {}
@@ -73,31 +76,6 @@ def cuts(roots: Sequence, nodes: dict[Hashable, list], params: Sequence) -> dict
         kind = tuple(sorted({type(n).__name__ for n in readers}))
         out[slot] = Cut(GradientEdge(cut, inputs.pop()), near, far, kind)
     return out
-
-
-def _graph(roots: Sequence) -> tuple[dict, dict, list]:
-    """The function nodes below ``roots`` (accumulating ones left out: a leaf's gradient, not a path on): each one's
-    successors, each one's parents, and all of them children first (a depth-first post-order)."""
-    successors: dict = {}
-    parents: dict = {}
-    order: list = []
-    stack = [(r, False) for r in roots if r is not None]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if node in successors:
-            continue
-        after = [a for a, _ in node.next_functions if a is not None and not hasattr(a, "variable")]
-        successors[node] = list(dict.fromkeys(after))
-        parents.setdefault(node, set())
-        stack.append((node, True))
-        for a in successors[node]:
-            parents.setdefault(a, set()).add(node)
-            if a not in successors:
-                stack.append((a, False))
-    return successors, parents, order
 
 
 def _trunk(successors: dict, parents: dict, order: list) -> dict:

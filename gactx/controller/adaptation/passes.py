@@ -187,22 +187,12 @@ class Passes:
         first of them), each other slot on its own."""
         if not CUTS or self.cut_of is None:
             return [[s] for s in alone]
-        keys = {}
+        groups: dict = {}  # ("cut", node, input, kind) or ("alone", slot) -> its slots, in order of the first
         for slot in alone:
             cut = self.cut_of(slot) if slot in self.curved and row[slot][1] is None else None
-            keys[slot] = None if cut is None else (cut.edge.node, cut.edge.output_nr, cut.kind)
-        members: dict = {}
-        for slot, key in keys.items():
-            if key is not None:
-                members.setdefault(key, []).append(slot)
-        out, done = [], set()
-        for slot in alone:
-            if slot in done:
-                continue
-            group = members[keys[slot]] if keys[slot] is not None else [slot]
-            done.update(group)
-            out.append(group)
-        return out
+            key = ("alone", slot) if cut is None else ("cut", cut.edge.node, cut.edge.output_nr, cut.kind)
+            groups.setdefault(key, []).append(slot)
+        return list(groups.values())
 
     def _through(self, row: dict, group: list, found: dict, fresh: dict) -> None:
         """Measure the slots of ``group`` (one cut below their nodes, :meth:`_by_cut`), each against the base: its pass

@@ -156,7 +156,7 @@ class Replayed:
         """The cut below ``slot``'s nodes (``cuts.py``), where a pass from them can probe it; found for every slot by
         the first call."""
         if self._cuts is None:
-            roots = [_node(t) for tensors, _, _ in self.calls for t in _each(tensors)] if self.calls else []
+            roots = self._roots()
             self._cuts = cuts.cuts(roots, self._nodes, params) if roots else {}
         if not PARTIAL or self._failed or slot in self._broken:
             return None
@@ -251,9 +251,12 @@ class Replayed:
         """:func:`rows.tables` of the estimate's parameters below the recorded calls, found by the first pass that
         asks."""
         if self._tables is None:
-            roots = [_node(t) for tensors, _, _ in self.calls for t in _each(tensors)]
-            self._tables = rows.tables(roots, params) if ROWS else {}
+            self._tables = rows.tables(self._roots(), params) if ROWS else {}
         return self._tables
+
+    def _roots(self) -> list:
+        """The nodes the recorded backward calls start from."""
+        return [_node(t) for tensors, _, _ in self.calls or () for t in _each(tensors)]
 
     def _needed(self, probes: dict) -> list | None:
         """The nodes that read the probed slots' saves, or ``None`` where a pass from them cannot stand for the whole

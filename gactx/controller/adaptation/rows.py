@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge
 
+from gactx.controller.adaptation.backward_graph import walk
+
 __all__ = ["Rows", "tables"]
 
 
@@ -48,21 +50,7 @@ def tables(roots: Sequence, params: Sequence[torch.Tensor]) -> dict[int, Rows]:
     from that one node in the graph below ``roots`` (the grad_fn nodes of the closure's backward calls), with no hook on
     it: not a weight tied to another layer, a sparse gradient, or one that a hook could change."""
     position = {id(p): i for i, p in enumerate(params)}
-    producers: dict = {}  # an AccumulateGrad node of params -> the nodes that give it a gradient
-    seen, stack = set(), [r for r in roots if r is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for after, _ in node.next_functions:
-            if after is None:
-                continue
-            if hasattr(after, "variable"):  # a leaf's AccumulateGrad
-                if id(after.variable) in position:
-                    producers.setdefault(after, []).append(node)
-            elif after not in seen:
-                stack.append(after)
+    producers = {a: nodes for a, nodes in walk(roots).accumulated.items() if id(a.variable) in position}
     out = {}
     for accumulate, nodes in producers.items():
         p, (node, *others) = accumulate.variable, nodes
