@@ -3,7 +3,9 @@
 A key is the innermost module running when the tensor was saved (its qualified name), which call of that
 module it was in this forward (a shared block applied twice), the index of the save within that call,
 and the tensor's shape. A changed graph (another branch, a new sequence length) produces new keys; keys
-never depend on a global save counter, so recomputation and dynamic graphs cannot shift them.
+never depend on a global save counter, so recomputation and dynamic graphs cannot shift them. A save made while
+backward runs (a checkpointed region recomputing) is numbered within that backward: every backward of one graph
+names its saves alike, and so draws the same noise for them.
 
 The tracker finds them with a forward pre- and post-hook on every module of the model. Those hooks cost every module
 call (``nn.Module`` takes its slow path for a module with hooks) about as much as gactx's whole pack path costs a
@@ -48,6 +50,7 @@ OUTSIDE = "<outside modules>"  # saves made while no module of the model runs (f
 BACKWARD = "<backward>"  # saves made while backward runs (recomputation)
 MAX_DIVERGENCES = 4  # passes that left the keys by position: after this many, every module call is followed for good
 graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: no backward runs
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback  # runs as the current backward ends
 # Read on every module call: bound once (TorchDynamo knows the function, however it is reached).
 _is_compiling, _get_ident = torch.compiler.is_compiling, threading.get_ident
 
@@ -118,7 +121,10 @@ class ModuleTracker:
         self._stack: list[list] = []
         self.calls: dict[str, int] = {}  # module -> its calls in the pass under way
         self._entered: set[str] = set()  # modules called while none of the model's ran, this pass
-        self._outside = self._backward = 0
+        self._outside = 0
+        # The backward making saves now (a checkpointed region recomputing): each graph task of it -> [its number, its
+        # saves so far] (_backward_key). None: no backward has saved since the last one ended or the last pass began.
+        self._backward: dict[int, list[int]] | None = None
         self._thread = threading.get_ident()
         # Called as hook(name, call, module, output) when a followed module call returns normally, before its
         # frame is dropped: the free sensitivity estimate hooks the gradient of the call's output there.
@@ -212,7 +218,8 @@ class ModuleTracker:
             if module is self.model or name in self._entered:
                 self.calls.clear()
                 self._entered.clear()
-                self._outside = self._backward = self._position = 0
+                self._outside = self._position = 0
+                self._backward = None
                 self._recording = not self.by_position and not self._paused and module is self.model
                 if self._recording:
                     self._trace.begin()
@@ -355,12 +362,35 @@ class ModuleTracker:
             self._position += 1
         return at
 
+    def _backward_key(self, task: int, t: torch.Tensor) -> Key:
+        """The key of a save made while backward runs (a checkpointed region recomputing): numbered from the first
+        save of that backward, not of the pass, so that each backward of one graph (``retain_graph=True``) names the
+        saves of its recomputation alike and draws their noise alike (``plan.seed`` by key). A backward started inside
+        it (a reentrant checkpoint runs its region's backward so) is a graph task of its own, made afresh each time:
+        its saves are numbered apart, as the key's ``call``, by the order the tasks first saved in."""
+        tasks = self._backward
+        if tasks is None:
+            tasks = self._backward = {}
+            # Closed as the task of its first save ends: the outermost backward that saves, whose nested tasks end
+            # before it does. A backward that raises never ends so; the next pass reopens the numbering.
+            _queue_callback(partial(self._backward_ended, tasks))
+        numbered = tasks.get(task)
+        if numbered is None:
+            numbered = tasks[task] = [len(tasks) + 1, 0]
+        index = numbered[1]
+        numbered[1] = index + 1
+        return Key(BACKWARD, numbered[0], index, tuple(t.shape))
+
+    def _backward_ended(self, tasks: dict[int, list[int]]) -> None:
+        if self._backward is tasks:
+            self._backward = None
+
     @passes_saves_on
     def key(self, t: torch.Tensor) -> Key:
         """The key of a tensor being saved now."""
-        if graph_task_id() != -1:  # in_backward(), called for every save
-            self._backward += 1
-            return Key(BACKWARD, 1, self._backward - 1, tuple(t.shape))
+        task = graph_task_id()
+        if task != -1:  # in_backward(), called for every save
+            return self._backward_key(task, t)
         stack = self._stack
         if self.by_position:
             if stack:

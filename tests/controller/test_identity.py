@@ -198,6 +198,55 @@ def test_a_reentrant_checkpoints_recomputation_is_no_forward_pass():
         assert set(controller.sensitivity) <= {r.key[:3] for r in forward}
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["lane", "python"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_each_backward_of_one_graph_recomputes_its_checkpointed_regions_with_the_same_noise(
+    monkeypatch, reentrant, native
+):
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()`` recompute each checkpointed region: its saves are
+    keyed within each backward, so both draw the same noise and give the same gradients, as plain PyTorch does; the
+    next step draws other noise. With the C++ lane (the forward's saves replayed from the third step on) and without."""
+    from torch.utils.checkpoint import checkpoint
+
+    from gactx.controller import lane
+
+    monkeypatch.setattr(lane, "NATIVE", native)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)) for _ in range(2)
+            )
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + checkpoint(block, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    def gradient() -> torch.Tensor:
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        return grad
+
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(128, 64, requires_grad=reentrant)
+    steps = []
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(4):
+            loss = model(x).square().mean()
+            loss.backward(retain_graph=True)
+            first = gradient()
+            loss.backward()
+            assert torch.equal(gradient(), first)
+            assert controller.memory_stats(backward=True).compressed > 0  # the recomputed saves are gactx's
+            steps.append(first)
+            controller.iterate()
+        assert controller.diagnostics()["keys_by_position"]
+    assert not any(torch.equal(a, b) for a, b in zip(steps[:-1], steps[1:], strict=True))  # each step's noise its own
+
+
 def test_a_module_outside_the_model_names_no_save_and_a_module_added_later_is_followed_once_installed_again():
     """The tracker finds a module among the model's by its id (attach() reads the model's modules): one the model does
     not hold, called inside its forward, is no frame of its own, and one added to it is followed from the next
