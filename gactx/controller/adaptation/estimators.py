@@ -47,7 +47,13 @@ class ProgressLog:
     """Logs an adaptation's progress at INFO every ``PROGRESS_SECONDS`` once it has taken that long: a long one (1 +
     2 passes per compressed tensor of a deep net) says where it is. Past ``cost.SLOW_SECONDS`` a line every
     ``VISIBLE_SECONDS`` is logged at WARNING, which Python prints to stderr where no logging is set up: a training
-    run that stalls for minutes says that it is adapting, and how far it is."""
+    run that stalls for minutes says that it is adapting, and how far it is.
+
+    A line gives the passes run and those the estimate plans so far, not a total it will keep to: a tensor's second
+    curve width is left out once its first shows it negligible, tensors are measured in groups once their profiles are
+    known (fewer passes), and a group or a joint pass that its measure does not bear out is measured again tensor by
+    tensor (a few more). Nor is the plan a bound: it may grow, so the line does not say "at most". The last line of an
+    estimate gives what it ran."""
 
     def __init__(self, step: int, rounds: int = 1) -> None:
         self.step, self.every, self.rounds, self.round = step, PROGRESS_SECONDS, rounds, 1
@@ -63,8 +69,8 @@ class ProgressLog:
                 level, self.shown = logging.WARNING, now
             estimate = f", estimate {self.round} of {self.rounds}" if self.rounds > 1 else ""
             logger.log(
-                level, "gactx adaptation at step %d%s: %d of %d passes of the closure, %.1f s", self.step, estimate,
-                done, total, now - self.start,
+                level, "gactx adaptation at step %d%s: %d %s of the closure, %d planned so far, %.1f s", self.step,
+                estimate, done, "pass" if done == 1 else "passes", total, now - self.start,
             )  # fmt: skip
 
 

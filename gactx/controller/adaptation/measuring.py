@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Measuring", "Progress"]
 
-Progress = Callable[[int, int], None]  # told the passes run so far and those the estimate will take
+Progress = Callable[[int, int], None]  # told the passes run so far and those the estimate plans so far
 
 
 class Measuring:

@@ -50,7 +50,9 @@ CUTS = True
 
 class Passes:
     """An estimate's passes of the closure (``gradient()``: one, from the estimate's snapshot, its gradients),
-    each with the probes it is given, counted and its progress told; ``base`` the base pass's gradient once run."""
+    each with the probes it is given, counted and its progress told; ``base`` the base pass's gradient once run.
+    ``done``: the passes run; ``total``: those planned so far, revised as measurements decide (groups formed, a
+    curve's second width left out, a shared pass not borne out), what ran once the estimate ends."""
 
     def __init__(
         self,

@@ -177,7 +177,8 @@ def estimate_sensitivities(
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
-    ``progress(done, total)`` is told the passes run so far, and those the estimate will take, before each pass.
+    ``progress(done, total)`` is told the passes run so far, and those the estimate plans so far, before each pass
+    (the plan changes as measurements come in: ``estimators.ProgressLog``).
     ``choices_of(slot)``: pairs of storage
     choices whose stored values average to the tensor (a row sketch and its complement, one seed); the gradient
     variance of the first, a quarter of the two gradients' squared distance, is measured too, two more passes a pair
