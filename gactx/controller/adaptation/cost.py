@@ -15,6 +15,7 @@ import statistics
 import time
 import warnings
 
+from gactx.config import _caller_level
 from gactx.controller.stats import format_bytes
 
 __all__ = [
@@ -34,7 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 class SlowAdaptationWarning(UserWarning):
-    """An adaptation took longer than :data:`SLOW_SECONDS`. Silence it with
+    """An adaptation took longer than :data:`SLOW_SECONDS`: no error, training goes on. Issued at the first frame
+    outside gactx (the line that called ``iterate()``, ``adapt()``, or a training library that called them), it says
+    what makes adaptations cheaper. Silence it with
     ``warnings.filterwarnings("ignore", category=gactx.SlowAdaptationWarning)``."""
 
 
@@ -138,10 +141,12 @@ def announce(adaptation, interval: int, first_only: bool) -> None:
     if a.seconds < SLOW_SECONDS:
         return
     warnings.warn(
-        describe(adaptation, interval, first_only) + ". It grows with the number of compressed tensors (GACT's "
-        "estimator: a pass each, two a normalization input's first, one for all the inputs of linear and convolution "
-        "layers; tensors whose noise was seen to land apart share passes); a smaller batch in the closure, a longer "
-        "adapt_interval or estimator='actnn' costs less (docs/adaptive.md)",
+        describe(adaptation, interval, first_only) + ". Not an error: training goes on with the new widths. The "
+        "time grows with the number of compressed tensors (GACT's estimator: a pass each, two a normalization input's "
+        "first, one for all the inputs of linear and convolution layers; tensors whose noise was seen to land apart "
+        "share passes). To spend less: give iterate() a closure on a smaller batch, raise adapt_interval, or use "
+        "estimator='actnn' (measured in the training step itself) (docs/adaptive.md). To silence it: "
+        "warnings.filterwarnings('ignore', category=gactx.SlowAdaptationWarning)",
         SlowAdaptationWarning,
-        stacklevel=4,
+        stacklevel=_caller_level(),
     )

@@ -2,6 +2,7 @@
 a slow adaptation gives where a user sees it."""
 
 import time
+import types
 import warnings
 
 import pytest
@@ -73,6 +74,59 @@ def test_a_slow_adaptation_warns_with_its_cost_and_share(monkeypatch):
         assert f"% of training at one every {a.interval} steps" in controller.report()
     finally:
         controller.uninstall_hook()
+
+
+@pytest.mark.parametrize("call", ["iterate", "adapt", "gactx's Trainer callback"])
+def test_a_slow_adaptation_warns_at_the_users_line_and_says_what_to_do(monkeypatch, call):
+    """The warning names the first line outside gactx, the one that called ``iterate()`` or ``adapt()``, or gactx's
+    Hugging Face callback (not a line of gactx, nor the caller's caller), and says that training goes on, what costs
+    less and how to silence it."""
+    monkeypatch.setattr(cost, "SLOW_SECONDS", 0.0)
+    model, x = _model(), torch.randn(16, 32)
+
+    def backprop():
+        model(x).square().mean().backward()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if call == "gactx's Trainer callback":
+            pytest.importorskip("transformers")
+            from gactx.integrations import GactxCallback
+
+            class WithLoss(nn.Module):  # a model as a Trainer calls it: keyword arguments in, an output with .loss
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.body = model
+
+                def forward(self, x):
+                    return types.SimpleNamespace(loss=self.body(x).square().mean())
+
+            wrapped = WithLoss()
+            callback = GactxCallback(level="L2.2", probe_batch={"x": x})
+            callback.on_train_begin(None, None, None, model=wrapped)
+            try:
+                wrapped(x).loss.backward()
+                line = _line() + 1
+                callback.on_step_end(None, None, None, model=wrapped)  # what the Trainer does after a step
+            finally:
+                callback.on_train_end(None, None, None)
+        else:
+            with gactx.Controller(model, level="L2.2") as controller:
+                backprop()
+                line = _line() + 1
+                controller.iterate(backprop) if call == "iterate" else controller.adapt(backprop)
+    (slow,) = [w for w in caught if issubclass(w.category, gactx.SlowAdaptationWarning)]
+    assert (slow.filename, slow.lineno) == (__file__, line)
+    text = str(slow.message)
+    assert "Not an error" in text and "adapt_interval" in text and "estimator='actnn'" in text
+    assert "warnings.filterwarnings('ignore', category=gactx.SlowAdaptationWarning)" in text
+
+
+def _line() -> int:
+    """The line number of the caller's line."""
+    import sys
+
+    return sys._getframe(1).f_lineno
 
 
 @pytest.mark.parametrize("estimator", ["gact", "actnn"])
