@@ -1,7 +1,8 @@
 """Models written by other projects whose backward reads saved tensors nonlinearly: torch_geometric's PNA
 (min/max aggregation), a GCN with global max pooling, GIN, GINE and GAT, Hugging Face's Wav2Vec2 with a CTC
 head and T5, each built from a config on generated data. Gradients must be finite at every level and
-within cosine 0.999 of plain PyTorch at 8 bits."""
+within cosine 0.999 of plain PyTorch at 8 bits. Wav2Vec2's watched first step records what later steps do, but for
+the integer saves torch's CTC loss makes under any dispatch mode."""
 
 import pytest
 import torch
@@ -157,3 +158,81 @@ def test_gradients_finite_at_every_level_and_close_at_8_bits(name):
         if level == "L1.1":
             cosine = F.cosine_similarity(got, plain, dim=0)
             assert cosine >= 0.999, f"{name} at 8 bits: cosine {float(cosine):.5f}"
+
+
+def test_wav2vec2_ctc_first_step_differs_from_the_next_only_by_ctcs_integer_saves_under_the_watcher():
+    """Wav2Vec2ForCTC in training (time masking on), seeded alike before each step: from the second step on every
+    pass records the same saves. The first, watched by a dispatch mode, differs only where torch's own CTC loss does
+    under any dispatch mode (docs/controller.md): it saves the input and target lengths as int64 tensors, and divides
+    its mean by the int64 target lengths where it otherwise divides by a float copy of them. Three int64 tensors of
+    ``batch`` elements in place of one float32 one: 20 bytes a sample more, none of them compressed, and every
+    compressed save the same."""
+    from collections import Counter
+
+    np = pytest.importorskip("numpy")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    config = Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.05, mask_time_length=2, ctc_loss_reduction="mean",
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Wav2Vec2ForCTC(config).train()
+    batch = 2
+    audio = torch.randn(batch, 1600, generator=_gen())
+    labels = torch.randint(1, 12, (batch, 12), generator=_gen(1))
+
+    def loss():
+        torch.manual_seed(0)
+        np.random.seed(0)  # transformers draws the time mask's spans with numpy
+        return model(audio, labels=labels).loss
+
+    class Passing(TorchDispatchMode):  # a dispatch mode that does nothing: what torch does under the watcher
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def nodes(mode: bool) -> list[str]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            if mode:
+                with Passing():
+                    loss()
+            else:
+                loss()
+        names = [type(t.grad_fn).__name__ for t in saved if t.grad_fn is not None]
+        return [name for name in names if name.startswith("CtcLoss")]
+
+    assert nodes(False) == ["CtcLossBackward0"] and nodes(True) == ["CtcLossBackward1"]  # torch's, with no gactx
+
+    def fates(records) -> list[tuple]:
+        """Each record as a fate: the key without its index in the model's own call, where the extra saves shift
+        the later ones."""
+        return [
+            (r.key.module, r.key.call, r.key.index if r.key.module else None, r.key.shape, r.dtype, r.op, r.cls,
+             r.bits, r.reason, r.original_bytes, r.packed_bytes)
+            for r in records
+        ]  # fmt: skip
+
+    passes = []
+    with gactx.Controller(model, level="L1") as controller:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss().backward()
+            passes.append((fates(controller.records), controller.memory_stats()))
+            controller.iterate()
+    (first, first_stats), (second, second_stats), (third, third_stats) = passes
+    assert second == third and second_stats == third_stats
+
+    def apart(a: list, b: list) -> list[tuple]:  # the fates of a that b lacks: (module, shape, dtype, reason, n)
+        return [(f[0], f[3], f[4], f[8], n) for f, n in (Counter(a) - Counter(b)).items()]
+
+    assert apart(first, second) == [("", (batch,), torch.int64, "dtype int64", 3)]  # the model's own call: the loss
+    assert apart(second, first) == [("", (batch,), torch.float32, "small", 1)]
+    assert len(first) == len(second) + 2
+    assert first_stats.original_bytes == second_stats.original_bytes + 20 * batch
+    compressed = [f for f in first if f[7] is not None]
+    assert compressed and compressed == [f for f in second if f[7] is not None]
+    assert first_stats.packed_bytes - 20 * batch == second_stats.packed_bytes
