@@ -22,12 +22,12 @@ from gactx.controller.identity import Slot
 from gactx.controller.plan import GraphSlot, Plan
 from gactx.controller.rules import (
     ALLOCATED,
-    ATTENTION,
-    ATTENTION_BITS,
     CHECKPOINT_INPUT,
     EQUALITY,
     LINEAR,
     LOG,
+    LOGITS,
+    MIN_BITS,
     PROVENANCE,
     Rule,
     Site,
@@ -82,7 +82,7 @@ def decide(
 ) -> Decision:
     """The decision for ``t``, saved under ``rule`` in ``slot`` (``number``: the save's, as the pack path numbers
     them, for its noise seed): 1 bit for a bool mask, the level's ``checkpoint_bits`` for a checkpointed region's
-    input, the plan's width for an allocated class (at least ``ATTENTION_BITS`` for attention; a uniformly quantized
+    input, the plan's width for an allocated class (at least the class's ``MIN_BITS``; a uniformly quantized
     one, whatever its class, where the sensitivity probe perturbs the slot), else the rule's own form; any save a probe
     pass that keeps what it does not perturb exact does not perturb, as it is."""
     if plan.exact and slot not in plan.probe:  # a probe pass against the exact base: what it does not probe, as it is
@@ -106,8 +106,8 @@ def decide(
         rule = LINEAR  # the probe's choice, if it measures one
     elif rule.kind != "quantize":
         choice = None
-    elif rule.cls == "attention" and bits < ATTENTION_BITS:
-        bits = ATTENTION_BITS
+    elif bits < MIN_BITS.get(rule.cls, 0):
+        bits = MIN_BITS[rule.cls]
     if choice is None and rule.kind == "quantize" and as_is_width(bits, t.dtype):
         return Decision(rule, bits, None, AS_IS)
     return Decision(rule, bits, choice, "", 0 if type(slot) is GraphSlot else plan.seed(slot, number))
@@ -120,7 +120,7 @@ def may_share(first: Decision, later: Decision, site: Site | None) -> bool:
     choice, bits = first.choice, first.bits
     if choice is not None and choice.scheme == "sketch" and (site is None or not sketchable(site)):
         return False
-    return not (later.rule.cls == "attention" and bits is not None and bits < ATTENTION_BITS)
+    return bits is None or bits >= MIN_BITS.get(later.rule.cls, 0)
 
 
 # -- compiled graphs: the rule of a saved node --------------------------------------------------------------
@@ -135,7 +135,8 @@ _EXACT_USERS = {"eq": EQUALITY, "ne": EQUALITY, **dict.fromkeys(
 def node_rule(node, bw_graph) -> Rule:
     """The rule of a floating-point saved node of a compiled graph: the op table's (``rules.graph_result_rule``) for
     the op that made its values; else kept where the backward graph reads its exact value, attention where the value
-    is a quotient of an exp result (a decomposed softmax) or backward recomputes an exp from it; else linear. The rules
+    is a quotient of an exp result (a decomposed softmax), attention logits where backward recomputes an exp from it
+    (a fused attention's query and key, a decomposed softmax's scores); else linear. The rules
     that need the op's own test or function (masks, FewBit codes, pooling inputs) are eager-only: a graph decomposes
     those ops, and one saved node serves every backward use of the value."""
     made = source(node)
@@ -150,7 +151,7 @@ def node_rule(node, bw_graph) -> Rule:
     if op_name(made) == "div" and made.args and isinstance(made.args[0], torch.fx.Node):
         if op_name(source(made.args[0])) == "exp":
             return PROVENANCE["probabilities"]
-    return ATTENTION if _feeds_exp(node, bw_graph) else LINEAR
+    return LOGITS if _sdpa_logits(node, bw_graph) or _feeds_exp(node, bw_graph) else LINEAR
 
 
 def _exact_use(node, bw_graph) -> Rule | None:
@@ -170,6 +171,15 @@ def _linear_power(user, value) -> bool:
     """Whether ``user`` is ``value ** 0`` or ``value ** 1``: what the backward of ``x ** 1`` and ``x ** 2`` reads of
     ``x`` (an RMSNorm's ``x.pow(2)``), linear in it, as the eager rule of ``pow`` has it (``rules._pow``)."""
     return op_name(user) == "pow" and len(user.args) > 1 and user.args[0] is value and linear_power(user.args[1], 1)
+
+
+def _sdpa_logits(node, bw_graph) -> bool:
+    """Whether the value is the query or the key of a fused attention's backward (its arguments 1 and 2 in every
+    ``_scaled_dot_product_*_backward``): the eager rule's ``attention logits``."""
+    for p in bw_graph.find_nodes(op="placeholder"):
+        if p.name == node.name:
+            return any(op_name(u).startswith("_scaled_dot_product") and p in u.args[1:3] for u in p.users)
+    return False
 
 
 def _feeds_exp(node, bw_graph) -> bool:

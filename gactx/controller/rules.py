@@ -17,9 +17,12 @@ dropout         a float dropout mask (values 0 and 1/(1-p)), by provenance     1
                                                                                lossless
 smooth          gelu, silu, mish, elu/selu, celu, softplus, hardswish (self);  FewBit code, 1-8 bits
                 sigmoid, tanh (result)                                        (``gactx.kernels.fewbit``)
-attention       softmax results, attention query/key; exp results and what is  quantized, >= ATTENTION_BITS
-                divided out of them (softmax by hand, as PyG's GAT computes
-                its coefficients), by provenance
+attention       softmax results; exp results and what is divided out of them    quantized, >= ATTENTION_BITS
+                (softmax by hand, as PyG's GAT computes its coefficients), by
+                provenance
+attention       fused attention's query and key (SDPA: flash, efficient,        quantized, >= LOGITS_BITS
+logits          cuDNN), from which backward recomputes the probabilities as
+                exp(q k - logsumexp) with the exact logsumexp
 equality        amax/amin, max/min reductions, maximum/minimum, fmax/fmin,     kept as is
                 scatter_reduce/index_reduce with amax/amin/prod, inf-norms,
                 clamp with tensor bounds
@@ -71,6 +74,9 @@ __all__ = [
     "ALLOCATED",
     "ATTENTION",
     "ATTENTION_BITS",
+    "LOGITS",
+    "LOGITS_BITS",
+    "MIN_BITS",
     "EQUALITY",
     "LOG",
     "PROVENANCE",
@@ -97,6 +103,12 @@ __all__ = [
 # character-level transformer at L1.2 ends 1.08% above full precision's loss with attention at 2 bits and
 # 0.75% at 4 (8.9x and 8.4x smaller).
 ATTENTION_BITS = 4
+# Fused attention's query and key. Its backward recomputes each probability as exp(q k / sqrt(d) - logsumexp) from the
+# stored q and k and the exact logsumexp: noise in a logit multiplies its probability by exp(noise), a factor whose
+# mean exceeds 1 and which grows with the logits' size as training sharpens attention. A Llama-style decoder trained
+# from scratch (benchmarks/quality.py) collapses at 4 bits once attention sharpens (its loss climbs back towards
+# uniform's) and trains like full precision at 8; query or key alone at 8 bits does not hold it.
+LOGITS_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,7 @@ UNKNOWN = Rule("linear (op unknown)", "quantize")
 # (values 0 and 1/(1-p), which must come back exactly), and telling one would need its values read on the host.
 CONSTANT = Rule("no history (op unknown)", "keep")
 ATTENTION = Rule("attention", "quantize")
+LOGITS = Rule("attention logits", "quantize")
 EQUALITY = Rule("equality", "keep")
 LOG = Rule("log domain", "keep")
 STATISTICS = Rule("statistics", "keep")
@@ -170,7 +183,9 @@ CHECKPOINT_INPUT = Rule("checkpoint input", "quantize")  # its width is the leve
 # What a tensor was made by, where its op alone does not tell (watch.py): a float dropout mask (``bernoulli_``
 # then ``div_``), probabilities computed by hand (an ``exp`` result divided by a tensor).
 PROVENANCE = {"dropout": DROPOUT, "probabilities": ATTENTION}
-ALLOCATED = ("linear", "linear (op unknown)", "attention", "smooth")  # classes whose width the allocator picks
+# Classes whose width the allocator picks, and the least width a class allows where it has one.
+ALLOCATED = ("linear", "linear (op unknown)", "attention", "attention logits", "smooth")
+MIN_BITS = {"attention": ATTENTION_BITS, "attention logits": LOGITS_BITS}
 
 INF = math.inf
 
@@ -234,7 +249,7 @@ def _norm(site: Site) -> Rule:
 
 def _attention(site: Site) -> Rule:
     if site.role in ("query", "key"):
-        return ATTENTION
+        return LOGITS
     if site.role in ("logsumexp", "log_sumexp", "attn_mask", "attn_bias"):
         return LOG
     return LINEAR

@@ -452,9 +452,10 @@ def test_an_rmsnorm_input_is_compressed_as_eager_compresses_it():
     assert F.cosine_similarity(got, plain, dim=0) > 0.99
 
 
-def test_values_that_backward_feeds_to_exp_are_attention():
+def test_values_that_backward_feeds_to_exp_are_attention_logits():
     """Inductor's partitioner recomputes a softmax in backward from its saved scores: noise in the scores is
-    multiplied by the exp, so they get attention's width (at least 4 bits), as a softmax result does."""
+    multiplied by the exp, so they get the width of attention logits (at least 8 bits), as a fused attention's query
+    and key do."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -474,7 +475,33 @@ def test_values_that_backward_feeds_to_exp_are_attention():
     with gactx.Controller(model, level="L1.2") as controller:
         grads(compiled, model, torch.randn(4, 32, WIDTH))
     scores = [r for r in controller.records if r.key.shape == (4, 32, 32)]
-    assert scores and all(r.cls == "attention" and r.bits == 4 for r in scores), controller.report()
+    assert scores and all(r.cls == "attention logits" and r.bits == 8 for r in scores), controller.report()
+
+
+class FusedAttention(nn.Module):
+    """Attention through ``F.scaled_dot_product_attention`` (a fused op that a graph keeps whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (4, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def test_a_fused_attentions_query_and_key_are_attention_logits():
+    """Its backward recomputes the probabilities from the stored query and key with the exact logsumexp: at least
+    8 bits, as in eager mode; its value and output are linear."""
+    torch.manual_seed(0)
+    model = FusedAttention()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 32, WIDTH)
+    with gactx.Controller(model, level="L1", min_numel=0) as controller:
+        grads(compiled, model, x)
+    widths = {r.cls: r.bits for r in controller.records if r.compressed}
+    assert widths.get("attention logits") == 8 and widths.get("linear") == 4, controller.report()
+    assert sum(r.cls == "attention logits" for r in controller.records) == 2, controller.report()
 
 
 class Normed(nn.Module):

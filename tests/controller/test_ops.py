@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gactx
+from gactx.controller.rules import MIN_BITS
 
 LOSSLESS = {"threshold", "unused values", "dropout", "equality", "log domain"}
 
@@ -102,7 +103,7 @@ CASES = {
     "tanh": (torch.tanh, (32, 64), "smooth"),
     # attention
     "softmax": (lambda x: torch.softmax(x * 3, dim=1), (32, 64), "attention"),
-    "sdpa": (_sdpa, (32, 64), "attention"),
+    "sdpa": (_sdpa, (32, 64), "attention logits"),
     "exp": (lambda x: x.exp(), (32, 64), "attention"),
     "softmax by hand": (_softmax_by_hand, (32, 64), "attention"),
     # equality
@@ -194,11 +195,14 @@ def test_op_gradients(case, level):
         assert expected not in LOSSLESS or case in MIXED, f"{case}: a lossless case with a lossy save"
     if level == "L1.1":
         assert F.cosine_similarity(got.flatten(), plain.flatten(), dim=0) >= 0.999
+    least = MIN_BITS.get(expected)
+    if least is not None:
+        assert all(r.bits >= least for r in controller.records if r.cls == expected), controller.report()
 
 
 def test_the_zoo_covers_every_class_with_forty_ops():
     assert len(CASES) >= 40
-    assert {c for _, _, c in CASES.values()} == LOSSLESS | {"smooth", "attention", "linear"}
+    assert {c for _, _, c in CASES.values()} == LOSSLESS | {"smooth", "attention", "attention logits", "linear"}
 
 
 HALF_CASES = ["relu", "hardtanh", "clamp", "clamp_min", "threshold", "softshrink", "hardsigmoid", "abs", "max_pool2d"]

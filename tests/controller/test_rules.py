@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from gactx.controller.rules import ATTENTION_BITS, Site, curved, matrix_partner, output_rule, rule_for, sketchable
+from gactx.controller.rules import (
+    ATTENTION_BITS,
+    LOGITS_BITS,
+    MIN_BITS,
+    Site,
+    curved,
+    matrix_partner,
+    output_rule,
+    rule_for,
+    sketchable,
+)
 from gactx.controller.store import mask_values, round_to
 
 SITES = [
@@ -19,7 +29,8 @@ SITES = [
     (Site("sigmoid", role="result"), "smooth", "fewbit"),
     (Site("_softmax", role="result"), "attention", "quantize"),
     (Site("exp", role="result"), "attention", "quantize"),
-    (Site("_scaled_dot_product_flash_attention_for_cpu", role="key"), "attention", "quantize"),
+    (Site("_scaled_dot_product_flash_attention_for_cpu", role="key"), "attention logits", "quantize"),
+    (Site("_scaled_dot_product_efficient_attention", role="query"), "attention logits", "quantize"),
     (Site("_scaled_dot_product_flash_attention_for_cpu", role="value"), "linear", "quantize"),
     (Site("_scaled_dot_product_flash_attention_for_cpu", role="logsumexp"), "log domain", "keep"),
     (Site("amax", role="self"), "equality", "keep"),
@@ -51,8 +62,10 @@ def test_sites_get_their_class(site, cls, kind):
     assert (rule.cls, rule.kind) == (cls, kind)
 
 
-def test_attention_has_a_minimum_width():
+def test_attention_classes_have_a_minimum_width():
     assert ATTENTION_BITS == 4
+    assert LOGITS_BITS == 8, "a fused attention's query and key at 4 bits let a decoder trained from scratch collapse"
+    assert MIN_BITS == {"attention": ATTENTION_BITS, "attention logits": LOGITS_BITS}
 
 
 def test_mask_values_sit_on_the_right_side_of_the_ops_test():

@@ -16,7 +16,7 @@ from gactx.controller.adaptation.allocator import Allocation, Item, allocate, co
 from gactx.controller.adaptation.choices import calibration, choice_options
 from gactx.controller.adaptation.ranks import collective_device, distributed
 from gactx.controller.adaptation.widths import WIDTHS, variance_factor
-from gactx.controller.rules import ATTENTION_BITS
+from gactx.controller.rules import MIN_BITS
 from gactx.controller.stats import AS_IS, PassStats
 
 __all__ = [
@@ -26,7 +26,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Widths a class allows, where not every width (see rules.py).
-CLASS_WIDTHS = {"attention": tuple(w for w in WIDTHS if w >= ATTENTION_BITS)}
+CLASS_WIDTHS = {cls: tuple(w for w in WIDTHS if w >= least) for cls, least in MIN_BITS.items()}
 # A LayerNorm input that ActNN's estimator rated is given no width at which the rounding noise its normalized
 # values carry, rho * S(b), exceeds their own variance times this (free_sensitivity's docstring).
 NOISE_CEILING = 1.0
