@@ -35,7 +35,7 @@ LORA_DROPOUT = 0.05  # peft's examples' value: it adds a mask and a dropped copy
 SUCCESSORS = 4  # each token's possible next tokens in the generated language
 # A usual LoRA learning rate for AdamW at full size; the CPU sizes take a rate at which their few dozen steps
 # learn the language (3e-3: loss 5.6 to 3.8 in 60 steps at vocabulary 256, benchmarks/finetune.py).
-LLM_LR = {"full": 2e-4, "small": 3e-3, "tiny": 3e-3}
+LLM_LR = {"full": 2e-4, "small": 3e-3, "tiny": 3e-3, "scratch": 3e-3, "scratch-tiny": 5e-3}
 # The sensitivity probe of the adaptive levels runs on one sequence cut to this many tokens: its bits are
 # kept by slot (module, call, index), not by shape, so they apply to the full sequences; a full 4096-token
 # sequence would make each of the estimator's hundreds of passes cost a training step.
@@ -58,6 +58,10 @@ LLAMA_SIZES = {
     "full": LlamaShape(2048, 16, 32, 8, 8192, 128_256, 4096, 1),  # Llama-3.2-1B
     "small": LlamaShape(256, 4, 8, 2, 688, 256, 256, 4),
     "tiny": LlamaShape(32, 2, 4, 2, 64, 256, 32, 4),
+    # Trained from scratch by benchmarks/quality.py (every weight, float32): "scratch" learns the language in about
+    # 150 steps, past the phase where attention sharpens; "scratch-tiny", about ten times cheaper a step, in 200.
+    "scratch": LlamaShape(256, 4, 8, 2, 688, 128, 128, 4),
+    "scratch-tiny": LlamaShape(128, 2, 4, 2, 344, 64, 64, 4),
 }
 
 
