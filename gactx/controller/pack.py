@@ -47,6 +47,7 @@ from gactx.controller.offload import Offloader
 from gactx.controller.plan import MASK62, Plan
 from gactx.controller.policy import ModelStorages, is_weight, keep_reason, storage_ptr
 from gactx.controller.probes import Deferred, Waiting
+from gactx.controller.product import PRODUCT, factors, remember
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
@@ -68,6 +69,8 @@ __all__ = ["MAX_REPLAYS", "PackPath"]
 
 logger = logging.getLogger(__name__)
 MAX_REPLAYS = 16384  # saves kept to be replayed (one a key): a few passes of a large model
+PRODUCTS = True  # store a save that is the product of two stored saves as that product (product.py)
+_PRODUCT_CLASSES = ("linear", "linear (op unknown)")  # saves stored so: quantized as linear inputs would be
 
 
 class PackPath:
@@ -120,6 +123,13 @@ class PackPath:
         self.deferred: set[Slot] | None = None
         # Called before each eager save once compiled graphs log theirs (compiled.py): their records come first.
         self.before_save: Callable[[], None] | None = None
+        # Saves stored as the product of two others (product.py): at fixed widths, nothing offloaded. The pass's number
+        # (what factors are remembered under), the keys of saves that were factors of one (their replays remember) and
+        # of saves that were one (never replayed: each pass checks its own graph).
+        self.products = PRODUCTS and not config.adaptive and offloader is None
+        self.serial = 0
+        self.factor_keys: set[Key] = set()
+        self.product_keys: set[Key] = set()
 
     @property
     def plan(self) -> Plan:
@@ -169,6 +179,7 @@ class PackPath:
         """The pass's statistics: new ones if a forward began since the last save (eager or compiled)."""
         if self.fresh:
             self.stats, self.backward_stats = PassStats(), PassStats()
+            self.serial += 1
             self.dedupe = {}
             self._claimed = set()
             self._ptrs = None  # a pass of compiled graphs alone never needs them
@@ -323,6 +334,8 @@ class PackPath:
         handle = replay.pack(t, key, ptr, stats, self._plan)
         if replay.claims:
             self._claimed.add(node_id(t.grad_fn))
+        if replay.factor:
+            remember(t, handle, self.serial, key)
         if replay.shared and self.config.dedupe:
             self.dedupe[_view(t, key, ptr, replay.form)] = _entry(handle, t, replay.decision)
         return handle
@@ -404,23 +417,57 @@ class PackPath:
             if first is not None:
                 first.shared = True  # its replays register their handles for this save to find
             if handle is None:
-                return hit
-            handle.stored = hit.stored
+                handle = hit
+            else:
+                handle.stored = hit.stored
+            if self.products and _values(entry[2]):
+                remember(t, handle, self.serial, hit.key)
             return handle
-        stored = self._store(t, key, slot, ptr, site, decision)
-        if replay and hit is None and not isinstance(stored, torch.Tensor) and self._may_replay(decision, key):
+        derived = self._product(t, key, ptr, site, decision)
+        stored = derived if derived is not None else self._store(t, key, slot, ptr, site, decision)
+        if (
+            replay and hit is None and derived is None and not isinstance(stored, torch.Tensor)
+            and self._may_replay(decision, key) and key not in self.product_keys
+        ):  # fmt: skip
             if len(self.replays) >= MAX_REPLAYS:  # shapes that keep changing (sequence lengths): the newest kept
                 self.replays.clear()
-            self.replays[key] = Replay(t, site, decision, number, cfg, self.stats.records[-1], stored)
+            self.replays[key] = kept = Replay(t, site, decision, number, cfg, self.stats.records[-1], stored)
+            if key in self.factor_keys:
+                kept.mark_factor()
         if handle is None:
             if isinstance(stored, torch.Tensor):
-                return Kept(stored, t._version)
+                handle = Kept(stored, t._version)
+                if self.products and _values(decision):
+                    remember(t, handle, self.serial, key)
+                return handle
             handle = Packed(stored, key, t, cfg.backend, ptr)
         else:
             handle.stored = stored
         if cfg.dedupe and hit is None:
             self.dedupe[shape] = _entry(handle, t, decision)
+        if self.products and _values(decision):
+            remember(t, handle, self.serial, key)
         return handle
+
+    def _product(self, t: torch.Tensor, key: Key, ptr: int, site, decision: Decision):
+        """What stores ``t`` as the product of two saves this pass stored (``product.py``), recorded; ``None`` where
+        it is none, or is not to be stored so (not quantized as a linear input, a recomputation in backward)."""
+        if not self.products or decision.rule.cls not in _PRODUCT_CLASSES or decision.reason or decision.choice:
+            return None
+        if key.module == BACKWARD:
+            return None
+        found = factors(t, self.serial)
+        if found is None:
+            return None
+        product, keys = found
+        self.product_keys.add(key)
+        for k in keys:  # their replays remember what they store, for the next pass to find
+            self.factor_keys.add(k)
+            first = self.replays.get(k)
+            if first is not None:
+                first.mark_factor()
+        self.stats.record(t, key, ptr, site, decision.rule, None, "", product, False, PRODUCT)
+        return product
 
     def _deferred_own(self, key: Key, t: torch.Tensor, rule: Rule) -> None:
         """A deferred save of an allocated class that stores its own tensor: told to :attr:`deferred` where set and made
@@ -465,6 +512,13 @@ class PackPath:
         bits = bits if bits is not None else encoded.bits
         self.stats.record(t, key, ptr, site, rule, bits, "", encoded, offloaded, form)
         return stored
+
+
+def _values(decision: Decision) -> bool:
+    """Whether what a save is stored as decodes to its values (codes on a grid, kept as is): a factor a product may
+    be decoded from. Not a mask, a FewBit code, a scheme's form."""
+    rule = decision.rule
+    return rule is None or rule.kind in ("quantize", "keep") and decision.choice is None
 
 
 def _view(t: torch.Tensor, key: Key, ptr: int, form: str) -> tuple:

@@ -60,7 +60,7 @@ class Replay:
 
     __slots__ = (
         "dtype", "node", "device", "encode", "decode", "native", "weyl", "claims", "observed", "record", "form",
-        "decision", "backend", "shared",
+        "decision", "backend", "shared", "factor",
     )  # fmt: skip
 
     def __init__(
@@ -80,6 +80,14 @@ class Replay:
         # Whether a later save of the pass shared what this one stored (the pack path's dedupe): only then does a
         # replayed save register its handle for later saves to find.
         self.shared = False
+        # Whether a later save of the pass is the product of this one and another (product.py): then a replayed save
+        # remembers its handle on its autograd node for that save to find (mark_factor).
+        self.factor = False
+
+    def mark_factor(self) -> None:
+        """A later save is the product of this one and another: its replays go the Python way (no C++ packer, which
+        the C++ lane would take whole), where the pack path remembers their handles (``product.remember``)."""
+        self.factor, self.native = True, None
 
     def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan):
         """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle:

@@ -89,9 +89,10 @@ class KeyRecord:
 
     @property
     def label(self) -> str:
-        """What the report's bits column says: the width, ``"32 (as is)"``, or why the tensor was kept."""
+        """What the report's bits column says: the width, ``"32 (as is)"``, or why the tensor was kept (nothing for a
+        save stored with no width of its own: a product of two others)."""
         if not self.reason:
-            return str(self.bits)
+            return "" if self.bits is None else str(self.bits)
         return self.reason if self.bits is None else f"{self.bits} ({self.reason})"
 
     @property
@@ -293,7 +294,7 @@ class PassStats:
             dtype = str(r.dtype).removeprefix("torch.")
             shape = "x".join(map(str, r.key.shape)) or "scalar"
             before, after = format_bytes(r.original_bytes), format_bytes(r.packed_bytes)
-            bits = f"{r.label} {r.form}" if r.form else r.label
+            bits = f"{r.label} {r.form}".lstrip() if r.form else r.label
             row = (str(r.key), shape, dtype, r.op, r.cls, bits, before, after)
             if sensitivity:
                 c = sensitivity.get(r.key.slot)

@@ -78,7 +78,7 @@ class Kept:
     counter) and the version it had when saved: unpacked after an in-place change, it raises as autograd
     does."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor, self.version = tensor, version

@@ -70,10 +70,12 @@ def test_one_save_visits_each_part_once_and_never_the_controller(monkeypatch):
         "controller/stats.py",  # is its storage kept as it is already
         "controller/sites.py",  # its op, as learned in the watched pass
         "controller/decide.py",  # width, scheme, seed (from the plan)
+        "controller/product.py",  # not the product of two stored saves
         "controller/store.py",  # encoded (the kernels, nested)
         "controller/stats.py",  # recorded
         "controller/replay.py",  # kept for the next pass to replay
         "controller/store.py",  # the handle
+        "controller/product.py",  # remembered, for a product of it to find
     ], calls
     assert "controller/controller.py" not in modules
 
