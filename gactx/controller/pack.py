@@ -460,6 +460,9 @@ class PackPath:
         if found is None:
             return None
         product, keys = found
+        if len(self.factor_keys) >= MAX_REPLAYS:  # shapes that keep changing: the newest kept, as the replays are
+            self.factor_keys.clear()
+            self.product_keys.clear()
         self.product_keys.add(key)
         for k in keys:  # their replays remember what they store, for the next pass to find
             self.factor_keys.add(k)
