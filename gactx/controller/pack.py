@@ -47,7 +47,7 @@ from gactx.controller.offload import Offloader
 from gactx.controller.plan import MASK62, Plan
 from gactx.controller.policy import ModelStorages, is_weight, keep_reason, storage_ptr
 from gactx.controller.probes import Deferred, Waiting
-from gactx.controller.product import PRODUCT, factors, remember
+from gactx.controller.product import PRODUCT, derivable, factors, remember, stores_values
 from gactx.controller.replay import Replay, replayable
 from gactx.controller.rules import (
     ALLOCATED,
@@ -70,7 +70,6 @@ __all__ = ["MAX_REPLAYS", "PackPath"]
 logger = logging.getLogger(__name__)
 MAX_REPLAYS = 16384  # saves kept to be replayed (one a key): a few passes of a large model
 PRODUCTS = True  # store a save that is the product of two stored saves as that product (product.py)
-_PRODUCT_CLASSES = ("linear", "linear (op unknown)")  # saves stored so: quantized as linear inputs would be
 
 
 class PackPath:
@@ -420,7 +419,7 @@ class PackPath:
                 handle = hit
             else:
                 handle.stored = hit.stored
-            if self.products and _values(entry[2]):
+            if self.products and stores_values(entry[2]):
                 remember(t, handle, self.serial, hit.key)
             return handle
         derived = self._product(t, key, ptr, site, decision)
@@ -434,27 +433,23 @@ class PackPath:
             self.replays[key] = kept = Replay(t, site, decision, number, cfg, self.stats.records[-1], stored)
             if key in self.factor_keys:
                 kept.mark_factor()
-        if handle is None:
-            if isinstance(stored, torch.Tensor):
-                handle = Kept(stored, t._version)
-                if self.products and _values(decision):
-                    remember(t, handle, self.serial, key)
-                return handle
-            handle = Packed(stored, key, t, cfg.backend, ptr)
+        if handle is None and isinstance(stored, torch.Tensor):
+            handle = Kept(stored, t._version)
         else:
-            handle.stored = stored
-        if cfg.dedupe and hit is None:
-            self.dedupe[shape] = _entry(handle, t, decision)
-        if self.products and _values(decision):
+            if handle is None:
+                handle = Packed(stored, key, t, cfg.backend, ptr)
+            else:
+                handle.stored = stored
+            if cfg.dedupe and hit is None:
+                self.dedupe[shape] = _entry(handle, t, decision)
+        if self.products and stores_values(decision):
             remember(t, handle, self.serial, key)
         return handle
 
     def _product(self, t: torch.Tensor, key: Key, ptr: int, site, decision: Decision):
         """What stores ``t`` as the product of two saves this pass stored (``product.py``), recorded; ``None`` where
         it is none, or is not to be stored so (not quantized as a linear input, a recomputation in backward)."""
-        if not self.products or decision.rule.cls not in _PRODUCT_CLASSES or decision.reason or decision.choice:
-            return None
-        if key.module == BACKWARD:
+        if not self.products or key.module == BACKWARD or not derivable(decision):
             return None
         found = factors(t, self.serial)
         if found is None:
@@ -515,13 +510,6 @@ class PackPath:
         bits = bits if bits is not None else encoded.bits
         self.stats.record(t, key, ptr, site, rule, bits, "", encoded, offloaded, form)
         return stored
-
-
-def _values(decision: Decision) -> bool:
-    """Whether what a save is stored as decodes to its values (codes on a grid, kept as is): a factor a product may
-    be decoded from. Not a mask, a FewBit code, a scheme's form."""
-    rule = decision.rule
-    return rule is None or rule.kind in ("quantize", "keep") and decision.choice is None
 
 
 def _view(t: torch.Tensor, key: Key, ptr: int, form: str) -> tuple:

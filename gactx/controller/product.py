@@ -26,11 +26,24 @@ import weakref
 
 import torch
 
-__all__ = ["PRODUCT", "Product", "factors", "remember"]
+__all__ = ["PRODUCT", "Product", "derivable", "factors", "remember", "stores_values"]
 
 PRODUCT = "product"  # the stored form a record names
+_CLASSES = ("linear", "linear (op unknown)")  # saves stored as a product: those quantized as linear inputs would be
 _RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
 _MARK = "gactx.stored_values"  # node.metadata entry: output number -> (pass, handle, dtype, shape, key)
+
+
+def stores_values(decision) -> bool:
+    """Whether what a save is stored as under ``decision`` decodes to its values (codes on a grid, kept as is): a
+    factor a product may be decoded from. Not a mask, a FewBit code, a scheme's form."""
+    rule = decision.rule
+    return rule is None or rule.kind in ("quantize", "keep") and decision.choice is None
+
+
+def derivable(decision) -> bool:
+    """Whether a save decided so may be stored as a product instead: uniform codes of a linear input, nothing kept."""
+    return decision.rule.cls in _CLASSES and not decision.reason and decision.choice is None
 
 
 def remember(t: torch.Tensor, handle, serial: int, key) -> None:
