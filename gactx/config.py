@@ -88,7 +88,7 @@ class Config:
             side stream and prefetched in backward (level L3; any level with compression may set it).
             Tensors on other devices stay where they are (with a warning).
         prefetch: offload only: how many tensors ahead backward brings back to the device.
-        op_rules: how the op that saved each tensor is learned (see docs/controller.md, "What is compressed"):
+        op_rules: how the op that saved each tensor is learned (see docs/levels.md#what-each-saved-tensor-gets):
             ``"learn"`` watches the aten ops of a forward pass after one that met a save not seen before and
             keeps what it learned per slot; ``"always"`` watches every forward pass (an op's scalar
             arguments, a clamp bound say, are then never stale; about 14 us an op of host time); ``"off"``

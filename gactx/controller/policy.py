@@ -1,6 +1,6 @@
 """What to do with one saved tensor: keep it as it is, pack a bool mask, or compress it.
 
-The rules that need no op, in order (see docs/controller.md, "What is compressed"); the op rules follow them
+The rules that need no op, in order (see docs/levels.md#what-each-saved-tensor-gets); the op rules follow them
 (``rules.py``):
 
 1. Parameters, buffers, views of them, and autocast copies of weights are kept: they stay alive anyway,

@@ -163,7 +163,7 @@ def test_gradients_finite_at_every_level_and_close_at_8_bits(name):
 def test_wav2vec2_ctc_first_step_differs_from_the_next_only_by_ctcs_integer_saves_under_the_watcher():
     """Wav2Vec2ForCTC in training (time masking on), seeded alike before each step: from the second step on every
     pass records the same saves. The first, watched by a dispatch mode, differs only where torch's own CTC loss does
-    under any dispatch mode (docs/controller.md): it saves the input and target lengths as int64 tensors, and divides
+    under any dispatch mode (docs/levels.md#limits): it saves the input and target lengths as int64 tensors, and divides
     its mean by the int64 target lengths where it otherwise divides by a float copy of them. Three int64 tensors of
     ``batch`` elements in place of one float32 one: 20 bytes a sample more, none of them compressed, and every
     compressed save the same."""

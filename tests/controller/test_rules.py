@@ -1,4 +1,4 @@
-"""The rule table: sites map to the classes docs/controller.md documents, scalar arguments matter where they must,
+"""The rule table: sites map to the classes docs/levels.md documents, scalar arguments matter where they must,
 and results name their op through their grad_fn once."""
 
 import dataclasses

@@ -1,5 +1,5 @@
 """A row sketch: a random fraction of a tensor's rows, scaled so that the sketch is unbiased (the idea of FewBit's
-``RandomizedLinear``, as row sampling; see docs/controller.md, "Sketched inputs of linear layers").
+``RandomizedLinear``, as row sampling; see docs/adaptive.md#storage-choices).
 
 For ``y = x W^T`` backward reads ``x`` only in ``grad_W = g^T x``, which is linear in ``x`` (``grad_x = g W``
 never reads it). An estimate with ``E[x_hat] = x`` therefore keeps ``grad_W`` unbiased and ``grad_x`` exact.

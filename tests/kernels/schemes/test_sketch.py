@@ -307,8 +307,8 @@ def _error(x: torch.Tensor, fraction, bits: int) -> float:
 
 
 def test_per_byte_a_sketch_wins_near_one_bit_and_loses_at_four():
-    """The comparison docs/controller.md makes ("Sketched inputs of linear layers"), on Gaussian rows and on rows
-    with outlier channels."""
+    """Where a sketch wins per byte and where it loses (the reason it is one of the allocator's choices,
+    docs/adaptive.md#storage-choices), on Gaussian rows and on rows with outlier channels."""
     from gactx.kernels.variance import rounding_variance
 
     g = torch.Generator().manual_seed(0)
