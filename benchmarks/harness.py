@@ -59,7 +59,7 @@ def summary(doc: str) -> str:
 
 
 def now() -> str:
-    """The date results are stamped with (UTC, to the minute)."""
+    """The date and time results are stamped with: universal time, to the minute, as the stamp itself says."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 

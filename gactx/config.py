@@ -91,7 +91,7 @@ class Config:
         op_rules: how the op that saved each tensor is learned (see docs/levels.md#what-each-saved-tensor-gets):
             ``"learn"`` watches the aten ops of a forward pass after one that met a save not seen before and
             keeps what it learned per slot; ``"always"`` watches every forward pass (an op's scalar
-            arguments, a clamp bound say, are then never stale; about 14 us an op of host time); ``"off"``
+            arguments, a clamp bound say, are then never stale; a Python call an op of host time); ``"off"``
             never watches: only saved results name their op (through their ``grad_fn``), inputs are
             quantized as linear inputs (GACT's behaviour).
         checkpoint_bits: the width of a non-reentrant checkpoint's region inputs (the hidden states between

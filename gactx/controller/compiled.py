@@ -86,7 +86,7 @@ except (ImportError, AttributeError):  # a torch without graph hooks' context: e
 def _context_local() -> threading.local | None:
     """The ``threading.local`` that holds ``_hook_context()``'s value, where this torch keeps it there (checked once
     against the context manager), else ``None``. Read as this thread's dict of it, whether AOTAutograd traces a hook
-    costs 0.1 us; ``_hook_context()`` takes ``getattr`` of a missing attribute, which raises inside (0.6 us), twice a
+    is a dictionary lookup; ``_hook_context()`` takes ``getattr`` of a missing attribute, which raises inside, twice a
     saved tensor."""
     local = getattr(_graph_compile, "_thread_local", None)
     if not isinstance(local, threading.local):
@@ -268,8 +268,8 @@ class CompiledPath:
         lead's entry tells that this save ran too, and the release of what the lead returned that the graph's
         backward ran (graphs are released whole; the pass boundaries read no more). A kept follower has no op; a
         compressed one's op logs nothing. A save of a dynamic shape is logged: its record needs the shape it runs
-        with. What a follower saves: on a CPU a kept save's op cost the graph's code a call, its size checks and one
-        more saved tensor, about 4 us a step; a compressed save's log entry, read once a step, about 3 us."""
+        with. What a follower saves: on a CPU a kept save's op costs the graph's code a call, its size checks and one
+        more saved tensor; a compressed save's log entry costs a parse and a record, read once a step."""
         if not FOLLOW:
             return False
         lead = self._leads.setdefault(fw_graph, token)

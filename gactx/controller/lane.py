@@ -2,9 +2,8 @@
 
 Once a model's passes repeat, keys go by position (``identity.py``) and most saves take the pack path's lane,
 :meth:`~gactx.controller.pack.PackPath._by_position`: the parameter test, the save at its position, the replayed
-save's C++ packer, the record. In Python that lane and the hooks' calls cost about 0.2x of plain's step on
-``benchmarks.host``'s MLP at 64 (eager L1 1.71x plain, 1.54x in C++; 15.2 Python calls a save, 1.5 in C++: the
-benchmarks' docs). ``csrc/lane.cpp`` does the same steps in C++,
+save's C++ packer, the record. Where a step is short, that lane's Python and the hooks' calls are a visible share of
+the step (``python -m benchmarks.host`` measures it). ``csrc/lane.cpp`` does the same steps in C++,
 reading and writing the same Python objects (the path's pass statistics, the tracker's position, the replays): a save
 it cannot take whole (one whose storage an earlier save holds, one not replayed with a packer of its own, one not
 contiguous, any save of a pass not by position, ...) goes to :meth:`PackPath.pack` from the start, as if the

@@ -235,7 +235,7 @@ _SIGNS = (0.0, 1.0, -1.0, math.nan)
 
 def _table(values: tuple, dtype: torch.dtype, device: torch.device, name: tuple | None = None) -> torch.Tensor:
     """``values`` as a tensor on ``device``, made once for ``name`` (default: the values themselves, for a few of
-    them: a key hashes every value at every save, and ``repr`` of a 255-value FewBit table took 130 us). Filled
+    them: a key hashes every value at every save, and ``repr`` of a 255-value FewBit table is slow). Filled
     element by element on the device (``fill_`` takes the value as a kernel argument): a copy from pageable host
     memory, which ``table[i] = v`` is, would make the host wait for the CUDA stream."""
     key = (values if name is None else name, dtype, device)

@@ -19,7 +19,7 @@ Two kinds of tensor are known by where they come from (``rules.PROVENANCE``): a 
 divided by a tensor, as torch_geometric's softmax over a node's edges computes GAT's coefficients), with the
 views of either.
 
-The watcher costs a Python call per aten op (about 14 us on a CPU core; on a GPU it is host time). The
+The watcher costs a Python call per aten op (host time; ``python -m benchmarks.oprules`` measures it). The
 controller runs it only in a forward pass after one that met a save it had not seen (see controller.py).
 Nothing here reads a tensor's values: no host synchronization.
 """

@@ -93,9 +93,8 @@ def launch(kernel, programs: int, *args, **meta) -> None:
     constexprs included, and the launch hooks). A configuration is what Triton specializes on: the meta-parameters,
     each tensor's dtype and 16-byte alignment, each integer's width (and, for an integer that is specialized, whether
     it is 1 or a multiple of 16), and the current device. Under the interpreter, with a launch hook installed (a
-    profiler's) or on an older Triton, every call takes Triton's own launch. Measured on an H200's host (Triton 3.6,
-    median of 5 turns of 300 calls): a quantize call of 4096 elements took 39.7 us of host time through Triton's
-    launch, 26.2 us bound, with the same bytes.
+    profiler's) or on an older Triton, every call takes Triton's own launch. The bytes are the same either way
+    (``tests/kernels/test_launch.py``); the host time a call is what differs (``python -m benchmarks.gpu``, host arm).
     """
     global DIRECT
     hooks = triton.knobs.runtime if DIRECT else None

@@ -132,7 +132,7 @@ ASSERTS = False
 def _register_codegen() -> bool:
     """Have Inductor's Python wrapper call :data:`DIRECT_OPS` as the extension's functions (``buf1 =
     _gactx_cpu.quantize_saved(buf0, 7)``) rather than through ``torch.ops``: the dispatcher's argument parsing and
-    boxing, 0.8 us of a 64 x 64 quantize call's 3.8 (the call itself 3.0 us), of 1.9 of a dequantize's. Through
+    boxing are a large share of a small tensor's call. Through
     Inductor's registry of custom extern-kernel code (torch 2.13); where it is not there, or under the C++ wrapper,
     the calls are Inductor's own. The profiler then records no op event for these calls (the kernels' time shows
     within the graph's). Returns whether it registered."""

@@ -2,7 +2,7 @@
 
 Both schemes run the same way: Triton kernels on CUDA (and under the interpreter when asked), the C++ kernels of
 ``cpu.py`` on CPU tensors with ``backend="cpp"`` or ``"auto"`` (``scheme="normal"``: the torch twin's bytes with
-``stochastic=False``, 60 to 200 times faster than it: ``docs/kernels.md``), the torch twins with
+``stochastic=False``, much faster than it: ``docs/kernels.md``), the torch twins with
 ``backend="torch"`` or where the C++ kernels cannot be built."""
 
 from __future__ import annotations

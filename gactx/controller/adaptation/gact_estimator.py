@@ -372,8 +372,8 @@ class GactEstimator(Measuring):
 def _straight(slot: Slot) -> bool:
     """``curved`` of the first adaptation's first estimate: no tensor is probed for a curve. That estimate only
     places the second around an allocation (``rounds``), which fits the normalisation inputs' curves; with them in
-    both, ResNet-50 (small) took 442 passes, without them in the first 283, to the same sensitivities (rank correlation
-    1.0) and allocation, as on the zoo's transformer layer, BERT and ResNet and on BERT-base (small)."""
+    both, the first adaptation takes more passes for the same sensitivities and allocation
+    (``python -m benchmarks.adaptation``)."""
     return False
 
 

@@ -2,8 +2,8 @@
 
 Such a pass needs each parameter's gradient for its squared norm alone (``groups.squares``). The weight of an
 embedding (``nn.Embedding``, ``F.embedding``: an ``EmbeddingBackward0`` node) gets a dense gradient as large as its
-table, of which only the rows of the batch's indices hold anything: BERT-base small's 30522 x 128 table took 1.7 ms of
-a pass on a CPU to fill and read, the rows it reaches 0.13 ms; a full fine-tune's table is hundreds of MiB a pass. So
+table, of which only the rows of the batch's indices hold anything: filling and reading the whole table costs a pass
+far more than the rows it reaches, and a full fine-tune's table is hundreds of MiB a pass. So
 where a table's weight gets its gradient from one embedding node alone and has no hook, the pass asks for the
 gradient that node is given (its forward output's) and sums it into the rows the indices reach (:class:`Rows`): the
 same squared norm, up to rounding.

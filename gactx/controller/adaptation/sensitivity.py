@@ -145,8 +145,8 @@ class ModelSnapshot:
 def _gradient(model: nn.Module, backprop: Callable[[], object], snapshot: ModelSnapshot) -> list[torch.Tensor]:
     """The parameters' gradients of one run of ``backprop`` from the snapshot's RNG state: those that have one, in
     ``model.parameters()`` order (the estimate's layout, ``groups.layout_of``). The tensors themselves, not a copy: the
-    next pass sets each ``.grad`` to ``None`` and leaves them as they are (a flat float64 copy took 29 ms of each pass
-    of BERT-base small's 49)."""
+    next pass sets each ``.grad`` to ``None`` and leaves them as they are (a flat float64 copy would cost a large part
+    of each pass)."""
     snapshot.restore_rng()
     for p in model.parameters():
         p.grad = None

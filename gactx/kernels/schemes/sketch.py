@@ -172,7 +172,7 @@ def kept_rows(
     """The ``n_kept`` rows of ``n_rows`` that ``seed`` chooses, uniformly without replacement: int64 indices in
     increasing order on ``device`` (see the module docstring). No host read, no data-dependent shape. With
     ``complement``, the other ``n_rows - n_kept`` rows (every row where those are none). One C++ call on a CPU (the
-    torch form below took 0.3 ms of a 512-row choice: twenty-odd small ops), the same rows."""
+    torch form below is twenty-odd small ops), the same rows."""
     if _on_cpu(device) and 0 <= n_kept <= n_rows and 0 <= seed < 1 << 63:
         return cpu.kept_rows(n_rows, n_kept, seed, complement)
     return _kept_rows(n_rows, n_kept, seed, device, complement)
