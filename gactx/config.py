@@ -157,8 +157,7 @@ class Config:
         elif self.adaptive and self.estimator == "actnn" and "sketch" in self.schemes:
             warnings.warn(
                 "gactx: estimator='actnn' does not measure what a sketch adds to the gradient, so sketches are priced "
-                "on their prediction alone (measured: 0.83x to 16x the gradient error of codes alone at the same "
-                "bytes); estimator='gact' measures them",
+                "on their prediction alone; estimator='gact' measures them (docs/adaptive.md#estimators)",
                 RuntimeWarning,
                 stacklevel=_caller_level(),
             )

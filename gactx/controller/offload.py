@@ -113,7 +113,7 @@ class Offloader:
             self._warned = True
             warnings.warn(
                 f"gactx offload (level L3, offload=True) moves compressed CUDA tensors only ({why}): "
-                f"the others are compressed and stay on their device",
+                f"the others are compressed and stay on their device (docs/training-stacks.md#cpu-offload-l3)",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -54,11 +54,15 @@ def interpreting(x: torch.Tensor) -> bool:
 def require_triton(x: torch.Tensor) -> None:
     """Raise a clear error when the Triton backend was forced but cannot run on ``x``."""
     if not HAS_TRITON:
-        raise RuntimeError("backend='triton' needs the triton package; install it or use backend='torch'")
+        raise RuntimeError(
+            "backend='triton' needs the triton package; install it or use backend='torch' "
+            "(docs/install.md#triton-errors)"
+        )
     if not triton_runs_on(x):
         raise RuntimeError(
             f"backend='triton' cannot run on a {x.device.type} tensor: Triton needs a CUDA tensor, or "
-            "TRITON_INTERPRET=1 set before triton is imported to run on the CPU (slowly); use backend='torch'"
+            "TRITON_INTERPRET=1 set before triton is imported to run on the CPU (slowly); use backend='torch' "
+            "(docs/install.md#triton-errors)"
         )
 
 

@@ -212,7 +212,8 @@ def _build():
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
         warnings.warn(
             f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {_cause(e)}); "
-            "falling back to the torch kernels (same results, slower, with temporaries the size of the tensor)",
+            "falling back to the torch kernels (same results, slower, with temporaries the size of the tensor); "
+            "see docs/install.md#the-c-kernels-did-not-build",
             RuntimeWarning,
             stacklevel=3,
         )

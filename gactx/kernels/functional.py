@@ -55,7 +55,10 @@ def choose_backend(x: torch.Tensor, backend: str) -> str:
         if x.device.type != "cpu":
             raise ValueError(f"backend='cpp' runs on CPU tensors, not {x.device.type}; use 'auto' or 'triton'")
         if not cpu.available():
-            raise RuntimeError("backend='cpp': the C++ CPU kernels could not be built (see the warning); use 'torch'")
+            raise RuntimeError(
+                "backend='cpp': the C++ CPU kernels could not be built (see the warning and "
+                "docs/install.md#the-c-kernels-did-not-build); use 'torch'"
+            )
     return backend
 
 

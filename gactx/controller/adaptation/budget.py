@@ -82,7 +82,7 @@ def reduce_across_ranks(sensitivity: dict, *tables: dict) -> dict | tuple[dict, 
     if check[0].item() != fingerprint or -check[1].item() != fingerprint:
         raise RuntimeError(
             "gactx: ranks measured different saved tensors; every rank must run the same model on "
-            "batches of the same shape in the backprop closure"
+            "batches of the same shape in the backprop closure (docs/adaptive.md#under-torchdistributed)"
         )
     source = (sensitivity, *tables)
     values = [source[i][slot] if i == 0 else source[i][slot][name] for i, slot, name in names]
@@ -170,8 +170,11 @@ def plan(
             f"({allocation.nbytes} bytes)"
         )
         if config.strict:
-            raise ValueError(message + "; raise the budget or use strict=False to fall back to the narrowest widths")
-        warnings.warn(message + "; using the narrowest widths", RuntimeWarning, stacklevel=4)
+            raise ValueError(
+                message + "; raise the budget or use strict=False to fall back to the narrowest widths "
+                "(docs/levels.md#budgets)"
+            )
+        warnings.warn(message + "; using the narrowest widths (docs/levels.md#budgets)", RuntimeWarning, stacklevel=4)
     return allocation, budget
 
 

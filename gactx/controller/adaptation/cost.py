@@ -145,7 +145,7 @@ def announce(adaptation, interval: int, first_only: bool) -> None:
         "time grows with the number of compressed tensors (GACT's estimator: a pass each, two a normalization input's "
         "first, one for all the inputs of linear and convolution layers; tensors whose noise was seen to land apart "
         "share passes). To spend less: give iterate() a closure on a smaller batch, raise adapt_interval, or use "
-        "estimator='actnn' (measured in the training step itself) (docs/adaptive.md). To silence it: "
+        "estimator='actnn' (measured in the training step itself) (docs/adaptive.md#slow-adaptations). To silence it: "
         "warnings.filterwarnings('ignore', category=gactx.SlowAdaptationWarning)",
         SlowAdaptationWarning,
         stacklevel=_caller_level(),

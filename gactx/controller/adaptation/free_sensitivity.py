@@ -233,7 +233,7 @@ def free_estimate(model: nn.Module, collector: FreeCollector, backprop: Callable
     if backprop is None:
         raise RuntimeError(
             "gactx estimator 'actnn': no step under the controller collected sensitivities yet; run a training "
-            "step first or give adapt() a backprop closure"
+            "step first or give adapt() a backprop closure (docs/adaptive.md#estimators)"
         )
     start = time.perf_counter()
     snapshot = ModelSnapshot(model)

@@ -130,7 +130,7 @@ class GactEstimator(Measuring):
             cfg = self.config
             warnings.warn(
                 f"gactx level {cfg.level} adapts bits only when iterate() gets a backprop closure; "
-                f"every tensor stays at {default_width(cfg.bits)} bits",
+                f"every tensor stays at {default_width(cfg.bits)} bits (docs/adaptive.md#the-closure)",
                 RuntimeWarning,
                 stacklevel=3,
             )
