@@ -165,9 +165,11 @@ def plan(
     if kept is not None and kept[0] <= budget:
         allocation = dataclasses.replace(allocation, kept_variance=kept[1])
     if not allocation.feasible:
+        basis = repr(config.budget) if config.budget is not None else f"{config.bits} bits an element on average"
+        paid = f" after {fixed} bytes of tensors kept or stored at a fixed width" if config.budget is not None else ""
         message = (
-            f"gactx: the budget ({budget} bytes for compressed tensors) is below what 1-bit codes need "
-            f"({allocation.nbytes} bytes)"
+            f"gactx: the budget ({basis}) leaves {budget} bytes for compressed tensors{paid}, below what "
+            f"1-bit codes need ({allocation.nbytes} bytes)"
         )
         if config.strict:
             raise ValueError(
