@@ -3,22 +3,39 @@ PYTHON ?= python3
 
 .PHONY: torch setup setup-demo test demo bench bench-kernels lint
 
-# torch is installed only when missing; a machine that already has torch (a CUDA build, say) keeps it. Without an
-# NVIDIA GPU it comes from PyTorch's CPU index where that answers (PyPI's Linux wheel is the CUDA build, several GB
-# with its nvidia-* packages), else from pip's own index, in the same pip run as numpy and ninja (gactx needs both:
-# one run less on a new machine). PIP_INSTALL=echo shows the command without running it.
+# torch is installed only when missing; a machine that already has torch (a CUDA build, say) keeps it. Which build:
+# TORCH_BUILD=cpu (PyTorch's CPU index) or TORCH_BUILD=cuda (pip's own index, whose Linux wheel is the CUDA build,
+# several GB with its nvidia-* packages); by default (auto) the CPU build where no NVIDIA GPU is seen (nvidia-smi) and
+# PyTorch's CPU index answers, else the CUDA one (with numpy and ninja in the same pip run: gactx needs both, and a
+# run less matters there). The build, its source and its size are said before pip starts. PIP_INSTALL=echo shows the
+# command without running it.
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_BUILD ?= auto
 PIP_INSTALL ?= $(PYTHON) -m pip install --quiet
 torch:
-	@$(PYTHON) -c "import torch" 2>/dev/null || { \
-		if ! command -v nvidia-smi >/dev/null 2>&1 && $(PYTHON) -c "import urllib.request as u; \
-			u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1; then \
-			echo "no NVIDIA GPU: torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX)"; \
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') is installed: kept"; \
+	else \
+		build=$(TORCH_BUILD); why="TORCH_BUILD=$(TORCH_BUILD)"; \
+		if [ "$$build" = auto ]; then \
+			if command -v nvidia-smi >/dev/null 2>&1; then build=cuda; why="an NVIDIA GPU is present"; \
+			elif $(PYTHON) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" \
+				>/dev/null 2>&1; then build=cpu; why="no NVIDIA GPU"; \
+			else build=cuda; why="no NVIDIA GPU, but $(TORCH_CPU_INDEX) did not answer"; fi; \
+		fi; \
+		if [ "$$build" = cpu ]; then \
+			echo "installing torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX) ($$why): about 190 MB to"\
+				"download, 750 MB installed. TORCH_BUILD=cuda installs the CUDA build instead."; \
 			$(PIP_INSTALL) torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX); \
-		else \
+		elif [ "$$build" = cuda ]; then \
+			echo "installing torch $(TORCH_VERSION) from pip's index ($$why): on Linux the CUDA build, about 5 GB with"\
+				"its nvidia-* packages; this takes minutes. TORCH_BUILD=cpu installs the CPU build (190 MB) instead."; \
 			$(PIP_INSTALL) torch==$(TORCH_VERSION) numpy ninja; \
-		fi; }
+		else \
+			echo "TORCH_BUILD=$$build is not one of auto, cpu, cuda" >&2; exit 2; \
+		fi; \
+	fi
 
 # Tests and benchmarks: gactx with its test and benchmark extras.
 setup: torch

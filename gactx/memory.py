@@ -116,10 +116,14 @@ def _cpp_log_flag() -> ctypes.c_int | None:
 _C10_LIBRARY = {"win32": "c10.dll", "darwin": "libc10.dylib"}.get(sys.platform, "libc10.so")
 
 
-# What Kineto writes to stderr as a profiler starts and stops, one after another, not always with a newline between.
+# What Kineto writes to stderr as a profiler starts and stops, one after another, not always with a newline between;
+# and, under a CUDA build of torch on a machine with no GPU, the error line of its look for GPUs (whatever prefix its
+# logger gives it), which a measure of CPU memory has no use for.
 _KINETO_LINE = re.compile(
     r"(?:STAGE|USDT):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] "
     r"(?:profiler_start|profiler_stop|Completed Stage: [A-Za-z ]+?)(?=STAGE:|USDT:|\n|$)\n?"
+    r"|^[^\n]*gpuGetDeviceCount failed with code \d+[^\n]*\n?",
+    re.MULTILINE,
 )
 
 

@@ -94,6 +94,23 @@ def test_the_cpu_meter_writes_nothing_to_stderr_but_what_the_region_writes():
     assert done.stderr == "written by the region\n" * 2
 
 
+def test_the_cpu_meter_holds_back_a_cuda_builds_notice_that_it_found_no_gpu():
+    """A CUDA build of torch on a machine with no GPU: Kineto logs "gpuGetDeviceCount failed with code 35" as the
+    profiler starts, which a measure of CPU memory has no use for; the meter takes that line out and leaves the
+    region's own (a child process: written to file descriptor 2, as Kineto writes it)."""
+    code = (
+        "import os, gactx\n"
+        "from gactx.memory import _without_kineto_lines\n"
+        "with _without_kineto_lines():\n"
+        "    os.write(2, b'ERROR:2026-01-01 00:00:00 7:7 DeviceProperties.cpp:45] '\n"
+        "                b'gpuGetDeviceCount failed with code 35\\n')\n"
+        "    os.write(2, b'written by the region\\n')\n"
+    )
+    done = _child(code, "KINETO_LOG_LEVEL")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "written by the region\n"
+
+
 def test_the_cpu_meter_holds_back_the_allocators_notice_of_a_free_it_cannot_size():
     """A region that frees memory allocated before it (a batch, an earlier step's activations) made torch's CPU
     allocator log "Memory block of unknown size was allocated before the profiling started" to stderr; the meter

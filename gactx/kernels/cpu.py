@@ -195,9 +195,27 @@ def drain_log() -> list[int]:
     return module.drain_log() if module is not None else []
 
 
-def _build():
-    from torch.utils import cpp_extension
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops ``torch.utils.cpp_extension``'s notice, at its import under a CUDA build of torch on a machine with no
+    GPU, that no CUDA runtime is found: gactx builds CPU kernels there, which need none."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported without its notice that a CUDA build finds no CUDA runtime."""
+    logger, quiet = logging.getLogger("torch.utils.cpp_extension"), _NoCudaRuntimeNotice()
+    logger.addFilter(quiet)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.removeFilter(quiet)
+    return cpp_extension
+
+
+def _build():
+    cpp_extension = _cpp_extension()
     log.info("gactx: compiling the CPU kernels (once for this machine and torch; about a minute)")
     try:
         sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]

@@ -275,13 +275,17 @@ def test_new_allocation_recompiles_once():
     def backprop():
         compiled(x).square().mean().backward()
 
+    in_force = []  # the allocation each training step's forward ran under
     with gactx.Controller(model, level="L2.2", adapt_interval=2) as controller:
         for _ in range(5):
+            in_force.append(tuple(sorted(controller.allocation.items())))
             grads(compiled, model, x)
-            controller.iterate(backprop)
-    assert controller.last_adaptation is not None
-    # One graph before the first adaptation, one after it; the adaptation at step 4 chose the same widths.
-    assert counters["stats"]["unique_graphs"] == 2
+            controller.iterate(backprop)  # adapts after steps 1, 2 and 4
+    allocations = 1 + sum(a != b for a, b in zip(in_force, in_force[1:], strict=False))
+    assert controller.last_adaptation is not None and allocations >= 2
+    # One graph for each allocation training ran under in turn, and none for the estimator's passes. Whether a later
+    # adaptation keeps the widths is the estimate's to say; the graphs follow it.
+    assert counters["stats"]["unique_graphs"] == allocations
     widths = {r.bits for r in controller.records if r.compressed}
     assert widths <= {1, 2, 4, 8} and widths != {2}, widths
 

@@ -579,3 +579,32 @@ def test_a_native_packer_leaves_other_tensors_to_the_python_path_and_handles_are
     assert cpu.extension().Saved.alive() == alive + 3
     del handles
     assert cpu.extension().Saved.alive() == alive
+
+
+def test_building_under_a_cuda_build_with_no_gpu_says_nothing_of_a_cuda_runtime():
+    """A CUDA build of torch on a machine with no GPU logs "No CUDA runtime is found" as ``torch.utils.cpp_extension``
+    is imported; gactx imports it only to build CPU kernels, which need none, and holds that notice back (a child
+    process, in which torch passes for a CUDA build with no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "torch.cuda._is_compiled = lambda: True\n"
+        "torch.version.cuda = '12.8'\n"
+        "torch.cuda.is_available = lambda: False\n"
+        "if sys.argv[1] == 'gactx':\n"
+        "    from gactx.kernels import cpu\n"
+        "    cpu._cpp_extension()\n"
+        "else:\n"
+        "    from torch.utils import cpp_extension\n"
+    )
+    env = {**os.environ, "CUDA_HOME": os.path.dirname(__file__)}  # any folder that exists
+    runs = {
+        how: subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, env=env, timeout=300)
+        for how in ("plain", "gactx")
+    }
+    assert all(done.returncode == 0 for done in runs.values()), {k: v.stderr for k, v in runs.items()}
+    assert "No CUDA runtime is found" in runs["plain"].stderr  # what torch logs, so that the check below means it
+    assert "No CUDA runtime" not in runs["gactx"].stderr
