@@ -6,9 +6,10 @@ PYTHON ?= python3
 # torch is installed only when missing; a machine that already has torch (a CUDA build, say) keeps it. Which build:
 # TORCH_BUILD=cpu (PyTorch's CPU index) or TORCH_BUILD=cuda (pip's own index, whose Linux wheel is the CUDA build,
 # several GB with its nvidia-* packages); by default (auto) the CPU build where no NVIDIA GPU is seen (nvidia-smi) and
-# PyTorch's CPU index answers, else the CUDA one (with numpy and ninja in the same pip run: gactx needs both, and a
-# run less matters there). The build, its source and its size are said before pip starts. PIP_INSTALL=echo shows the
-# command without running it.
+# PyTorch's CPU index answers, else pip's own (with numpy and ninja in the same pip run: gactx needs both, and a run
+# less matters there), which may serve a local or mirrored wheel. Before pip starts, gactx/_torch_build.py says what
+# pip will take (asked with --dry-run): the build, its source and its size. PIP_INSTALL=echo shows the command
+# without running it.
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_BUILD ?= auto
@@ -24,12 +25,15 @@ torch:
 				>/dev/null 2>&1; then build=cpu; why="no NVIDIA GPU"; \
 			else build=cuda; why="no NVIDIA GPU, but $(TORCH_CPU_INDEX) did not answer"; fi; \
 		fi; \
+		echo "torch: $$why"; \
 		if [ "$$build" = cpu ]; then \
-			echo "installing torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX) ($$why): about 190 MB to"\
-				"download, 750 MB installed. TORCH_BUILD=cuda installs the CUDA build instead."; \
+			$(PYTHON) gactx/_torch_build.py torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX) 2>/dev/null || \
+			echo "installing torch $(TORCH_VERSION), CPU build, from $(TORCH_CPU_INDEX): about 190 MB."\
+				"TORCH_BUILD=cuda installs the CUDA build instead."; \
 			$(PIP_INSTALL) torch==$(TORCH_VERSION) --index-url $(TORCH_CPU_INDEX); \
 		elif [ "$$build" = cuda ]; then \
-			echo "installing torch $(TORCH_VERSION) from pip's index ($$why): on Linux the CUDA build, about 5 GB with"\
+			$(PYTHON) gactx/_torch_build.py torch==$(TORCH_VERSION) 2>/dev/null || \
+			echo "installing torch $(TORCH_VERSION) from pip's index: on Linux PyPI's CUDA build, about 5 GB with"\
 				"its nvidia-* packages; this takes minutes. TORCH_BUILD=cpu installs the CPU build (190 MB) instead."; \
 			$(PIP_INSTALL) torch==$(TORCH_VERSION) numpy ninja; \
 		else \
