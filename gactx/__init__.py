@@ -4,6 +4,7 @@
 ``gactx.quantize`` / ``gactx.dequantize`` are the kernels underneath.
 """
 
+from gactx import _versions  # noqa: F401  (first: an unsupported torch is refused before anything uses it)
 from gactx.config import Config, get_optimization_level, set_optimization_level
 from gactx.controller import (
     Adaptation,

@@ -243,9 +243,9 @@ def results_linked(section: str, page: Path) -> list[Path]:
     return [(page.parent / t.partition("#")[0]).resolve() for t in LINK.findall(section) if "benchmarks/results/" in t]
 
 
-# Sections whose tables hold no measurement: options and their defaults, and the format's bytes, which
-# test_the_format_table_gives_expected_nbytes computes.
-NOT_MEASURED = ("Options", "The format")
+# Sections whose tables hold no measurement: options and their defaults, the versions supported, and the format's
+# bytes, which test_the_format_table_gives_expected_nbytes computes.
+NOT_MEASURED = ("Options", "The format", "Supported versions")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_id)

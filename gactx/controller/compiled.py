@@ -61,7 +61,7 @@ from gactx.kernels import cpu, traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.schemes.uniform import traced as uniform
 
-__all__ = ["HookGraph", "CompiledPath", "GraphSave"]
+__all__ = ["INLINE", "EagerHook", "HookGraph", "CompiledPath", "GraphSave", "hook"]
 
 # Tags of what a compiled pack returns (ints: every leaf that is not a tensor becomes a constant of the
 # backward graph). CPP_*: the C++ ops of CPU tensors (``gactx_cpu::*_saved``), which the graph calls with no Python.
@@ -112,6 +112,10 @@ except ImportError:  # a torch without it: every eager call goes through torch.c
 
 
 _LOCAL = _context_local()
+# Whether this torch's AOTAutograd gives a hook it traces the graph and node it is traced for (its saved-tensor hook
+# context), which the compiled path decides by. Without it the hooks are plain callables (EagerHook) that AOTAutograd
+# does not inline: a compiled graph keeps its saves until its forward ends, then hands each to the eager path.
+INLINE = _graph_compile is not None
 
 
 def _uncached(x):
@@ -156,6 +160,30 @@ class HookGraph(torch.fx.GraphModule):
         if _frame_callback() is not None:
             return self.disabled(x)
         return self.eager(x)
+
+
+class EagerHook:
+    """A saved-tensor hook that AOTAutograd does not inline (not a GraphModule), for a torch without the context
+    the compiled path needs (:data:`INLINE`): it runs the eager path, under ``torch.compiler.disable`` where
+    TorchDynamo is active (a compiled graph's saves, handed over when its forward ends)."""
+
+    gactx_hooks = True  # what checkpoint.py looks for among the hooks in scope
+
+    def __init__(self, eager: Callable) -> None:
+        self.eager, self.disabled = eager, torch.compiler.disable(eager)
+
+    def call_natively(self, built) -> None:  # the C++ call of a hook is HookGraph's
+        return None
+
+    @passes_saves_on
+    def __call__(self, x):
+        return self.disabled(x) if _frame_callback() is not None else self.eager(x)
+
+
+def hook(eager: Callable, compiled: Callable) -> HookGraph | EagerHook:
+    """A hook that runs ``eager`` when called and ``compiled`` when AOTAutograd traces it into a graph; where this torch
+    cannot give the compiled path its context (:data:`INLINE`), an :class:`EagerHook` of ``eager``."""
+    return HookGraph(eager, compiled) if INLINE else EagerHook(eager)
 
 
 @dataclass

@@ -9,20 +9,22 @@ freed by hand. Neither hook synchronizes the GPU: every decision uses shapes, dt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from gactx.config import Config, make_config
+from gactx.config import Config, _caller_level, make_config
 from gactx.controller import checkpoint
 from gactx.controller.adaptation import Adaptation, allocate_estimate, cost
 from gactx.controller.adaptation.choices import Choice
 from gactx.controller.adaptation.estimators import Estimator, ProgressLog, make_estimator
 from gactx.controller.adaptation.schedule import Schedule, stable
-from gactx.controller.compiled import CompiledPath, HookGraph
+from gactx.controller.compiled import INLINE, CompiledPath, HookGraph
 from gactx.controller.identity import ModuleTracker, Slot
 from gactx.controller.lane import graph_hooks
 from gactx.controller.offload import Offloader
@@ -133,6 +135,8 @@ class Controller:
         # before it made. Parameters and buffers still do not reach them.
         self._filtering = torch._functorch.config.patch(saved_tensors_hooks_filtering_mode="no_static")
         self._filtering.__enter__()
+        if not INLINE:
+            _warn_no_compiled_path()
         return self
 
     def _make_graph_hooks(self) -> tuple[HookGraph, HookGraph]:
@@ -436,3 +440,15 @@ class Controller:
 
     def _pass_end(self) -> None:
         self._path.end_forward()
+
+
+@functools.cache
+def _warn_no_compiled_path() -> None:
+    """Once a process: this torch cannot compress inside compiled graphs (``compiled.INLINE``)."""
+    warnings.warn(
+        f"gactx: torch {torch.__version__} gives saved-tensor hooks no view of the graphs torch.compile makes (torch "
+        "2.10 and later do): what compiled regions save is kept as it is, not compressed; eager code is compressed "
+        "as usual (see docs/torch-compile.md#torch-older-than-210)",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )

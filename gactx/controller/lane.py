@@ -27,7 +27,7 @@ import sys
 import torch
 
 from gactx.controller.checkpoint import SAVING
-from gactx.controller.compiled import CompiledPath, HookGraph
+from gactx.controller.compiled import CompiledPath, EagerHook, HookGraph, hook
 from gactx.controller.pack import PackPath
 from gactx.controller.policy import _VIEW_NODES
 from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
@@ -39,7 +39,9 @@ __all__ = ["NATIVE", "graph_hooks"]
 NATIVE = True  # the C++ lane where it serves (False: the Python path's hooks alone, as a comparison runs them)
 
 
-def graph_hooks(path: PackPath, compiled: CompiledPath, model: torch.nn.Module) -> tuple[HookGraph, HookGraph]:
+def graph_hooks(
+    path: PackPath, compiled: CompiledPath, model: torch.nn.Module
+) -> tuple[HookGraph | EagerHook, HookGraph | EagerHook]:
     """The controller's pack and unpack hooks for ``path`` (the model's) and ``compiled``: their eager work the C++
     lane and unpack, and their own calls C++ (``HookGraph.call_natively``), where the lane serves (the module
     docstring); else ``path.pack`` and ``store.unpack``, called from Python."""
@@ -47,12 +49,12 @@ def graph_hooks(path: PackPath, compiled: CompiledPath, model: torch.nn.Module) 
     if NATIVE and sys.version_info >= (3, 11) and path.config.backend in ("auto", "cpp") and _on_cpu(model):
         built = cpu.extension()
     if built is None:
-        return HookGraph(path.pack, compiled.pack), HookGraph(unpack, compiled.unpack)
+        return hook(path.pack, compiled.pack), hook(unpack, compiled.unpack)
     site = (-1 if PRECALL is None else PRECALL, PRECALL_TO_CALL)  # positions.call_site's reading of an instruction
     eager = built.lane(path, path.tracker, Kept, SAVING, _VIEW_NODES, _PASSING, *site)
-    hooks = HookGraph(eager, compiled.pack), HookGraph(built.unpack_hook(Kept), compiled.unpack)
-    for hook in hooks:
-        hook.call_natively(built)
+    hooks = hook(eager, compiled.pack), hook(built.unpack_hook(Kept), compiled.unpack)
+    for each in hooks:
+        each.call_natively(built)
     return hooks
 
 
