@@ -35,7 +35,9 @@ from benchmarks.table import markdown_table
 
 __all__ = ["METHODS", "SPECS", "Spec", "decoder", "final_loss", "summarise", "train"]
 
-METHODS = ("fp", "L1", "L1.1", "L1.2", "L2.2")
+METHODS = ("fp", "L1", "L1.1", "L1.2", "L2.2", "L2.2-update")
+# Methods that are a level with options: name -> (level, Config fields)
+OPTIONS = {"L2.2-update": ("L2.2", {"objective": "update"})}
 FINAL = 5  # the final loss: the mean of the last this many steps
 THRESHOLD = 1.1  # steps to reach this times full precision's mean final loss
 DATA_SEED = 1000  # batches come from DATA_SEED + seed: apart from the weights' stream
@@ -73,15 +75,16 @@ QUICK = {  # the smoke test's: the same code at tiny sizes
 
 
 def train(spec: Spec, method: str, seed: int, steps: int | None = None) -> tuple[list[float], int | None, float]:
-    """Train ``spec``'s workload from ``seed`` with ``method`` (``"fp"`` or a gactx level) for ``steps`` (default the
-    spec's): each step's loss, the bytes gactx held for one forward pass (its own accounting; ``None`` for fp), and
-    the accuracy on a held-out batch (the same for every seed and method)."""
+    """Train ``spec``'s workload from ``seed`` with ``method`` (``"fp"``, a gactx level or one of :data:`OPTIONS`) for
+    ``steps`` (default the spec's): each step's loss, the bytes gactx held for one forward pass (its own accounting;
+    ``None`` for fp), and the accuracy on a held-out batch (the same for every seed and method)."""
     w = spec.build(seed)
     torch.manual_seed(seed)  # dropout's masks
     gen = torch.Generator().manual_seed(DATA_SEED + seed)
     optimizer = torch.optim.AdamW([p for p in w.model.parameters() if p.requires_grad], lr=spec.lr or w.lr)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if spec.bf16 else contextlib.nullcontext
-    controller = None if method == "fp" else gactx.Controller(w.model, method, seed=seed).install_hook()
+    level, options = OPTIONS.get(method, (method, {}))
+    controller = None if method == "fp" else gactx.Controller(w.model, level, seed=seed, **options).install_hook()
     losses, held = [], None
     try:
         for _ in range(steps or spec.steps):

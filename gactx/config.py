@@ -38,6 +38,7 @@ _UNITS |= {"GIB": 1 << 30, "TIB": 1 << 40}
 _default_level = "L1"
 OP_RULES = ("learn", "always", "off")
 ESTIMATORS = ("gact", "actnn")
+OBJECTIVES = ("gradient", "update")  # what the "gact" estimator's allocation keeps small (Config.objective)
 # The schemes offered where none are given, by estimator: ActNN's measures no sketch (docs/adaptive.md).
 DEFAULT_SCHEMES = {"gact": ("uniform", "normal", "sketch"), "actnn": ("uniform", "normal")}
 CHECKPOINT_BITS = (2, 4, 8, 16)  # widths of a checkpointed region's inputs (None: kept)
@@ -66,6 +67,10 @@ class Config:
             reads each tensor's group ranges and the gradient reaching its module during the ordinary step
             before an adaptation (ActNN's estimate: no extra pass, no closure needed).
         probe_bits: adaptive only: the width at which the ``"gact"`` estimator perturbs one tensor at a time.
+        objective: adaptive only, ``"gact"`` estimator: what the allocation keeps small. ``"gradient"`` (default):
+            the whole gradient's squared error (GACT's), where a parameter whose gradient is small counts for little;
+            ``"update"``: the error each parameter's gradient carries relative to that gradient's own size, as an
+            optimizer that scales each parameter's step (Adam, AdamW) sees it (see docs/adaptive.md#objective).
         schemes: adaptive only: the ways the allocator may store a tensor, chosen per tensor by measured variance
             per byte (see docs/adaptive.md): ``"uniform"`` (codes on the group's min-max grid; always included),
             ``"normal"`` (codes on levels fitted to the group's normal, after SmaQ), ``"sketch"`` (a fraction of
@@ -108,6 +113,7 @@ class Config:
     adapt_backoff: int = 8
     estimator: str = "gact"
     probe_bits: int = 2
+    objective: str = "gradient"
     schemes: tuple[str, ...] | None = None  # None: DEFAULT_SCHEMES[estimator]
     strict: bool = False
     group_size: int = 256
@@ -173,6 +179,8 @@ class Config:
             )
         if not _is_int(self.probe_bits) or self.probe_bits not in (1, 2, 4, 8):
             raise ValueError(f"probe_bits={self.probe_bits!r} is not allowed; allowed values are (1, 2, 4, 8)")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r} is not allowed; allowed values are {OBJECTIVES}")
         if not _is_int(self.group_size) or self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not allowed; allowed values are {GROUP_SIZES}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:

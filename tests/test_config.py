@@ -67,6 +67,7 @@ def test_bad_option_values_name_the_field(options, match):
         ({"adapt_interval": 0}, "adapt_interval=0"),
         ({"probe_bits": 3}, r"probe_bits=3 is not allowed; allowed values are \(1, 2, 4, 8\)"),
         ({"strict": 1}, "strict=1 must be True or False"),
+        ({"objective": "adam"}, r"objective='adam' is not allowed; allowed values are \('gradient', 'update'\)"),
         ({"probe_bits": 2.0}, r"probe_bits=2.0 is not allowed"),
         ({"bits": float("inf")}, "average width from 1 to 32"),
         ({"bits": float("nan")}, "average width from 1 to 32"),

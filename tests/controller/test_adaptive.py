@@ -48,6 +48,20 @@ def test_the_tensor_that_matters_more_gets_more_bits():
     assert bits[("b.1", 1, 0)] > bits[("a.1", 1, 0)]
 
 
+def test_the_update_objective_weighs_each_parameter_by_its_own_gradient():
+    """``objective="update"``: the branch scaled by 30 has 30 times the gradient in its weights, and so does the error
+    its tensors put there; relative to each weight's own gradient the two branches' tensors matter alike (the
+    gradient objective above rates the scaled branch's 100 times and more)."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    x = torch.randn(256, 32)
+    controller = _adapted(model, lambda: model(x).square().mean(), objective="update")
+    c, bits = controller.sensitivity, controller.allocation
+    for a, b in (("a.1", "b.1"), ("a.2", "b.2")):
+        assert 0.5 < c[(b, 1, 0)] / c[(a, 1, 0)] < 2
+        assert bits[(a, 1, 0)] == bits[(b, 1, 0)]
+
+
 @pytest.mark.parametrize("replay_first", [False, True])
 def test_the_estimators_base_pass_is_plain_pytorch_and_each_probe_measures_its_tensor_alone(monkeypatch, replay_first):
     """``sensitivity.EXACT_BASE``: the estimate's base stores every tensor as it is, so its gradients are plain

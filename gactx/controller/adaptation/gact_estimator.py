@@ -26,7 +26,7 @@ from gactx.controller.adaptation.choices import (
     predicted_sketch_variance,
 )
 from gactx.controller.adaptation.free_sensitivity import FreeCollector, free_estimate
-from gactx.controller.adaptation.groups import Profiles
+from gactx.controller.adaptation.groups import Profiles, Weights
 from gactx.controller.adaptation.measuring import Measuring, Progress
 from gactx.controller.adaptation.ranks import distributed
 from gactx.controller.adaptation.sensitivity import Estimate, Probe, estimate_sensitivities
@@ -118,6 +118,7 @@ class GactEstimator(Measuring):
         self._no_replay = False  # an estimate started again with its first pass run (_SlotsChanged)
         self._last_check: float | None = None  # the last Estimate.unexplained read (RECHECK)
         self._unchecked = 0  # estimates since that one, each of which left its first pass out
+        self._weights = None  # the parameters' weights of the last estimate against the exact base (groups.Weights)
 
     def rounds(self, allocated: bool) -> int:
         return 1 if allocated or (gact.EXACT_BASE and not self._paired) else 2
@@ -167,8 +168,12 @@ class GactEstimator(Measuring):
                 kept.get,  # a kept curve's shape: the tensor is probed where it is stored, read on the curve
                 self._profiles, exact, lambda slot: self._noise[slot],  # filled by the first pass too
                 self._defer, self.allocated_variance if self.path.plan.allocation else None,
-                lambda: self._trained(seed_of),
+                lambda: self._trained(seed_of), weighing,
             )  # fmt: skip
+
+        # Each parameter's weight in the squared distances (Config.objective "update"): from the base pass of an
+        # estimate against the exact base, kept for the estimates with the others at their widths (a noisy base).
+        weighing = Weights(self.config.objective == "update", None if exact else self._weights)
 
         try:
             estimate = run()
@@ -181,6 +186,8 @@ class GactEstimator(Measuring):
             finally:
                 self._no_replay = False
         self._profiles = estimate.profiles
+        if exact and weighing.vector is not None:
+            self._weights = weighing.vector
         if estimate.unexplained is not None:
             self._last_check, self._unchecked = estimate.unexplained, 0
         elif self._trained_records is not None:  # its replayed first pass left out (_checks)

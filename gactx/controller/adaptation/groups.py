@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "PURITY", "UNEXPLAINED", "Profiles", "form_groups", "layout_of", "parts", "probe_in_groups", "measure_alone",
-    "smallest", "solve", "squares",
+    "FLOOR", "PURITY", "UNEXPLAINED", "Profiles", "Weights", "form_groups", "layout_of", "parts",
+    "probe_in_groups", "measure_alone", "smallest", "solve", "squares", "weights",
 ]  # fmt: skip
 
 # The least purity every member of a group keeps (module docstring). Chosen on a later adaptation of the
@@ -38,6 +38,12 @@ __all__ = [
 PURITY = 0.6
 # The largest share of a group pass's squared distance that may land where no member's profile put any.
 UNEXPLAINED = 0.1
+# An estimate for Config.objective "update" weighs each parameter's part of a squared distance by the whole
+# gradient's mean square over its own (weights()): the error Adam's update sees, which divides each gradient by its own
+# scale, so that noise in a parameter whose gradient is small counts for what it does to that parameter's step.
+# A parameter's mean square is taken as at least this share of the whole gradient's: a bias that a normalisation
+# follows has a gradient of rounding errors alone (1e-12 of the mean), which would take every weight.
+FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -61,16 +67,50 @@ def layout_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(id(p) for p in params), tuple(p.numel() for p in params)
 
 
-def parts(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+def weights(gradient: list[torch.Tensor]) -> torch.Tensor:
+    """Each parameter's weight in a squared distance (``Config.objective`` ``"update"``), from a pass's ``gradient``:
+    the gradient's mean square over the parameter's own, that at least :data:`FLOOR` of the whole's (float64, on the
+    host). A distance weighed so is in the gradient's units: where every parameter's mean square is the same, each
+    weight is 1."""
+    if not gradient:
+        return torch.zeros(0, dtype=torch.float64)
+    norms = torch._foreach_norm([g if g.dtype in (torch.float32, torch.float64) else g.float() for g in gradient], 2)
+    sums = _on_host([n.double() for n in norms]).square()
+    sizes = torch.tensor([g.numel() for g in gradient], dtype=torch.float64)
+    whole = float(sums.sum()) / float(sizes.sum())
+    if not whole > 0 or not math.isfinite(whole):  # no gradient at all (or not a finite one): no weighing
+        return torch.ones(len(gradient), dtype=torch.float64)
+    return whole / (sums / sizes).clamp_min(FLOOR * whole)
+
+
+class Weights:
+    """The weights of one estimate's squared distances (:func:`weights`) where ``relative``: ``vector`` where given
+    (an earlier estimate's), else taken from the first gradient it is shown (:meth:`observe`); ``None`` until then, and
+    where not ``relative`` (the squared distances as they are)."""
+
+    def __init__(self, relative: bool = True, vector: torch.Tensor | None = None) -> None:
+        self.relative = relative
+        self.vector = vector if relative else None
+
+    def observe(self, gradient: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``gradient``, a pass's, as it is; the first one sets the weights."""
+        if self.vector is None and self.relative:
+            self.vector = weights(gradient)
+        return gradient
+
+
+def parts(a: list[torch.Tensor], b: list[torch.Tensor], weighed: torch.Tensor | None = None) -> torch.Tensor:
     """The squared distance between two passes' gradients (``sensitivity._gradient``) in each parameter, on the host
-    (float64): the difference and the sum of its squares in the gradients' precision (half precision's in float32;
-    torch's cascaded sum: 2e-8 relative on a 768 x 2304 float32 gradient, a third of the time of a sum in float64)."""
+    (float64), times ``weighed`` where given (:func:`weights`): the difference and the sum of its squares in the
+    gradients' precision (half precision's in float32; torch's cascaded sum: 2e-8 relative on a 768 x 2304 float32
+    gradient, a third of the time of a sum in float64)."""
     if not a:  # no parameter has a gradient: nothing to measure
         return torch.zeros(0, dtype=torch.float64)
-    return _on_host([_squared_distance(x, y) for x, y in zip(a, b, strict=True)])
+    out = _on_host([_squared_distance(x, y) for x, y in zip(a, b, strict=True)])
+    return out if weighed is None else out * weighed
 
 
-def squares(difference: list[torch.Tensor | None]) -> torch.Tensor:
+def squares(difference: list[torch.Tensor | None], weighed: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`parts` of a pass whose gradients' difference from the base is given (``replayed.Replayed.difference``;
     ``None``: no difference there): each one's norm in float32 (half precision's too) by one multi-tensor kernel a
     device and dtype (a sum of squares a parameter was three kernels each, a host-bound GPU's time), squared in
@@ -80,7 +120,7 @@ def squares(difference: list[torch.Tensor | None]) -> torch.Tensor:
     if present:
         norms = torch._foreach_norm([difference[i] for i in present], 2, dtype=torch.float32)
         out[present] = _on_host(norms).double().square()
-    return out
+    return out if weighed is None else out * weighed
 
 
 def _on_host(sums: list[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gactx.controller.adaptation.groups import Profiles, measure_alone, parts, probe_in_groups, smallest, squares
+from gactx.controller.adaptation.groups import (
+    Profiles,
+    Weights,
+    measure_alone,
+    parts,
+    probe_in_groups,
+    smallest,
+    squares,
+)
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
 
 __all__ = ["CUTS", "GROUPED", "HALVES", "ROTATE", "ROTATIONS", "SPREAD", "Passes"]
@@ -60,8 +68,12 @@ class Passes:
         set_probe: Callable[[object], None],
         sizes: tuple[int, ...],
         progress: Callable[[int, int], None] | None,
+        weights: Weights | None = None,
     ) -> None:
-        self._gradient, self.set_probe, self.sizes, self.progress = gradient, set_probe, sizes, progress
+        self.set_probe, self.sizes, self.progress = set_probe, sizes, progress
+        # each parameter's weight in the squared distances, from the estimate's first gradient (groups.Weights)
+        self.weights = Weights(relative=False) if weights is None else weights
+        self._gradient = lambda: self.weights.observe(gradient())
         self.done, self.total = 1, 1  # the discovering pass
         self.base: list[torch.Tensor] | None = None
         # probes -> the gradients' difference from the base, from the nodes the probes perturb, or None where it
@@ -107,7 +119,7 @@ class Passes:
             self._tick()
             return mean_over_ranks(self.distance(first))
         a = self.gradient(first)
-        return mean_over_ranks(parts(a, self.gradient(second)))
+        return mean_over_ranks(parts(a, self.gradient(second), self.weights.vector))
 
     def distance(self, probes: dict) -> torch.Tensor:
         """The squared distance in each parameter's gradient of a pass with ``probes`` from the base, this process's
@@ -116,9 +128,9 @@ class Passes:
             difference = self.difference(probes)
             if difference is not None:
                 self.partial += 1
-                return squares(difference)
+                return squares(difference, self.weights.vector)
         self.set_probe(probes)
-        return parts(self._gradient(), self.base)
+        return parts(self._gradient(), self.base, self.weights.vector)
 
     def measure(
         self, row: dict, kept: Profiles, raw: dict, shares: dict, part: str, negligible: float = 0.0,
@@ -213,7 +225,7 @@ class Passes:
             self.partial += 1
             above, delta = got
             energy = 0.0 if delta is None else float(delta.double().square().sum())  # a host read, as a pass's
-            split[slot] = (squares(above), delta, energy)
+            split[slot] = (squares(above, self.weights.vector), delta, energy)
         if not split:
             return
         widest = max(split, key=lambda s: split[s][2])
@@ -224,7 +236,7 @@ class Passes:
             for slot in split:
                 measure_alone(slot, row[slot][0], row[slot][1], self.run, found, fresh)
             return
-        below = squares(far)
+        below = squares(far, self.weights.vector)
         for slot, (above, _, energy) in split.items():
             d = above + (below if slot == widest else below * (energy / most if most > 0 else 0.0))
             found[slot] = whole = float(d.sum())

@@ -52,7 +52,7 @@ from torch import nn
 
 from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation.curves import CURVE_WIDTHS, fit_curve, partner
-from gactx.controller.adaptation.groups import Profiles, layout_of, parts, smallest
+from gactx.controller.adaptation.groups import Profiles, Weights, layout_of, parts, smallest
 from gactx.controller.adaptation.passes import Passes
 from gactx.controller.adaptation.probe import Probe
 from gactx.controller.adaptation.ranks import distributed, mean_over_ranks
@@ -174,6 +174,7 @@ def estimate_sensitivities(
     defer: Callable[[bool], None] | None = None,
     allocated: float | None = None,
     trained: Callable[[], dict | None] | None = None,
+    weighing: Weights | None = None,
 ) -> Estimate:
     """Run GACT's estimator. ``discover(run)`` runs one pass and returns the slots it compressed;
     ``set_probe`` tells the controller which tensor to perturb; ``seed_of(slot, k)`` gives probe seeds;
@@ -205,11 +206,16 @@ def estimate_sensitivities(
     tensors of one-pass measurements whose variances at 1 bit sum to at most :data:`NEGLIGIBLE` of it are measured
     together, in one pass (``passes.Passes.measure``). ``trained()``: where ``discover`` returned without running its
     pass, the probes that store each slot as training does; the first pass is then a replay of the base's forward
-    under them (``gact_estimator.REPLAY_FIRST``), ``None`` where there is none."""
+    under them (``gact_estimator.REPLAY_FIRST``), ``None`` where there is none. ``weighing``: where relative, each
+    parameter's part of every squared distance is weighed by how small its gradient is (``groups.Weights``: the
+    objective ``"update"``), so that the sensitivities are of the error each parameter's own step sees; its vector is
+    the base pass's where it has none (the estimate's first pass, not the discovering one: that one's tensors all
+    carry training's noise). ``None``: the squared distances as they are."""
     start = time.perf_counter()
     exact = EXACT_BASE if exact is None else exact
     snapshot = ModelSnapshot(model)
     first: list = []  # the first pass's gradient (every tensor as training stores it), then its distance from the base
+    weighing = Weights(relative=False) if weighing is None else weighing
     try:
         slots = discover(lambda: first.append(_gradient(model, backprop, snapshot)))
         if exact and defer is not None and replayed.REPLAY and not distributed():  # DDP, FSDP: a forward each
@@ -244,7 +250,7 @@ def estimate_sensitivities(
             len(single - set(blocks) if together else single) + (together and alone) + len(set(based) - set(blocks)) < 2
         ):
             single, alone, based = set(), False, {}  # the base pass would save fewer passes than it costs
-        passes = Passes(lambda: _gradient(model, backprop, snapshot), set_probe, sizes, progress)
+        passes = Passes(lambda: _gradient(model, backprop, snapshot), set_probe, sizes, progress, weighing)
         each = 1 if alone else 2  # passes a measurement of the block: against the base, or a pair
         planned = each + (each if exact else 2) * max(len(plans[s][1]) for s in blocks) if together else 0
         measures = _measures(
@@ -275,14 +281,14 @@ def estimate_sensitivities(
             elif not first:  # no first pass at all: its replay left out (gact_estimator.RECHECK)
                 passes.no_first()
             if first:  # the first pass's distance from the base, read now: its gradients are not held on
-                first[0] = float(mean_over_ranks(parts(first[0], passes.base)).sum())
+                first[0] = float(mean_over_ranks(parts(first[0], passes.base, weighing.vector)).sum())
         raw, probed, curves = {}, {}, {}
         if together:
             if passes.expect is not None:  # a window of given gradients holds the measurements' nodes after them
                 passes.expect([*blocks, *(s for _, row in _in_order(measures) for s in row)])
             against = (passes.distance, {s: context[s] for s in blocks}) if alone and passes.base is not None else None
             joint, runs = probe_together(
-                lambda: _gradient(model, backprop, snapshot),
+                lambda: weighing.observe(_gradient(model, backprop, snapshot)),
                 set_probe,
                 plans,
                 blocks,
@@ -290,6 +296,7 @@ def estimate_sensitivities(
                 seed_of,
                 against,
                 exact,
+                weighing,
             )
             passes.done += runs
             passes.total += runs - planned

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gactx.controller.adaptation.groups import parts
+from gactx.controller.adaptation.groups import Weights, parts
 from gactx.controller.adaptation.probe import Probe
 from gactx.controller.adaptation.widths import variance_factor
 
@@ -45,6 +45,7 @@ def probe_together(
     seed_of,
     against=None,
     exact: bool = False,
+    weights: Weights | None = None,
 ):
     """Probe every slot of ``blocks`` at once: a pair of passes for the probe width and one for each storage choice
     pair, each slot with its own seeds (those it would have alone). A slot's noise reaches only its weights' gradients
@@ -56,14 +57,16 @@ def probe_together(
     parameter's gradient, each slot's context)``, where every slot's context is known: then one pass with every slot
     probed, against the base, instead of the pair
     (``sensitivity.estimate_sensitivities``); ``exact``: the base is exact, and each storage choice's first is measured
-    against it too, not by a pair."""
+    against it too, not by a pair. ``weights``: the estimate's weights of each parameter's squared distance, set by the
+    first gradient ``gradient()`` gives (``groups.Weights``)."""
 
-    def pair(probes: list[dict]) -> tuple[list, list]:
+    def pair(probes: list[dict]) -> torch.Tensor:
+        """The squared distance in each parameter (weighed) between a pass with each of the two ``probes``."""
         grads = []
         for mapping in probes:
             set_probe(mapping)
             grads.append(gradient())
-        return grads[0], grads[1]
+        return parts(grads[0], grads[1], None if weights is None else weights.vector)
 
     def spread(each: torch.Tensor, scale: float, members) -> dict | None:
         total, found = float(each.sum()), {}  # a host read, outside any hook: once per pass
@@ -76,7 +79,7 @@ def probe_together(
 
     if against is None:
         passes = 2
-        first = spread(parts(*pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)])), 0.5,
+        first = spread(pair([{s: Probe(s, probe_bits, seed_of(s, j)) for s in blocks} for j in (1, 2)]), 0.5,
                        blocks)  # fmt: skip
         if first is None:
             return None, passes
@@ -98,7 +101,7 @@ def probe_together(
             found = spread(against[0](probes[0]), 1.0, members)
         else:
             passes += 2
-            found = spread(parts(*pair(probes)), 0.25, members)
+            found = spread(pair(probes), 0.25, members)
         if found is None:
             return None, passes
         for s in members:

@@ -12,13 +12,41 @@ from hypothesis import strategies as st
 import gactx
 from benchmarks.zoo import build
 from gactx.controller.adaptation import passes
-from gactx.controller.adaptation.groups import form_groups, solve
+from gactx.controller.adaptation.groups import FLOOR, Weights, form_groups, parts, solve, squares, weights
 from gactx.controller.adaptation.sensitivity import NEGLIGIBLE
 from tests.helpers import gradient_error, on_two_ranks
 
 
 def _profile(*weights: float) -> torch.Tensor:
     return torch.tensor(weights, dtype=torch.float64)
+
+
+def test_each_parameters_weight_is_the_whole_gradients_mean_square_over_its_own():
+    same = [torch.full((4, 4), 2.0), torch.full((8,), -2.0)]
+    assert torch.allclose(weights(same), torch.ones(2, dtype=torch.float64))
+    # 16 elements at 1 and 4 at 0.1 (mean square 0.01): the whole's mean square is 16.04 / 20
+    w = weights([torch.ones(16), torch.full((4,), 0.1)])
+    whole = 16.04 / 20
+    assert torch.allclose(w, torch.tensor([whole, whole / 0.01], dtype=torch.float64))
+    # a gradient of rounding errors alone (a bias a normalisation follows) is taken at FLOOR of the whole's
+    w = weights([torch.ones(16), torch.full((4,), 1e-20)])
+    assert float(w[1]) == pytest.approx(1 / FLOOR)
+    assert torch.equal(weights([torch.zeros(3)]), torch.ones(1, dtype=torch.float64))  # no gradient: none weighed
+
+
+def test_weights_come_from_the_first_gradient_and_weigh_every_squared_distance():
+    a, b = [torch.ones(16), torch.full((4,), 0.1)], [torch.zeros(16), torch.zeros(4)]
+    plain = parts(a, b)
+    assert torch.allclose(plain, torch.tensor([16.0, 0.04], dtype=torch.float64))
+    weighing = Weights()
+    weighing.observe(a)
+    weighing.observe(b)  # the first gradient sets them; later ones do not
+    assert torch.equal(weighing.vector, weights(a))
+    assert torch.allclose(parts(a, b, weighing.vector), plain * weights(a))
+    assert torch.allclose(squares(a, weighing.vector), plain * weights(a))
+    off = Weights(relative=False)
+    off.observe(a)
+    assert off.vector is None and Weights(False, weights(a)).vector is None
 
 
 def test_tensors_whose_noise_lands_apart_go_in_one_group():
