@@ -7,6 +7,7 @@ which must be switched on with ``TRITON_INTERPRET=1`` *before* ``triton`` is imp
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -19,6 +20,7 @@ __all__ = [
     "constexpr",
     "jit",
     "interpreting",
+    "interpreter_skips_nan",
     "launch",
     "require_triton",
     "triton_runs_on",
@@ -64,6 +66,26 @@ def require_triton(x: torch.Tensor) -> None:
             "TRITON_INTERPRET=1 set before triton is imported to run on the CPU (slowly); use backend='torch' "
             "(docs/install.md#triton-errors)"
         )
+    if interpreting(x) and not interpreter_skips_nan():
+        raise RuntimeError(
+            f"backend='triton' on a CPU tensor: the interpreter of Triton {triton.__version__} propagates NaN "
+            "through tl.minimum and tl.maximum, where compiled kernels skip it, so gactx's Triton kernels would not "
+            "match their torch twins; interpret them with Triton 3.9, or use backend='cpp' or 'torch' "
+            "(docs/install.md#triton-versions)"
+        )
+
+
+@functools.cache
+def interpreter_skips_nan() -> bool:
+    """Whether Triton's interpreter takes ``tl.minimum`` and ``tl.maximum`` of NaN and a number to the number, as
+    compiled kernels do: ``PropagateNan.NONE``, the default, is PTX's ``min.f32`` / ``max.f32``, which return the
+    operand that is not NaN. The kernels rely on it: NaN stands for the masked and non-finite elements in a group's
+    minimum and maximum, and for a non-finite element's code before it is clamped. Triton 3.7.1's interpreter (what
+    torch 2.13 pins) runs them as numpy's ``minimum`` and ``maximum``, which propagate NaN; 3.9's as ``fmin`` and
+    ``fmax``. Asked of the interpreter itself, by one launch, the first time a kernel would be interpreted."""
+    x, out = torch.tensor([float("nan")]), torch.zeros(2)
+    _minimum_maximum_of_nan[(1,)](x, out)
+    return out.tolist() == [1.0, 1.0]
 
 
 def jit(fn=None, **options):
@@ -78,6 +100,14 @@ def constexpr(value):
     """A module-level constant that kernels may read: the compiler reads only ``tl.constexpr`` globals (the
     interpreter reads any, so only compiling for a GPU catches a plain one). Without Triton, the value itself."""
     return tl.constexpr(value) if HAS_TRITON else value
+
+
+@jit
+def _minimum_maximum_of_nan(x_ptr, out_ptr):
+    """``min(NaN, 1)`` and ``max(NaN, 1)``: both 1 where NaN is skipped (see :func:`interpreter_skips_nan`)."""
+    x = tl.load(x_ptr)
+    tl.store(out_ptr, tl.minimum(x, 1.0))
+    tl.store(out_ptr + 1, tl.maximum(x, 1.0))
 
 
 # Compiled kernels bound for a direct launch (their launcher, function and metadata), by configuration (see launch).

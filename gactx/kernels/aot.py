@@ -13,6 +13,9 @@ on a GPU:
 - registers and spills (ptxas's own report, ``-v``);
 - fused multiply-adds in the PTX: ``q * step + lo`` fused rounds once, torch rounds twice, so a kernel whose
   bytes must equal its torch twin's has none;
+- minima and maxima that propagate NaN in the PTX (``min.NaN``): the kernels rely on ``tl.minimum`` and
+  ``tl.maximum`` skipping NaN (``min.f32``), which stands for a group's masked and non-finite elements
+  (``_triton.interpreter_skips_nan``), so they have none;
 - the width of its global loads or stores on 16-byte aligned pointers: 128 bits, or a thread moves too few
   bytes an instruction to reach memory bandwidth (every access of a variant without a rest; of one with a rest,
   whose masked program may load less, the widest);
@@ -21,7 +24,8 @@ on a GPU:
   (``REST`` false, ``_grid.py``: whole programs only, what every program but the last runs); the variant with
   one holds the masked program too, behind a branch on the program's index. Out-of-line subroutines
   (``$__internal_*``: IEEE division's slow path, taken for denormal or huge operands, once a group at most)
-  are left out; branches inside the kernel are counted whole. Held to :data:`BUDGETS` on sm_90 (:func:`budget`);
+  are left out; branches inside the kernel are counted whole. Held to :data:`BUDGETS` on sm_90 (:func:`budget`;
+  an older Triton to what :data:`ALLOWANCES` states);
   ``nvdisasm`` takes about 0.35 s a call, so by default only kernels with a budget are counted (``sass="all"``:
   every variant without a rest).
 
@@ -72,9 +76,12 @@ from gactx.kernels.tables import (
 __all__ = [
     "ARCHS",
     "FAMILIES",
+    "ALLOWANCES",
+    "Allowance",
     "BUDGETS",
     "Compiled",
     "KernelSpec",
+    "allowance",
     "budget",
     "compile_spec",
     "families",
@@ -88,6 +95,31 @@ ARCHS = (80, 90)  # A100 and H100/H200: the GPUs gactx's users train on
 # reductions, knots and a segment an element cost more: measured stochastic quantize 80-88 (issue-bound, about
 # twice the ~40 that 4.5 bytes an element allow), and held there.
 BUDGETS = {"quantize": 45, "dequantize": 25, "normal_quantize": 90, "normal_dequantize": 32}
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What the kernels compiled by one Triton version hold instead of :data:`BUDGETS` and no spill, by family."""
+
+    budgets: dict[str, int] = field(default_factory=dict)
+    spill_bytes: dict[str, int] = field(default_factory=dict)
+
+
+# By Triton's (major, minor) version, where it compiles worse than 3.9. Triton 3.7.1, what torch 2.13 pins (with ptxas
+# 12.8), computes a normal dequantize group's knots in every thread that holds one of its elements, where 3.9 computes
+# them once and shares them: up to 41.4 instructions an element (8 bits, float32 out, group 512), below the 44.7 at
+# which its 5.02 bytes an element stop being memory-bound on an H100. Its ptxas keeps one register of the 8-bit
+# normal quantize (float32, group 2048, to nearest, with a rest) on the stack across the call to IEEE division's slow
+# path: 8 bytes a thread, once a program.
+ALLOWANCES = {(3, 7): Allowance(budgets={"normal_dequantize": 42}, spill_bytes={"normal_quantize": 8})}
+
+
+def allowance(version: str | None = None) -> Allowance:
+    """What Triton ``version`` (by default the installed one) holds where it differs (:data:`ALLOWANCES`)."""
+    if version is None:
+        version = _triton.triton.__version__ if _triton.HAS_TRITON else ""
+    major_minor = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    return ALLOWANCES.get(major_minor, Allowance())
 
 
 def _round_bf16_specs(bits=None) -> list[KernelSpec]:
@@ -244,10 +276,11 @@ def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
     return out
 
 
-def budget(spec: KernelSpec, arch: int) -> int | None:
-    """The SASS instructions an element ``spec`` may take on ``sm_<arch>`` (:data:`BUDGETS`), or None where none is
-    held: another architecture, a variant with a rest, a quantize that is not stochastic at 2 or 4 bits."""
-    limit = BUDGETS.get(spec.family)
+def budget(spec: KernelSpec, arch: int, version: str | None = None) -> int | None:
+    """The SASS instructions an element ``spec`` may take on ``sm_<arch>`` (:data:`BUDGETS`, or what Triton
+    ``version`` holds instead: :func:`allowance`), or None where none is held: another architecture, a variant with a
+    rest, a quantize that is not stochastic at 2 or 4 bits."""
+    limit = allowance(version).budgets.get(spec.family, BUDGETS.get(spec.family))
     if limit is None or arch != 90 or spec.config.get("rest", True):
         return None
     if "dequantize" not in spec.family and not (spec.config.get("stochastic") and spec.config.get("bits") in (2, 4)):
@@ -265,6 +298,7 @@ class Compiled:
     spill_bytes: int = 0  # bytes of spill stores and loads a thread (ptxas)
     sass: int = 0  # instructions in the cubin, NOPs excluded
     fma: int = 0  # fused multiply-adds in the PTX
+    nan_min_max: int = 0  # minima and maxima that propagate NaN in the PTX
     load_bits: list[int] = field(default_factory=list)  # width of each global load in the PTX
     store_bits: list[int] = field(default_factory=list)
     seconds: float = 0.0
@@ -275,18 +309,21 @@ class Compiled:
         """SASS instructions a thread issues an element (see the module docstring)."""
         return self.sass / (self.spec.elements / self.spec.threads)
 
-    def problems(self) -> list[str]:
-        """What would fail or be slow on a GPU; empty when the kernel passes."""
+    def problems(self, version: str | None = None) -> list[str]:
+        """What would fail or be slow on a GPU; empty when the kernel passes (compiled by Triton ``version``, by
+        default the installed one: :func:`allowance`)."""
         if self.error:
             return [f"does not compile: {self.error}"]
         found = []
-        if self.spill_bytes:
+        if self.spill_bytes > allowance(version).spill_bytes.get(self.spec.family, 0):
             found.append(f"spills {self.spill_bytes} bytes of registers a thread to local memory")
-        limit = budget(self.spec, self.arch)
+        limit = budget(self.spec, self.arch, version)
         if limit is not None and self.per_element > limit:
             found.append(f"{self.per_element:.1f} SASS instructions an element, over its budget of {limit}")
         if self.spec.exact and self.fma:
             found.append(f"{self.fma} fused multiply-adds: results differ from the torch twin in the last bit")
+        if self.nan_min_max:
+            found.append(f"{self.nan_min_max} minima or maxima propagate NaN: the kernels rely on NaN being skipped")
         if self.spec.aligned:
             rest = self.spec.config["rest"]  # its masked program may load less: its unmasked one's accesses are wide
             for kind, widths in (("ld", self.load_bits), ("st", self.store_bits)):
@@ -311,6 +348,7 @@ class Compiled:
             "budget": budget(self.spec, self.arch),
             "bytes_per_element": round(self.spec.bytes_per_element, 4),
             "fma": self.fma,
+            "nan_min_max": self.nan_min_max,
             "widest_load": max(self.load_bits, default=0),
             "widest_store": max(self.store_bits, default=0),
             "seconds": round(self.seconds, 2),
@@ -380,6 +418,7 @@ def compile_spec(spec: KernelSpec, arch: int, sass: str = "budgeted") -> Compile
     result.seconds = time.perf_counter() - start
     ptx = kernel.asm["ptx"]
     result.fma = len(re.findall(r"\bfma\.", ptx))
+    result.nan_min_max = len(re.findall(r"\b(?:min|max)(?:\.\w+)*\.NaN\b", ptx))
     accesses = _access_bits(ptx)
     result.load_bits, result.store_bits = accesses["ld"], accesses["st"]
     # ptxas: "Used 72 registers", and for the kernel and each subroutine "8 bytes stack frame, 0 bytes spill

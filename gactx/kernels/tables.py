@@ -74,14 +74,23 @@ def _as_float(v, BF16: tl.constexpr):
 
 
 @jit
-def _store_codes(out_ptr, q, pid, n, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    """Pack a program's codes (``BLOCK * 8 / BITS`` of them, int32, 0 past ``n``) into its ``BLOCK`` bytes."""
+def _left(n, pid, ELEMENTS: tl.constexpr):
+    """The elements from a program's first to ``n``, at most ``ELEMENTS``, as int32: a masked program's elements are
+    tested against it, not their int64 offsets against ``n`` (two instructions and two registers an element more;
+    with them ptxas spilled in the masked programs of decoding and of the 8-bit bins under Triton 3.7.1)."""
+    return tl.minimum(n - pid * ELEMENTS, ELEMENTS).to(tl.int32)
+
+
+@jit
+def _store_codes(out_ptr, q, pid, left, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Pack a program's codes (``BLOCK * 8 / BITS`` of them, int32, 0 past ``left``, :func:`_left`) into its
+    ``BLOCK`` bytes."""
     per_byte: tl.constexpr = 8 // BITS
     shifts = tl.arange(0, per_byte) * BITS
     packed = tl.sum(tl.reshape(q, (BLOCK, per_byte)) << shifts[None, :], axis=1).to(tl.uint8)
     boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     if MASKED:
-        tl.store(out_ptr + boffs, packed, mask=boffs < (n + per_byte - 1) // per_byte)
+        tl.store(out_ptr + boffs, packed, mask=tl.arange(0, BLOCK) < (left + per_byte - 1) // per_byte)
     else:
         tl.store(out_ptr + boffs, packed)
 
@@ -109,8 +118,9 @@ def _encode_bins_program(
     pid = tl.program_id(0).to(tl.int64)
     elements: tl.constexpr = BLOCK * 8 // BITS
     offs = pid * elements + tl.arange(0, elements).to(tl.int64)
+    left = _left(n, pid, elements)
     if MASKED:
-        v = _as_float(tl.load(x_ptr + offs, mask=offs < n, other=0), BF16)
+        v = _as_float(tl.load(x_ptr + offs, mask=tl.arange(0, elements) < left, other=0), BF16)
     else:
         v = _as_float(tl.load(x_ptr + offs), BF16)
     if COUNT <= COUNTED:
@@ -130,8 +140,8 @@ def _encode_bins_program(
             hi = tl.where(active & above, mid, hi)
         q = lo
     if MASKED:
-        q = tl.where(offs < n, q, 0)
-    _store_codes(out_ptr, q, pid, n, BITS, BLOCK, MASKED)
+        q = tl.where(tl.arange(0, elements) < left, q, 0)
+    _store_codes(out_ptr, q, pid, left, BITS, BLOCK, MASKED)
 
 
 @jit(do_not_specialize=["n", "full"])
@@ -157,8 +167,9 @@ def _encode_compare_program(
     pid = tl.program_id(0).to(tl.int64)
     elements: tl.constexpr = BLOCK * 8
     offs = pid * elements + tl.arange(0, elements).to(tl.int64)
+    left = _left(n, pid, elements)
     if MASKED:
-        v = _as_float(tl.load(x_ptr + offs, mask=offs < n, other=0), BF16)
+        v = _as_float(tl.load(x_ptr + offs, mask=tl.arange(0, elements) < left, other=0), BF16)
     else:
         v = _as_float(tl.load(x_ptr + offs), BF16)
     if KIND == 0:  # gt
@@ -175,8 +186,8 @@ def _encode_compare_program(
         test = v <= hi
     q = test.to(tl.int32)
     if MASKED:
-        q = tl.where(offs < n, q, 0)
-    _store_codes(out_ptr, q, pid, n, BITS, BLOCK, MASKED)
+        q = tl.where(tl.arange(0, elements) < left, q, 0)
+    _store_codes(out_ptr, q, pid, left, BITS, BLOCK, MASKED)
 
 
 @jit(do_not_specialize=["n", "full"])
@@ -199,8 +210,10 @@ def _decode_table_program(packed_ptr, table_ptr, out_ptr, n, BITS: tl.constexpr,
     pid = tl.program_id(0).to(tl.int64)
     per_byte: tl.constexpr = 8 // BITS
     boffs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    left = _left(n, pid, BLOCK * per_byte)
     if MASKED:
-        packed = tl.load(packed_ptr + boffs, mask=boffs < (n + per_byte - 1) // per_byte, other=0).to(tl.int32)
+        packed = tl.load(packed_ptr + boffs, mask=tl.arange(0, BLOCK) < (left + per_byte - 1) // per_byte, other=0)
+        packed = packed.to(tl.int32)
     else:
         packed = tl.load(packed_ptr + boffs).to(tl.int32)
     shifts = tl.arange(0, per_byte) * BITS
@@ -208,7 +221,7 @@ def _decode_table_program(packed_ptr, table_ptr, out_ptr, n, BITS: tl.constexpr,
     values = tl.load(table_ptr + codes)
     offs = pid * BLOCK * per_byte + tl.arange(0, BLOCK * per_byte).to(tl.int64)
     if MASKED:
-        tl.store(out_ptr + offs, values, mask=offs < n)
+        tl.store(out_ptr + offs, values, mask=tl.arange(0, BLOCK * per_byte) < left)
     else:
         tl.store(out_ptr + offs, values)
 

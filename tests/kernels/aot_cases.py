@@ -35,6 +35,12 @@ def _masked_everywhere(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
 
 
+@triton.jit
+def _nan_minimum(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.minimum(tl.load(x_ptr + offs), 1.0, propagate_nan=tl.PropagateNan.ALL))
+
+
 def _case(name, kernel, extra_ints, constexprs, options, wide="ld st"):
     signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", **extra_ints, **dict.fromkeys(constexprs, "constexpr")}
     config = {"case": name, "rest": False}
@@ -45,6 +51,7 @@ CASES = [
     _case("plain_global", _plain_global, {}, {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": False}),
     _case("multiply_add", _multiply_add, {}, {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": True}),
     _case("masked_everywhere", _masked_everywhere, {"n": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
+    _case("nan_minimum", _nan_minimum, {}, {"BLOCK": 1024}, {"num_warps": 4}),
     _case("clean", _multiply_add, {}, {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": False}),
 ]
 
@@ -57,7 +64,8 @@ CASES.append(
 if __name__ == "__main__":
     results = {spec.config["case"]: compile_spec(spec, 90) for spec in CASES}
     report = {
-        name: {"problems": r.problems(), "spill_bytes": r.spill_bytes, "fma": r.fma} for name, r in results.items()
+        name: {"problems": r.problems(), "spill_bytes": r.spill_bytes, "fma": r.fma, "nan_min_max": r.nan_min_max}
+        for name, r in results.items()
     }
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)

@@ -94,9 +94,28 @@ def test_an_instruction_count_over_its_budget_is_a_problem():
     assert aot.budget(deterministic, 90) is None and aot.budget(with_rest, 90) is None
 
 
+def test_what_each_triton_version_holds():
+    """Triton 3.9 holds BUDGETS and no spill; 3.7.1 what ALLOWANCES states, and no more."""
+    dequantize = next(s for s in aot.specs(["normal_dequantize"], [8], [512]) if s.config["dtype"] == "fp32")
+    assert not dequantize.config["rest"]
+    quantize = next(s for s in aot.specs(["normal_quantize"], [8], [2048]) if s.config["rest"])
+    wide = {"load_bits": [128], "store_bits": [128]}
+    assert aot.allowance("3.9.0") == aot.Allowance() and aot.allowance("3.7.1") == aot.ALLOWANCES[(3, 7)]
+    assert aot.budget(dequantize, 90, "3.9.0") == aot.BUDGETS["normal_dequantize"] == 32
+    assert aot.budget(dequantize, 90, "3.7.1") == 42 and aot.budget(dequantize, 90, "3.7.1+git1234") == 42
+    per_thread = dequantize.elements // dequantize.threads
+    measured = aot.Compiled(dequantize, 90, sass=round(41.4 * per_thread), **wide)  # Triton 3.7.1's count
+    assert measured.problems("3.7.1") == [] and any("over its budget of 32" in p for p in measured.problems("3.9.0"))
+    spilled = aot.Compiled(quantize, 90, spill_bytes=8, **wide)
+    assert spilled.problems("3.7.1") == [] and any("spills 8 bytes" in p for p in spilled.problems("3.9.0"))
+    assert any("spills 16 bytes" in p for p in aot.Compiled(quantize, 90, spill_bytes=16, **wide).problems("3.7.1"))
+    other = next(s for s in aot.specs(["quantize"], [8], [2048]) if s.config["rest"])
+    assert any("spills 8 bytes" in p for p in aot.Compiled(other, 90, spill_bytes=8, **wide).problems("3.7.1"))
+
+
 def test_the_checks_catch_each_fault(tmp_path):
-    """A plain global, a fused multiply-add, masked (scalar) loads and a spill are each reported; a clean
-    kernel is not: the checks above can fail."""
+    """A plain global, a fused multiply-add, masked (scalar) loads, a spill and a minimum that propagates NaN are
+    each reported; a clean kernel is not: the checks above can fail."""
     out = tmp_path / "cases.json"
     proc = _run("tests.kernels.aot_cases", [str(out)], tmp_path)
     assert out.exists(), proc.stderr[-3000:]
@@ -106,6 +125,8 @@ def test_the_checks_catch_each_fault(tmp_path):
     assert any("narrower than 128" in p for p in found["masked_everywhere"]["problems"])
     spilled = found["register_limit"]
     assert spilled["spill_bytes"] > 0 and any("spills" in p for p in spilled["problems"])
+    nan = found["nan_minimum"]
+    assert nan["nan_min_max"] > 0 and any("propagate NaN" in p for p in nan["problems"])
     assert found["clean"]["problems"] == []
 
 

@@ -97,8 +97,9 @@ DEV_SHIFT = 6  # deviations summed in units of 64/65536 of the range (1/1024): t
 INV_FRACTION = 1.0 / FRACTION
 # Quantize keeps each element's fraction U as well as its value through the program (two reductions): with 4
 # warps (32 elements a thread) ptxas spills at 128 registers a thread (8-16 bytes, float32) and at 168 (160
-# bytes, 16-bit inputs). 8 warps, 16 elements a thread, hold them in 128.
-NORMAL_MAX_REGISTERS = 128
+# bytes, 16-bit inputs). 8 warps, 16 elements a thread, need 80-116 registers (2 programs an SM) with no limit;
+# a limit of 128 made ptxas take all of them, issue 4-7 more instructions an element, and, under Triton 3.7.1's
+# ptxas, spill 16-24 bytes (float32, 4 bits).
 NORMAL_WARPS = 8
 
 

@@ -15,7 +15,6 @@ from gactx.kernels.schemes.normal.format import (
     INV_FRACTION,
     META_WORDS,
     NORMAL_BITS,
-    NORMAL_MAX_REGISTERS,
     NORMAL_WARPS,
     SHAPES,
     allocate,
@@ -342,7 +341,6 @@ def normal_quantize_launch(
     meta = dict(
         BITS=bits, GROUP=group_size, ROWS=rows, REST_ROWS=rest_rows, SLICES=4, STOCHASTIC=stochastic,
         IN_BF16=dtype == torch.bfloat16, TAIL=tail, KNOT=k, REST=rest, num_warps=NORMAL_WARPS, enable_fp_fusion=False,
-        maxnreg=NORMAL_MAX_REGISTERS,
     )  # fmt: skip
     return programs, full, meta
 
