@@ -22,12 +22,12 @@ def repair_the_interpreters_minimum_and_maximum() -> bool:
     where it did.
 
     The one place where the suite corrects Triton rather than gactx. Compiled kernels skip NaN (``PropagateNan.NONE``,
-    the default, is PTX's ``min.f32`` / ``max.f32``, under Triton 3.7.1 and 3.9 alike: ``aot.py`` checks the PTX),
-    and gactx's kernels rely on it (``_triton.interpreter_skips_nan``). Triton 3.7.1's interpreter, what torch 2.13
-    pins, runs them as numpy's ``minimum`` and ``maximum``, which propagate NaN: there every group with a masked or
-    non-finite element would differ from its torch twin, where the compiled kernel does not.
-    Triton 3.9's interpreter runs them as ``fmin`` and ``fmax`` (triton-lang/triton#10333), as this does; gactx
-    itself refuses such an interpreter (``_triton.require_triton``)."""
+    the default, is PTX's ``min.f32`` / ``max.f32`` under every supported Triton: ``aot.py`` checks the PTX), and
+    gactx's kernels rely on it (``_triton.interpreter_skips_nan``). The interpreters of Triton 3.5.1, 3.6.0 and 3.7.1
+    (what torch 2.9 to 2.13 pin) run them as numpy's ``minimum`` and ``maximum``, which propagate NaN: there every
+    group with a masked or non-finite element would differ from its torch twin, where the compiled kernel does not.
+    Triton 3.8's and 3.9's interpreters run them as ``fmin`` and ``fmax`` (triton-lang/triton#10333), as this does;
+    gactx itself refuses such an interpreter (``_triton.require_triton``)."""
     from gactx.kernels import _triton
 
     if not INTERPRET or not _triton.HAS_TRITON or _triton.interpreter_skips_nan():

@@ -8,6 +8,9 @@
 Arms, in the order they run (the first ones matter most when time is short), each in a process of its own
 under its own time limit (``--limit ARM=SECONDS``; all of them within ``--budget-s``):
 
+0. ``tests``: the kernel tests and the pack path's (``tests/kernels``, ``test_pack.py``, ``test_lane.py``; not the
+   ahead-of-time compiles) on the device, with the Triton its torch pins: counts and failures
+   (:mod:`benchmarks.gpu.suite`; ``--tiny``: one short file).
 1. ``kernels``: quantize and dequantize against ``torch.clone`` on 1 to 256 MiB, float32 and bfloat16, at 2,
    4 and 8 bits: GB/s, host microseconds a call, kernel launches a call (:mod:`benchmarks.gpu.kernels`).
 2. ``host``: ``benchmarks.host``'s MLP of 64 x 64 tensors, eager and compiled: host time a saved tensor.

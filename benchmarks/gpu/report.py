@@ -12,6 +12,7 @@ __all__ = ["GOALS", "goals", "render", "plot", "with_ratios"]
 GIB = 1 << 30
 PLAIN = "fp"
 TITLES = {
+    "tests": "Kernel tests on the device",
     "kernels": "Kernels at the sizes activations have",
     "llama-lora": "Llama-3.2-1B shape, LoRA r=16 on every linear layer, bf16, SDPA, sequence 4096",
     "resnet50": "ResNet-50 (torchvision), bf16 autocast, channels_last, 224 x 224, batch 256",
@@ -186,6 +187,21 @@ def _host_table(rows: list[dict], arm: str = "host") -> list[str]:
         "compressed saves. Python calls: in the calling thread (backward's own threads are not counted)."]  # fmt: skip
 
 
+def _tests_lines(rows: list[dict]) -> list[str]:
+    """The kernel tests' counts under the device's torch and Triton, and what failed."""
+    lines = []
+    for r in (r for r in rows if r.get("kind") == "tests"):
+        counts = ", ".join(f"{r.get(k, 0)} {k}" for k in ("passed", "failed", "skipped", "errors"))
+        ended = (
+            f"stopped at the arm's limit after {r['seconds']:.0f} s"
+            if r.get("stopped_for_time")
+            else (f"in {r['seconds']:.0f} s, exit {r['exit_code']}")
+        )
+        lines += [f"- torch {r['torch']}, triton {r['triton']}: {counts}, {ended}", f"- `{r['command']}`"]
+        lines += [f"- failed: `{name}`" for name in r.get("failures", [])]
+    return lines or ["Not run."]
+
+
 def _adaptation_lines(rows: list[dict]) -> list[str]:
     """The ``adaptation`` arm's rows (:mod:`benchmarks.gpu.adaptation`) as lines."""
     by = {r["id"].split("/", 1)[1]: r for r in rows if r.get("kind") == "adaptation"}
@@ -301,7 +317,9 @@ def render(rows: list[dict], env: dict, arms: list[dict]) -> str:
     skipped = sorted(r["id"] for r in rows if r.get("kind") == "skipped")
     for arm in TITLES:
         lines += ["", f"## {TITLES[arm]}", "", _heading(env), ""]
-        if arm in ("kernels", "host", "host-traced"):
+        if arm == "tests":
+            lines += _tests_lines(rows)
+        elif arm in ("kernels", "host", "host-traced"):
             lines += _kernel_table(rows) if arm == "kernels" else _host_table(rows, arm)
         elif arm == "adaptation":
             lines += _adaptation_lines(rows)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
 __all__ = [
     "HAS_TRITON",
     "INTERPRET",
+    "VERSION",
+    "release",
     "triton",
     "tl",
     "constexpr",
@@ -37,6 +40,14 @@ except ImportError:  # pragma: no cover - exercised only where triton does not i
     triton = None
     tl = None
     HAS_TRITON = False
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``(major, minor, patch)`` of a version string ("3.7.1", "3.8.0+git1a2b", "3.9.0.dev1")."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+VERSION: tuple[int, ...] = release(triton.__version__) if HAS_TRITON else ()  # the installed Triton's release
 
 
 def triton_runs_on(x: torch.Tensor) -> bool:
@@ -70,7 +81,7 @@ def require_triton(x: torch.Tensor) -> None:
         raise RuntimeError(
             f"backend='triton' on a CPU tensor: the interpreter of Triton {triton.__version__} propagates NaN "
             "through tl.minimum and tl.maximum, where compiled kernels skip it, so gactx's Triton kernels would not "
-            "match their torch twins; interpret them with Triton 3.9, or use backend='cpp' or 'torch' "
+            "match their torch twins; interpret them with Triton 3.8 or later, or use backend='cpp' or 'torch' "
             "(docs/install.md#triton-versions)"
         )
 
@@ -80,9 +91,10 @@ def interpreter_skips_nan() -> bool:
     """Whether Triton's interpreter takes ``tl.minimum`` and ``tl.maximum`` of NaN and a number to the number, as
     compiled kernels do: ``PropagateNan.NONE``, the default, is PTX's ``min.f32`` / ``max.f32``, which return the
     operand that is not NaN. The kernels rely on it: NaN stands for the masked and non-finite elements in a group's
-    minimum and maximum, and for a non-finite element's code before it is clamped. Triton 3.7.1's interpreter (what
-    torch 2.13 pins) runs them as numpy's ``minimum`` and ``maximum``, which propagate NaN; 3.9's as ``fmin`` and
-    ``fmax``. Asked of the interpreter itself, by one launch, the first time a kernel would be interpreted."""
+    minimum and maximum, and for a non-finite element's code before it is clamped. The interpreters of Triton 3.5.1,
+    3.6.0 and 3.7.1 (what torch 2.9 to 2.13 pin) run them as numpy's ``minimum`` and ``maximum``, which propagate
+    NaN; 3.8's and 3.9's as ``fmin`` and ``fmax``. Asked of the interpreter itself, by one launch, the first time a
+    kernel would be interpreted."""
     x, out = torch.tensor([float("nan")]), torch.zeros(2)
     _minimum_maximum_of_nan[(1,)](x, out)
     return out.tolist() == [1.0, 1.0]

@@ -105,20 +105,23 @@ class Allowance:
     spill_bytes: dict[str, int] = field(default_factory=dict)
 
 
-# By Triton's (major, minor) version, where it compiles worse than 3.9. Triton 3.7.1, what torch 2.13 pins (with ptxas
-# 12.8), computes a normal dequantize group's knots in every thread that holds one of its elements, where 3.9 computes
-# them once and shares them: up to 41.4 instructions an element (8 bits, float32 out, group 512), below the 44.7 at
-# which its 5.02 bytes an element stop being memory-bound on an H100. Its ptxas keeps one register of the 8-bit
-# normal quantize (float32, group 2048, to nearest, with a rest) on the stack across the call to IEEE division's slow
-# path: 8 bytes a thread, once a program.
-ALLOWANCES = {(3, 7): Allowance(budgets={"normal_dequantize": 42}, spill_bytes={"normal_quantize": 8})}
+# By Triton's (major, minor) version, where it compiles worse than 3.9. Triton 3.5.1, 3.6.0 and 3.7.1 (what torch
+# 2.9, 2.10 and 2.11, and 2.13 pin; 3.7.1 with ptxas 12.8) compute a normal dequantize group's knots in every thread
+# that holds one of its elements, where 3.9 computes them once and shares them: up to 39.5 instructions an element
+# under 3.5.1 and 3.6.0, 41.4 under 3.7.1 (8 bits, float32 out, groups of 256 and 512), below the 44.7 at which its
+# 5.02 bytes an element stop being memory-bound on an H100. 3.7.1's ptxas keeps one register of the 8-bit normal
+# quantize (float32, group 2048, to nearest, with a rest) on the stack across the call to IEEE division's slow path:
+# 8 bytes a thread, once a program.
+ALLOWANCES = {
+    (3, 5): Allowance(budgets={"normal_dequantize": 42}),
+    (3, 6): Allowance(budgets={"normal_dequantize": 42}),
+    (3, 7): Allowance(budgets={"normal_dequantize": 42}, spill_bytes={"normal_quantize": 8}),
+}
 
 
 def allowance(version: str | None = None) -> Allowance:
     """What Triton ``version`` (by default the installed one) holds where it differs (:data:`ALLOWANCES`)."""
-    if version is None:
-        version = _triton.triton.__version__ if _triton.HAS_TRITON else ""
-    major_minor = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    major_minor = (_triton.VERSION if version is None else _triton.release(version))[:2]
     return ALLOWANCES.get(major_minor, Allowance())
 
 

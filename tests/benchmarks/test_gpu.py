@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.gpu import __main__ as gpu
-from benchmarks.gpu import report, training
+from benchmarks.gpu import report, suite, training
 from benchmarks.gpu.harness import GRACE_S, MARKER, run_arm
 
 GPU = torch.cuda.is_available()
@@ -207,3 +207,20 @@ def test_an_arm_limit_names_a_known_arm(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--tiny", "--limit", "resnet=10"])
     assert "give ARM=SECONDS" in capsys.readouterr().err
+
+
+def test_the_tests_arm_runs_the_kernel_tests_and_reports_their_counts(tmp_path):
+    saved = _evaluate(tmp_path, "tests")
+    (row,) = [r for r in saved["rows"] if r.get("kind") == "tests"]
+    assert row["passed"] > 0 and row["failed"] == 0 and row["exit_code"] == 0 and not row["stopped_for_time"], row
+    assert row["files"] == list(suite.TINY_FILES) and row["triton"] and row["torch"] == torch.__version__
+    assert f"{row['passed']} passed" in (tmp_path / "gpu.md").read_text()
+
+
+def test_the_tests_arm_reads_pytests_summary_and_a_run_cut_before_it():
+    assert suite.summary("....F\n1 failed, 4 passed, 2 skipped in 3.10s\n") == {
+        "passed": 4, "failed": 1, "skipped": 2, "errors": 0,
+    }  # fmt: skip
+    assert suite.summary("x\n3 passed, 1 error in 0.5s") == {"passed": 3, "failed": 0, "skipped": 0, "errors": 1}
+    cut = "..s.F" + "." * 67 + " [ 10%]\n..E.\n"
+    assert suite.summary(cut) == {"passed": 73, "failed": 1, "skipped": 1, "errors": 1}

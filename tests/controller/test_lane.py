@@ -4,6 +4,7 @@ for bit, on models whose saves the lane takes, and on those whose saves it hands
 that changes)."""
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -17,6 +18,10 @@ from gactx.controller.pack import PackPath
 from gactx.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ kernels could not be built")
+# The lane reads frames through PyFrame_GetLasti (Python 3.11 and later); before it the hooks are the Python path's,
+# which the tests comparing both paths then compare with itself.
+LANE = sys.version_info >= (3, 11)
+needs_lane = pytest.mark.skipif(not LANE, reason="the C++ lane needs Python 3.11 or later")
 
 
 class TwoBranch(nn.Module):
@@ -128,6 +133,7 @@ def _python_packs(monkeypatch, name: str, level: str = "L1") -> int:
     return calls[0]
 
 
+@needs_lane
 def test_the_lane_takes_every_save_of_a_repeated_pass_of_linear_layers_and_gelus(monkeypatch):
     assert _python_packs(monkeypatch, "mlp") == 0  # the input, the weights, the codes: none in Python
     monkeypatch.setattr(lane, "NATIVE", False)
@@ -136,12 +142,18 @@ def test_the_lane_takes_every_save_of_a_repeated_pass_of_linear_layers_and_gelus
     assert _python_packs(monkeypatch, "mlp", level="L0") == 6  # its 2 weights kept; the rest (no replay at L0): Python
 
 
+@needs_lane
 def test_the_lane_takes_views_of_results_and_hands_on_what_it_cannot_take(monkeypatch):
     """Heads split by views: the lane judges views as policy.is_weight does and takes those replayed with a packer; it
     hands on the input's view (data that lives anyway: its own byte range) and a transpose (not contiguous)."""
     native = _python_packs(monkeypatch, "heads")
     monkeypatch.setattr(lane, "NATIVE", False)
     assert native <= 2 < _python_packs(monkeypatch, "heads")
+
+
+@pytest.mark.skipif(LANE, reason="Python 3.11 and later have the lane")
+def test_before_python_3_11_every_save_takes_the_python_path(monkeypatch):
+    assert _python_packs(monkeypatch, "mlp") == 8  # as with lane.NATIVE false on a Python with the lane
 
 
 def test_an_autocast_copy_of_a_weight_is_kept_by_the_lane_as_by_the_python_path(monkeypatch):

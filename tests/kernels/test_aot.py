@@ -95,13 +95,15 @@ def test_an_instruction_count_over_its_budget_is_a_problem():
 
 
 def test_what_each_triton_version_holds():
-    """Triton 3.9 holds BUDGETS and no spill; 3.7.1 what ALLOWANCES states, and no more."""
+    """Triton 3.9 holds BUDGETS and no spill; 3.5 to 3.7 what ALLOWANCES states, and no more."""
     dequantize = next(s for s in aot.specs(["normal_dequantize"], [8], [512]) if s.config["dtype"] == "fp32")
     assert not dequantize.config["rest"]
     quantize = next(s for s in aot.specs(["normal_quantize"], [8], [2048]) if s.config["rest"])
     wide = {"load_bits": [128], "store_bits": [128]}
     assert aot.allowance("3.9.0") == aot.Allowance() and aot.allowance("3.7.1") == aot.ALLOWANCES[(3, 7)]
     assert aot.budget(dequantize, 90, "3.9.0") == aot.BUDGETS["normal_dequantize"] == 32
+    assert aot.budget(dequantize, 90, "3.5.1") == aot.budget(dequantize, 90, "3.6.0") == 42
+    assert not aot.allowance("3.5.1").spill_bytes and not aot.allowance("3.6.0").spill_bytes
     assert aot.budget(dequantize, 90, "3.7.1") == 42 and aot.budget(dequantize, 90, "3.7.1+git1234") == 42
     per_thread = dequantize.elements // dequantize.threads
     measured = aot.Compiled(dequantize, 90, sass=round(41.4 * per_thread), **wide)  # Triton 3.7.1's count

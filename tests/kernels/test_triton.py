@@ -33,11 +33,11 @@ def test_an_interpreter_that_propagates_nan_is_refused(monkeypatch):
 
 
 @interpreted
-def test_the_suite_repairs_the_interpreter_of_triton_3_7_only():
-    """Triton 3.7.1's interpreter propagates NaN (numpy's ``minimum``), 3.9's skips it (``fmin``): a repair under 3.9
-    would hide a regression of its interpreter."""
+def test_the_suite_repairs_the_interpreters_before_triton_3_8_only():
+    """The interpreters of Triton 3.5.1, 3.6.0 and 3.7.1 propagate NaN (numpy's ``minimum``), 3.8's and 3.9's skip it
+    (``fmin``): a repair under those would hide a regression of their interpreter."""
     version = tuple(int(part) for part in _triton.triton.__version__.split(".")[:2])
-    known = {(3, 7): True, (3, 9): False}
+    known = {(3, 5): True, (3, 6): True, (3, 7): True, (3, 8): False, (3, 9): False}
     if version not in known:
         pytest.skip(f"Triton {_triton.triton.__version__}: whether its interpreter needs the repair is not recorded")
     assert INTERPRETER_REPAIRED == known[version]

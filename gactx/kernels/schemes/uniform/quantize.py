@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from gactx.kernels._grid import plan
-from gactx.kernels._triton import constexpr, jit, launch, tl
+from gactx.kernels._triton import VERSION, constexpr, jit, launch, tl
 from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, SAFETY, allocate
@@ -41,13 +41,16 @@ _NEG_INF_UBITS = constexpr(0xFF800000)  # -Inf's pattern, as uint32
 ELEMENTS_PER_PROGRAM = 4096
 # At 1 bit a group is read in eight slices: 16-bit elements need 8192 a program for 8 consecutive ones a slice.
 ELEMENTS_PER_PROGRAM_1BIT_16 = 8192
-MAX_REGISTERS_1BIT_16 = 168  # see MAX_REGISTERS; 3 programs an SM
 # The rest of a tensor runs masked (``_grid.py``) in programs of 2048: a mask an element is live throughout.
 MASKED_ELEMENTS_PER_PROGRAM = 2048
 NUM_WARPS = 4
-# Left to itself, ptxas holds some variants to 72-80 registers and spills (8-64 bytes a thread); a limit of
-# 128 lets it use what it needs, and still leaves room for 4 programs an SM.
-MAX_REGISTERS = 128
+# Left to itself, ptxas holds some variants to 72-80 registers and spills (8-64 bytes a thread; Triton 3.9: 8 bits,
+# groups of 32, float32, 40 bytes at 80); a limit of 128 lets it use what it needs, and still leaves room for 4
+# programs an SM; 168 for 1 bit of 16-bit inputs (3 programs an SM). Triton 3.8's ptxas spills with those limits
+# (1 bit of float16: 168 to 176 bytes on sm_90; 4 bits, groups of 4096, with a rest: 8) and nowhere without the first
+# (``gactx.kernels.aot``); its 1-bit kernels of 16-bit inputs take up to 208 registers (2 programs an SM), and spill
+# on sm_80 with none.
+MAX_REGISTERS, MAX_REGISTERS_1BIT_16 = (None, 208) if VERSION[:2] == (3, 8) else (128, 168)
 # The interpreter runs programs one after another in Python: fewer, larger programs are much faster.
 INTERPRET_ELEMENTS_PER_PROGRAM = 1 << 16
 
