@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--steps", type=int, default=30, help="training steps per model and method (the LLM's: half as many)"
     )
     parser.add_argument("--size", choices=("full", "small", "tiny"), default="full" if cuda else "small")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models to train")
+    parser.add_argument("--models", nargs="+", choices=MODELS, help="the models to train (default: all of them)")
     parser.add_argument(
         "--threads", type=int, default=cores,
         help=f"torch threads; default: the cores this process may use ({cores}). Fewer if the machine is busy: "
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(header)
     print("-" * len(header), flush=True)
-    groups = [(model, MODEL_METHODS.get(model, METHODS), False) for model in MODELS if model in args.models]
-    if args.compile and COMPILED[0] in args.models:
+    chosen = MODELS if args.models is None else args.models
+    groups = [(model, MODEL_METHODS.get(model, METHODS), False) for model in MODELS if model in chosen]
+    if args.compile and (args.models is None or COMPILED[0] in args.models):
         groups.append((COMPILED[0], COMPILED[1], True))
     progress = _progress(sum(len(methods) + (not compiled) for _, methods, compiled in groups))
     rows = []

@@ -103,3 +103,18 @@ def test_the_llm_trains_half_the_steps(monkeypatch):
     steps.clear()
     demo.main(["--size", "tiny", "--steps", "4", "--threads", "1", "--no-compile"])
     assert steps == {"sage": {4}, "llama-lora": {3}}
+
+
+def test_models_trains_the_models_named_only(monkeypatch):
+    calls = []
+    def run_one(model, method, *args, compiled=False, **kwargs):
+        calls.append((model, compiled))
+        return {"batch": 1}
+
+    monkeypatch.setattr(demo, "run_one", run_one)
+    monkeypatch.setattr(demo, "alternated_step_ms", lambda model, methods, *a, **k: dict.fromkeys(methods, 1.0))
+    monkeypatch.setattr(demo, "compare", lambda rows: None)
+    monkeypatch.setattr(demo, "_row", lambda row, rows: "")
+    demo.main(["--size", "tiny", "--steps", "3", "--threads", "1", "--models", "sage", "--compile"])
+    assert {model for model, _ in calls} == {"sage"} and not any(compiled for _, compiled in calls)
+    assert len(calls) == len(demo.MODEL_METHODS.get("sage", demo.METHODS))
