@@ -8,6 +8,8 @@ import sys
 import warnings
 from dataclasses import dataclass, fields
 
+import torch
+
 from gactx.kernels import ALLOWED_BITS, BACKENDS, GROUP_SIZES, schemes
 
 __all__ = [
@@ -244,15 +246,16 @@ def get_optimization_level() -> str:
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside gactx (a dataclass's generated ``__init__`` is inside), for a
-    warning issued in a function that calls this: it points at the user's line."""
+    """The ``stacklevel`` of the first frame outside gactx and torch (a dataclass's generated ``__init__`` is inside),
+    for a warning issued in a function that calls this: it points at the user's line, also from a hook that torch's
+    autograd or a module's forward called."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or frame.f_code.co_filename[0] == "<"):
+    while frame is not None and (frame.f_code.co_filename.startswith(_INSIDE) or frame.f_code.co_filename[0] == "<"):
         frame, level = frame.f_back, level + 1
     return level
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_INSIDE = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], torch))
 
 
 def make_config(level: str | None = None, **options) -> Config:

@@ -24,6 +24,7 @@ import weakref
 
 import torch
 
+from gactx.config import _caller_level
 from gactx.kernels import QuantizedTensor
 
 __all__ = ["HostCopy", "Offloader", "CudaStreams"]
@@ -115,7 +116,7 @@ class Offloader:
                 f"gactx offload (level L3, offload=True) moves compressed CUDA tensors only ({why}): "
                 f"the others are compressed and stay on their device (docs/training-stacks.md#cpu-offload-l3)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller_level(),
             )
 
     def accepts(self, t: torch.Tensor) -> bool:

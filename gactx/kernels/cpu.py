@@ -30,6 +30,7 @@ import hashlib
 import logging
 import platform
 import re
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -45,8 +46,6 @@ __all__ = [
     "available", "extension", "quantize", "dequantize", "normal_quantize", "normal_dequantize", "encode_bins",
     "decode_table", "pack_bool", "pack_compare", "unpack_bool",
 ]  # fmt: skip
-
-log = logging.getLogger("gactx")
 
 
 _SOURCES = Path(__file__).parent / "csrc"  # the C++: common.h, uniform codes, masks, the graph ops, the module
@@ -214,13 +213,28 @@ def _cpp_extension():
     return cpp_extension
 
 
+def _first_build(cpp_extension, name: str) -> bool:
+    """Whether the extension ``name`` is not built on this machine yet: no library in its build folder."""
+    try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except Exception:  # torch moved its private helper: say it, as for a first build
+        return True
+    return not any((folder / f"{name}{suffix}").exists() for suffix in (".so", ".pyd"))
+
+
 def _build():
     cpp_extension = _cpp_extension()
-    log.info("gactx: compiling the CPU kernels (once for this machine and torch; about a minute)")
+    name = _name()
+    if _first_build(cpp_extension, name):  # the first step waits for the compiler: say why, once
+        print(
+            "gactx: building its C++ CPU kernels, once for this machine and torch (about a minute on two cores)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         sources = [str(p) for p in _source_files() if p.suffix == ".cpp"]
         return cpp_extension.load(
-            _name(),
+            name,
             sources,
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
@@ -228,12 +242,14 @@ def _build():
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once
+        from gactx.config import _caller_level
+
         warnings.warn(
             f"gactx: the C++ CPU kernels could not be built ({type(e).__name__}: {_cause(e)}); "
             "falling back to the torch kernels (same results, slower, with temporaries the size of the tensor); "
             "see docs/install.md#the-c-kernels-did-not-build",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
         return None
 

@@ -107,6 +107,7 @@ def test_the_llm_trains_half_the_steps(monkeypatch):
 
 def test_models_trains_the_models_named_only(monkeypatch):
     calls = []
+
     def run_one(model, method, *args, compiled=False, **kwargs):
         calls.append((model, compiled))
         return {"batch": 1}

@@ -246,9 +246,10 @@ def test_an_unmeetable_budget_warns_or_raises_when_strict():
     torch.manual_seed(0)
     model = digits_cnn()
     run = lambda: F.cross_entropy(model(x[:64]), y[:64])  # noqa: E731
-    with pytest.warns(RuntimeWarning, match="below what 1-bit codes need"):
+    with pytest.warns(RuntimeWarning, match="below what 1-bit codes need .* the least budget that fits is") as seen:
         controller = _adapted(model, run, budget="600KiB")
     assert set(controller.allocation.values()) == {1}
+    assert [w.filename for w in seen if w.category is RuntimeWarning] == [__file__]  # the caller's line, not gactx's
     with pytest.raises(ValueError, match="raise the budget"):
         _adapted(model, run, budget="600KiB", strict=True)
 

@@ -608,3 +608,19 @@ def test_building_under_a_cuda_build_with_no_gpu_says_nothing_of_a_cuda_runtime(
     assert all(done.returncode == 0 for done in runs.values()), {k: v.stderr for k, v in runs.items()}
     assert "No CUDA runtime is found" in runs["plain"].stderr  # what torch logs, so that the check below means it
     assert "No CUDA runtime" not in runs["gactx"].stderr
+
+
+def test_the_first_build_says_why_the_first_step_waits(tmp_path, monkeypatch, capsys):
+    """Building the extension takes about a minute, once a machine and torch: the first build says so on stderr, and a
+    process that finds it built says nothing."""
+    from types import SimpleNamespace
+
+    folder = tmp_path / "built"
+    folder.mkdir()
+    fake = SimpleNamespace(_get_build_directory=lambda name, verbose: str(folder), load=lambda name, *a, **k: name)
+    monkeypatch.setattr(cpu, "_cpp_extension", lambda: fake)
+    assert cpu._build() == cpu._name()
+    assert "gactx: building its C++ CPU kernels, once for this machine and torch" in capsys.readouterr().err
+    (folder / f"{cpu._name()}.so").write_bytes(b"")
+    assert cpu._build() == cpu._name()
+    assert capsys.readouterr().err == ""

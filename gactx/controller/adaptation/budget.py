@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from gactx.config import Config, parse_bytes
+from gactx.config import Config, _caller_level, parse_bytes
 from gactx.controller.adaptation.allocator import Allocation, Item, allocate, cost_of
 from gactx.controller.adaptation.choices import calibration, choice_options
 from gactx.controller.adaptation.ranks import collective_device, distributed
@@ -166,17 +166,25 @@ def plan(
         allocation = dataclasses.replace(allocation, kept_variance=kept[1])
     if not allocation.feasible:
         basis = repr(config.budget) if config.budget is not None else f"{config.bits} bits an element on average"
-        paid = f" after {fixed} bytes of tensors kept or stored at a fixed width" if config.budget is not None else ""
-        message = (
-            f"gactx: the budget ({basis}) leaves {budget} bytes for compressed tensors{paid}, below what "
-            f"1-bit codes need ({allocation.nbytes} bytes)"
-        )
+        if config.budget is None:
+            message = f"gactx: the budget ({basis}) is below what 1-bit codes need ({allocation.nbytes} bytes)"
+        else:  # what cannot shrink, then the least budget that fits
+            left = f"leaves {budget} bytes" if budget >= 0 else f"is {-budget} bytes short of what it holds"
+            message = (
+                f"gactx: the budget ({basis}) {left} for compressed tensors after {fixed} bytes of tensors kept or "
+                f"stored at a fixed width, below what 1-bit codes need ({allocation.nbytes} bytes): the least "
+                f"budget that fits is {fixed + allocation.nbytes} bytes"
+            )
         if config.strict:
             raise ValueError(
                 message + "; raise the budget or use strict=False to fall back to the narrowest widths "
                 "(docs/levels.md#budgets)"
             )
-        warnings.warn(message + "; using the narrowest widths (docs/levels.md#budgets)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            message + "; using the narrowest widths (docs/levels.md#budgets)",
+            RuntimeWarning,
+            stacklevel=_caller_level(),
+        )
     return allocation, budget
 
 

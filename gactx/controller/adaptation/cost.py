@@ -125,7 +125,7 @@ def report_line(adaptation, config) -> str:
         + (f" ({parts_text(a.passes_by_part)})" if a.passes_by_part else "")
         + (f", {a.partial_passes} of them from the probed nodes down" if a.partial_passes else "")
         + f", {a.seconds:.2f} s{share}; "
-        f"{a.allocated_bytes} of {a.budget_bytes} bytes allowed for compressed tensors ({basis})"
+        f"{a.allocated_bytes} of {max(0, a.budget_bytes)} bytes allowed for compressed tensors ({basis})"
         + ("" if a.feasible else " (budget not met: narrowest widths)")
     )
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from gactx.config import Config
+from gactx.config import Config, _caller_level
 from gactx.controller.adaptation import replayed
 from gactx.controller.adaptation import sensitivity as gact
 from gactx.controller.adaptation.budget import default_width
@@ -133,7 +133,7 @@ class GactEstimator(Measuring):
                 f"gactx level {cfg.level} adapts bits only when iterate() gets a backprop closure; "
                 f"every tensor stays at {default_width(cfg.bits)} bits (docs/adaptive.md#the-closure)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_caller_level(),
             )
             self._warned = True
         return backprop is not None
