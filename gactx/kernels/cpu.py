@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import platform
 import re
@@ -65,6 +66,22 @@ _FLAGS = [
     "-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-march=native", "-mprefer-vector-width=512",
     "-fopenmp",
 ]  # fmt: skip
+
+
+def _cuda_include() -> str | None:
+    """The folder of the ``cuda.h`` shipped in the triton wheel, for the launches through the CUDA driver (csrc/
+    driver.cpp), found without importing triton; ``None`` without one (the extension then launches nothing)."""
+    spec = importlib.util.find_spec("triton")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        folder = Path(root) / "backends" / "nvidia" / "include"
+        if (folder / "cuda.h").exists():
+            return str(folder)
+    return None
+
+
+_CUDA_INCLUDE = _cuda_include()
+if _CUDA_INCLUDE is not None:
+    _FLAGS.append("-DGACTX_CUDA_H")
 _lock = threading.Lock()
 _tried = False  # extension() has run: ``built`` is what it gave
 built = None  # the compiled extension once built; the kernels below call it directly (they run for every save)
@@ -72,7 +89,7 @@ built = None  # the compiled extension once built; the kernels below call it dir
 
 def _name() -> str:
     texts = [p.read_text() for p in _source_files()]
-    key = "\n".join([*texts, *_FLAGS, platform.machine(), torch.__version__])
+    key = "\n".join([*texts, *_FLAGS, str(_CUDA_INCLUDE), platform.machine(), torch.__version__])
     return "gactx_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
@@ -237,8 +254,8 @@ def _build():
             name,
             sources,
             extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_SOURCES)],
+            extra_ldflags=["-fopenmp", "-ldl"],
+            extra_include_paths=[str(_SOURCES), *([_CUDA_INCLUDE] if _CUDA_INCLUDE else [])],
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path, said once

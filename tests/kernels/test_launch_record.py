@@ -1,8 +1,8 @@
 """What Triton's own launcher passes the CUDA driver for gactx's kernels, read on this CPU machine through a recording
 driver (driver/recording.c, built here against the cuda.h in the triton wheel, in place of libcuda.so.1): for one
 configuration of every kernel family compiled for sm_90, the function, grid, block, dynamic shared memory, stream and
-the bytes of every parameter, the scratch pointers of newer Tritons included. This is the call a launch from C++ must
-make (docs/gpu.md#launches).
+the bytes of every parameter, the scratch pointers of newer Tritons included; and the same launch from C++
+(gactx.kernels.native), which must make the same call (docs/gpu.md#launches).
 
 The launches run in a child process (driver/triton_launch.py): this process runs kernels under Triton's interpreter,
 and its torch sees no GPU."""
@@ -62,15 +62,16 @@ def _launch(folder: Path, tmp_path: Path) -> tuple[list[dict], list[str]]:
 
 
 @pytest.mark.slow
-def test_triton_launches_each_family_with_the_arguments_its_signature_gives(recording_driver, tmp_path):
+def test_triton_and_cpp_launch_each_family_with_the_arguments_its_signature_gives(recording_driver, tmp_path):
     from gactx.kernels import aot
 
     launches, log = _launch(recording_driver, tmp_path)
     assert {launch["family"] for launch in launches} == set(aot.FAMILIES)
     recorded = [line for line in log if line.startswith("launch ")]
     functions = [line.split()[1] for line in log if line.startswith("function ")]
-    assert functions == [launch["name"] for launch in launches]
-    for launch, line in zip(launches, recorded, strict=True):
+    assert functions == [launch["name"] for launch in launches for _ in ("triton", "native")]
+    assert recorded[1::2] == recorded[::2], "a launch from C++ differs from Triton's"
+    for launch, line in zip(launches, recorded[::2], strict=True):
         head, _, params = line.partition(" params")
         grid = " ".join(map(str, launch["grid"]))
         expected = (
@@ -79,3 +80,20 @@ def test_triton_launches_each_family_with_the_arguments_its_signature_gives(reco
         assert head == expected, launch["family"]
         assert params.split() == launch["params"], launch["family"]  # every parameter, byte for byte
         assert all(size in (None, 0) for size in launch["scratch"]), "a kernel asks for global scratch memory"
+
+
+def test_native_launches_name_what_they_cannot_take():
+    from types import SimpleNamespace
+
+    from gactx.kernels import native
+
+    plain = SimpleNamespace(name="k", global_scratch_size=0, profile_scratch_size=0)
+    assert native.kinds({"x": "*fp32", "n": "i32", "seed": "i64", "s": "fp32", "B": "constexpr"}, plain) == "piqfpp"
+    assert native.kinds({"x": "*bf16"}, SimpleNamespace(name="k")) == "p"  # a Triton that passes no scratch
+    with pytest.raises(ValueError, match="not fp16"):
+        native.kinds({"x": "fp16"}, plain)
+    with pytest.raises(ValueError, match="asks for"):
+        native.kinds({"x": "*fp32"}, SimpleNamespace(name="k", global_scratch_size=64, profile_scratch_size=0))
+    if native.available():
+        with pytest.raises(RuntimeError, match="cannot open"):
+            native.open_driver("libgactx-no-such-driver.so")

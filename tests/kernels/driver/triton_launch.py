@@ -1,6 +1,7 @@
 """Run in a child process over the recording driver (tests/kernels/test_launch_record.py): compile one configuration of
-each kernel family for sm_90 and launch it through Triton's own launcher with known arguments, then write what each
-launch was given as JSON (argv[1]), for the test to read against what the driver recorded."""
+each kernel family for sm_90 and launch it with known arguments through Triton's own launcher, then from C++
+(gactx.kernels.native), and write what each launch was given as JSON (argv[1]), for the test to read against what the
+driver recorded."""
 
 import ctypes
 import json
@@ -13,13 +14,14 @@ import triton.runtime
 from triton.backends.nvidia import driver as nvidia
 from triton.compiler import ASTSource
 
-from gactx.kernels import aot
+from gactx.kernels import aot, native
 
 PACK = {"i32": "<i", "u32": "<I", "i64": "<q", "u64": "<Q", "fp32": "<f", "i1": "<?", "u8": "<B", "i8": "<b"}
 
 
 def main(out: str) -> None:
     recording = ctypes.CDLL(os.path.join(os.environ["TRITON_LIBCUDA_PATH"], "libcuda.so.1"))
+    native.open_driver()  # libcuda.so.1 as the loader finds it: the recording driver
     utils = nvidia.CudaUtils()
     triton.runtime.driver.set_active(nvidia.CudaDriver())
     seen, launches = set(), []
@@ -49,6 +51,11 @@ def main(out: str) -> None:
         grid, stream = (3 + len(launches), 2, 1), 0x5000 + len(launches)
         launcher = nvidia.CudaLauncher(source, md)
         launcher(*grid, stream, function, kernel.packed_metadata, None, None, None, *args)
+        # The same call from C++: its own load of the cubin, then the parameters without constexprs, scratch as null.
+        native_function = native.load(kernel)
+        values = [a for a, t in zip(args, spec.signature.values(), strict=True) if t != "constexpr"]
+        values += [0] * (len(params) - len(values))
+        native.launch(native_function, grid, md, stream, native.kinds(spec.signature, md), values)
         launches.append({
             "family": spec.family, "name": md.name, "grid": grid, "block": md.num_warps * 32, "shared": md.shared,
             "stream": stream, "params": [p.hex() for p in params], "scratch": scratch,
