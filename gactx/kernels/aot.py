@@ -396,6 +396,16 @@ def _compile(source, arch: int, options: dict):
     return kernel, log.getvalue()
 
 
+def ast_source(spec: KernelSpec):
+    """What ``triton.compile`` takes for ``spec``: its kernel, signature and constexprs, and where the launcher's
+    pointers are 16-byte aligned, that alignment (what the JIT assumes of a fresh torch allocation)."""
+    from triton.compiler import ASTSource
+
+    names = list(spec.signature)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in spec.signature.items() if v.startswith("*")}
+    return ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs if spec.aligned else None)
+
+
 def compile_spec(spec: KernelSpec, arch: int, sass: str = "budgeted") -> Compiled:
     """Compile ``spec`` for ``sm_<arch>`` and read its resources, PTX and SASS; errors are recorded, not raised.
     ``sass``: count the SASS instructions of a kernel with a budget (``"budgeted"``), of every variant without a
@@ -404,12 +414,8 @@ def compile_spec(spec: KernelSpec, arch: int, sass: str = "budgeted") -> Compile
         raise ValueError(f"sass={sass!r}: 'budgeted', 'all' or 'none'")
     if _triton.INTERPRET or not _triton.HAS_TRITON:
         raise RuntimeError("compiling for a GPU needs triton and the real JIT: run without TRITON_INTERPRET=1")
-    from triton.compiler import ASTSource
-
     result = Compiled(spec, arch)
-    names = list(spec.signature)
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in spec.signature.items() if v.startswith("*")}
-    source = ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs if spec.aligned else None)
+    source = ast_source(spec)
     start = time.perf_counter()
     try:
         kernel, ptxas_log = _compile(source, arch, spec.options)

@@ -80,8 +80,7 @@ def _cuda_include() -> str | None:
 
 
 _CUDA_INCLUDE = _cuda_include()
-if _CUDA_INCLUDE is not None:
-    _FLAGS.append("-DGACTX_CUDA_H")
+_FLAGS += ["-DGACTX_CUDA_H"] if _CUDA_INCLUDE is not None else []
 _lock = threading.Lock()
 _tried = False  # extension() has run: ``built`` is what it gave
 built = None  # the compiled extension once built; the kernels below call it directly (they run for every save)

@@ -6,9 +6,9 @@
 #include <dlfcn.h>
 #include <torch/python.h>
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef GACTX_CUDA_H

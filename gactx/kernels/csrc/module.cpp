@@ -12,14 +12,14 @@ pybind11::object make_lane(pybind11::object path, pybind11::object tracker, pybi
                            pybind11::object saving, pybind11::object view_names, pybind11::object passing,
                            int precall, int precall_to_call);
 pybind11::object make_unpack(pybind11::object kept);
-int64_t lane_timing(bool on);
+int64_t lane_timing(bool on);  // timing of the lanes' packers on or off; the nanoseconds timed since the last call
+pybind11::object make_dispatch(pybind11::object hook, pybind11::object local, pybind11::object frame_callback);
 // Launches through the CUDA driver (driver.cpp).
 bool driver_built();
 std::string open_driver(const std::string& library);
 int64_t load_function(const pybind11::bytes& cubin, const std::string& name, int64_t shared);
 void launch(int64_t function, int64_t grid_x, int64_t grid_y, int64_t grid_z, int64_t threads, int64_t shared,
             int64_t stream, const std::string& kinds, const pybind11::sequence& values);
-pybind11::object make_dispatch(pybind11::object hook, pybind11::object local, pybind11::object frame_callback);  // timing of the lanes' packers on or off; the nanoseconds timed since the last call
 }  // namespace gactx
 
 namespace {

@@ -12,7 +12,6 @@ import sys
 import triton
 import triton.runtime
 from triton.backends.nvidia import driver as nvidia
-from triton.compiler import ASTSource
 
 from gactx.kernels import aot, native
 
@@ -29,9 +28,7 @@ def main(out: str) -> None:
         if spec.family in seen:
             continue
         seen.add(spec.family)
-        names = list(spec.signature)
-        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in spec.signature.items() if v.startswith("*")}
-        source = ASTSource(spec.kernel, spec.signature, spec.constexprs, attrs)
+        source = aot.ast_source(spec)
         kernel, _ = aot._compile(source, 90, spec.options)
         md = kernel.metadata
         _, function, *_ = utils.load_binary(md.name, kernel.asm["cubin"], md.shared, 0)
