@@ -44,6 +44,7 @@ import contextlib
 import functools
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,18 +52,25 @@ from pathlib import Path
 import torch
 
 import gactx
+from benchmarks.driver import build as build_driver
+from benchmarks.driver import buildable as driver_buildable
 from benchmarks.harness import Bench, alternate, where
 from benchmarks.measure import gpu_activities, synchronize
 from benchmarks.table import markdown_table
 from gactx.controller.identity import passes_saves_on
-from gactx.kernels import cpu, dequantize
+from gactx.kernels import cpu, dequantize, native
 from gactx.kernels.functional import choose_backend, quantize_checked
 
 __all__ = ["METHODS", "base_of", "measure", "methods", "run"]
 
 BLOCKS = 8  # Linear + GELU blocks: 16 compressed saves a step
 # Each against its plain (a compiled one against compiled plain).
-METHODS = ("floor", "L0", "L1", "L1.1", "L0+compile", "L1+compile", "L1+compile-torch", "L1+compile-cpp")
+METHODS = (
+    "floor", "L0", "L1", "L1-native", "L1-launcher", "L1.1", "L0+compile", "L1+compile", "L1+compile-torch",
+    "L1+compile-cpp",
+)  # fmt: skip
+NATIVE = "-native"  # on a CPU: L1's saves packed by native launches through the recording driver (benchmarks/driver)
+LAUNCHER = "-launcher"  # on a GPU: L1's saves through Triton's launcher (gactx.kernels.native.ENABLED false)
 CPP_WRAPPER = "-cpp"  # a method's suffix: compiled with Inductor's C++ wrapper
 TORCH_BACKEND = "-torch"  # a method's suffix: gactx's backend="torch", the format traced into the graph
 GACTX = str(Path(gactx.__file__).resolve().parent)
@@ -80,7 +88,9 @@ class Case:
         torch.manual_seed(0)
         self.name, self.model = name, mlp(width, device)
         self.x = torch.randn(width, width, device=device)
-        level, _, compiled = name.partition("+")
+        level, _, compiled = name.removesuffix(NATIVE).removesuffix(LAUNCHER).partition("+")
+        self.native = name.endswith(NATIVE)
+        self.launcher = name.endswith(LAUNCHER)
         backend = "torch" if compiled.endswith(TORCH_BACKEND) else "auto"
         plain = level in ("plain", "floor")
         self.controller = None if plain else gactx.Controller(self.model, level=level, backend=backend)
@@ -99,7 +109,25 @@ class Case:
     def hooks(self) -> Iterator[None]:
         """The case's gactx hooks installed for the block (none for plain). A compiled case then runs a step first,
         untimed: the first pass after an installation begins gactx's pass bookkeeping (graphs are not compiled again:
-        a controller installed again has the module hooks it had)."""
+        a controller installed again has the module hooks it had). The native method's saves go through the
+        recording driver, the launcher method's through Triton's launcher (what its packers were made under)."""
+        if self.native and self.device == "cpu":
+            with native.recording(str(recording_driver())), self._hooks():
+                yield
+            return
+        if self.launcher:
+            enabled, native.ENABLED = native.ENABLED, False
+            try:
+                with self._hooks():
+                    yield
+            finally:
+                native.ENABLED = enabled
+            return
+        with self._hooks():
+            yield
+
+    @contextlib.contextmanager
+    def _hooks(self) -> Iterator[None]:
         if self.name == "floor":
             with floor_hooks(self.model):
                 yield
@@ -129,6 +157,15 @@ class Case:
         if self.controller is None:
             return 0
         return sum(1 for r in self.controller.records if r.compressed)
+
+
+@functools.lru_cache(maxsize=1)
+def recording_driver() -> Path:
+    """The recording driver's library, built once into a temporary folder (benchmarks/driver)."""
+    built = build_driver(Path(tempfile.mkdtemp(prefix="gactx-recording-")))
+    if built is None:
+        raise RuntimeError("the native method needs a C compiler and the triton wheel's cuda.h (benchmarks/driver)")
+    return built
 
 
 @contextlib.contextmanager
@@ -214,8 +251,10 @@ def hook_us(case: Case, steps: int) -> dict[str, float]:
         return hook
 
     # The C++ lane's packers (lane.py), called from C++ where no wrapper of ours sees them, are timed by the extension.
-    lane_timing = getattr(cpu.built, "lane_timing", None) if case.device == "cpu" else None
-    with case.hooks(), _kernels_timed(timed if case.device == "cpu" else None):
+    # The native method's packers launch kernels: all of their work is host work, none is subtracted.
+    on_cpu = case.device == "cpu" and not case.native
+    lane_timing = getattr(cpu.built, "lane_timing", None) if on_cpu else None
+    with case.hooks(), _kernels_timed(timed if on_cpu else None):
         pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
         with _hooks_timed(pack, unpack, timed):
             if lane_timing is not None:
@@ -279,11 +318,17 @@ def _kernels_timed(timed: Callable | None) -> Iterator[None]:
             setattr(c, m, fn)
 
 
-def methods(compiled: bool, cpp: bool, traced: bool, only: tuple[str, ...] | None = None) -> list[str]:
+def methods(
+    compiled: bool, cpp: bool, traced: bool, only: tuple[str, ...] | None = None, device: str = "cpu"
+) -> list[str]:
     """The cases :func:`measure` times, each method after the plain one it is compared with (:func:`base_of`);
-    ``only``: of them, these methods, eager L1 (whose records count the saves) and their plain ones."""
+    ``only``: of them, these methods, eager L1 (whose records count the saves) and their plain ones. The native
+    method runs on a CPU where the recording driver builds (on a GPU it is L1), the launcher method on a GPU."""
+    other = LAUNCHER if device == "cpu" else NATIVE
+    if device == "cpu" and (native.unavailable() or not driver_buildable()):
+        other = (LAUNCHER, NATIVE)  # no recording driver here: no native method
     names = ["plain", *(m for m in METHODS if (compiled or "+compile" not in m) and (cpp or CPP_WRAPPER not in m)
-                        and (traced or TORCH_BACKEND not in m))]  # fmt: skip
+                        and (traced or TORCH_BACKEND not in m) and not m.endswith(other))]  # fmt: skip
     if compiled:
         names.insert(names.index("L0+compile"), "plain+compile")
     if compiled and cpp:
@@ -311,7 +356,7 @@ def measure(
     methods compiled with Inductor's C++ wrapper too; ``traced``: L1 compiled with ``backend="torch"`` too; ``only``:
     those methods alone, as :func:`methods` keeps them)."""
     torch._dynamo.reset()  # each width's graphs on their own
-    cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced, only)}
+    cases = {name: Case(name, width, device) for name in methods(compiled, cpp, traced, only, device)}
     from torch._inductor import utils
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
@@ -332,7 +377,7 @@ def measure(
             row["launches_per_save"] = (own - plain_launches) / saves
         if name in ("L0", "L1", "L0+compile", "L1+compile"):
             row["part"] = "hooks and bookkeeping" if name.startswith("L0") else "compression"
-        if name in ("floor", "L1", "L1.1"):
+        if name in ("floor", "L1", "L1-native", "L1-launcher", "L1.1"):
             row.update(hook_us(case, steps))
         rows.append(row)
     by = {r["method"]: r for r in rows}

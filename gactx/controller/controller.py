@@ -34,6 +34,7 @@ from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Packed
+from gactx.kernels import native
 
 __all__ = ["Controller", "Packed"]
 
@@ -419,9 +420,26 @@ class Controller:
                 f"saved while backward ran (recomputation), not in the pass above: {b.tensors} tensors, "
                 f"{format_bytes(b.original_bytes)} -> {format_bytes(b.packed_bytes)}"
             )
+        launches = self._launch_line()
+        if launches:
+            lines.append(launches)
         if self.last_adaptation is not None:
             lines.append(cost.report_line(self.last_adaptation, self.config))
         return "\n".join(lines)
+
+    def _launch_line(self) -> str:
+        """How the replayed saves of GPU tensors were packed: by native launches (``gactx.kernels.native``: C++ through
+        the CUDA driver) or through Triton's launcher, and why not natively; "" where none was on a GPU."""
+        replays = [r for r in self._path.replays.values() if r.device.type != "cpu" or r.launched]
+        if not replays:
+            return ""
+        launched = sum(r.launched for r in replays)
+        line = f"replayed saves on {replays[0].device.type}: {launched} of {len(replays)} packed by native launches"
+        if launched < len(replays):
+            first = next(r for r in replays if not r.launched)
+            why = native.why_not(torch.empty(0, device=first.device)) or "not for their stored form"
+            line += f"; the others through Triton's launcher ({why})"
+        return line
 
     # -- hooks ----------------------------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ its version, else ``handle.unpack()``; and so is each hook's own call (``HookGra
 TorchDynamo, or eager), so that no Python frame of gactx's runs for a save the lane takes (``csrc/hooks.cpp``).
 
 The lane is used where the C++ kernels serve the model (its parameters on a CPU, ``backend`` ``"auto"`` or
-``"cpp"``, the extension built) on Python 3.11 or later (it reads frames through ``PyFrame_GetLasti``); elsewhere, or
-with :data:`NATIVE` false, the hooks are the Python path's own.
+``"cpp"``, the extension built), or native launches do (its parameters on a GPU, ``backend`` ``"auto"`` or
+``"triton"``, the extension built with the driver's launches: ``gactx.kernels.native``), on Python 3.11 or later (it
+reads frames through ``PyFrame_GetLasti``); elsewhere, or with :data:`NATIVE` false, the hooks are the Python path's
+own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from gactx.controller.pack import PackPath
 from gactx.controller.policy import _VIEW_NODES
 from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
 from gactx.controller.store import Kept, unpack
-from gactx.kernels import cpu
+from gactx.kernels import cpu, native
 
 __all__ = ["NATIVE", "graph_hooks"]
 
@@ -46,7 +48,7 @@ def graph_hooks(
     lane and unpack, and their own calls C++ (``HookGraph.call_natively``), where the lane serves (the module
     docstring); else ``path.pack`` and ``store.unpack``, called from Python."""
     built = None
-    if NATIVE and sys.version_info >= (3, 11) and path.config.backend in ("auto", "cpp") and _on_cpu(model):
+    if NATIVE and sys.version_info >= (3, 11) and _served(model, path.config.backend):
         built = cpu.extension()
     if built is None:
         return hook(path.pack, compiled.pack), hook(unpack, compiled.unpack)
@@ -58,7 +60,11 @@ def graph_hooks(
     return hooks
 
 
-def _on_cpu(model: torch.nn.Module) -> bool:
-    """Whether the model's first parameter (or buffer) is on a CPU; a model with neither: whether no GPU is there."""
+def _served(model: torch.nn.Module, backend: str) -> bool:
+    """Whether the lane's packers serve the model: the C++ kernels where its first parameter (or buffer) is on a CPU
+    (a model with neither: where no GPU is there), native launches where it is on a GPU that they serve."""
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return not torch.cuda.is_available() if first is None else first.device.type == "cpu"
+    on_cpu = not torch.cuda.is_available() if first is None else first.device.type == "cpu"
+    if on_cpu:
+        return backend in ("auto", "cpp")
+    return first is not None and backend in ("auto", "triton") and not native.why_not(first)

@@ -60,7 +60,7 @@ class Replay:
 
     __slots__ = (
         "dtype", "node", "device", "encode", "decode", "native", "weyl", "claims", "observed", "record", "form",
-        "decision", "backend", "shared", "factor",
+        "decision", "backend", "shared", "factor", "launched",
     )  # fmt: skip
 
     def __init__(
@@ -72,6 +72,7 @@ class Replay:
         self.encode: Callable[[torch.Tensor, int], object] = _encoder(t, site, decision, config)
         self.decode = _decoder(stored, config.backend)
         self.native = _native(t, decision, config)
+        self.launched = bool(getattr(self.native, "launching", False))  # by native launches (gactx.kernels.native)
         self.weyl = (number + 1) * GOLDEN  # Plan.seed's part of the save's number
         self.claims = site is not None and site.result and t.grad_fn is not None
         self.observed = decision.rule.cls in ALLOCATED  # what the pack path's observers are shown
@@ -87,7 +88,7 @@ class Replay:
     def mark_factor(self) -> None:
         """A later save is the product of this one and another: its replays go the Python way (no C++ packer, which
         the C++ lane would take whole), where the pack path remembers their handles (``product.remember``)."""
-        self.factor, self.native = True, None
+        self.factor, self.native, self.launched = True, None, False
 
     def pack(self, t: torch.Tensor, key: Key, ptr: int, stats: PassStats, plan: Plan):
         """Encode ``t`` (its storage at ``ptr``) with the step's seed, record it in ``stats``, and return its handle:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from gactx.kernels import _triton, cpu, tables
+from gactx.kernels import _triton, cpu, native, tables
 from gactx.kernels.format import (
     FLOAT_DTYPES,
     contiguous_order,
@@ -179,8 +179,11 @@ def bound_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table:
 def native_encode_bins(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor, backend: str = "auto"):
     """The C++ kernel's :func:`bound_encode_bins` with the handle a replayed save returns (``csrc/saved.h``): called as
     ``packer(x, seed)`` (the seed unused), it stores a contiguous CPU tensor like ``like`` and returns a handle whose
-    ``unpack()`` looks ``table`` up by its codes (``None`` for any other tensor). ``None`` where the C++ kernels do
-    not run for ``like``, or at 1 bit (a bool mask's codes)."""
+    ``unpack()`` looks ``table`` up by its codes (``None`` for any other tensor); a CUDA tensor's launches the
+    Triton kernels from C++ (``native.bins_packer``). ``None`` where neither serves ``like``, or at 1 bit (a bool
+    mask's codes)."""
+    if backend in ("auto", "triton") and not native.why_not(like):
+        return native.bins_packer(like, edges, bits, table)
     if bits in (2, 4, 8) and choose_backend(like, backend) == "cpp":
         return cpu.built.Packer.bins(edges, bits, table)
     return None

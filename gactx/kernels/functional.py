@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from gactx.kernels import _triton, cpu
+from gactx.kernels import _triton, cpu, native
 from gactx.kernels.bitmask import torch_pack_bool, torch_unpack_bool, triton_pack_bool, triton_unpack_bool
 from gactx.kernels.format import (
     QuantizedTensor,
@@ -244,7 +244,10 @@ def _dequantize_plan(n: int, dtype, bits: int, group_size: int, on_cpu: bool) ->
 def native_quantize(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, backend: str):
     """The C++ kernel's quantize of :func:`bound_quantize` with the handle a replayed save returns (``csrc/saved.h``):
     called as ``packer(x, seed)``, it stores a contiguous CPU tensor like ``like`` and returns a handle whose
-    ``unpack()`` decodes it (``None`` for any other tensor). ``None`` where the C++ kernels do not run for ``like``."""
+    ``unpack()`` decodes it (``None`` for any other tensor). A CUDA tensor's packer launches the Triton kernels from
+    C++ (``native.quantize_packer``). ``None`` where neither serves ``like``."""
+    if backend in ("auto", "triton") and not native.why_not(like):
+        return native.quantize_packer(like, bits, group_size, stochastic)
     if bits in (1, 2, 4, 8) and choose_backend(like, backend) == "cpp":
         return cpu.built.Packer.quantized(bits, group_size, stochastic, *cpu.step_factors(bits))
     return None

@@ -1,21 +1,22 @@
 """What Triton's own launcher passes the CUDA driver for gactx's kernels, read on this CPU machine through a recording
-driver (driver/recording.c, built here against the cuda.h in the triton wheel, in place of libcuda.so.1): for one
-configuration of every kernel family compiled for sm_90, the function, grid, block, dynamic shared memory, stream and
-the bytes of every parameter, the scratch pointers of newer Tritons included; and the same launch from C++
-(gactx.kernels.native), which must make the same call (docs/gpu.md#launches).
+driver (benchmarks/driver/recording.c, built against the cuda.h in the triton wheel, in place of libcuda.so.1): the
+cubin, grid, block, dynamic shared memory, stream and the bytes of every parameter, the scratch pointers of newer
+Tritons included. Against it, the launches from C++ (gactx.kernels.native, docs/gpu.md#launches): one configuration of
+every kernel family; every configuration of the kernels that the native packers of replayed saves launch; and the
+eager lane's saves packed by them, with no Python of gactx's.
 
-The launches run in a child process (driver/triton_launch.py): this process runs kernels under Triton's interpreter,
-and its torch sees no GPU."""
+The launches run in child processes (driver/*.py): this process runs kernels under Triton's interpreter, and its torch
+sees no GPU."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.driver import build
 from gactx.kernels import _triton
 
 HERE = Path(__file__).parent / "driver"
@@ -23,27 +24,15 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not _triton.HAS_TRITON, reason="needs triton")
 
 
-def _cuda_h() -> Path | None:
-    import triton
-
-    found = Path(triton.__file__).parent / "backends" / "nvidia" / "include" / "cuda.h"
-    return found if found.exists() else None
-
-
 @pytest.fixture(scope="module")
 def recording_driver(tmp_path_factory) -> Path:
-    compiler, header = shutil.which("cc") or shutil.which("gcc"), _cuda_h()
-    if compiler is None or header is None:
+    built = build(tmp_path_factory.mktemp("recording-driver"))
+    if built is None:
         pytest.skip("needs a C compiler and the cuda.h of the triton wheel")
-    folder = tmp_path_factory.mktemp("recording-driver")
-    sources = [str(HERE / "recording.c"), str(HERE / "tensor_maps.c")]
-    cmd = [compiler, "-shared", "-fPIC", "-O1", f"-I{header.parent}", *sources, "-o", str(folder / "libcuda.so.1")]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    (folder / "libcuda.so").symlink_to("libcuda.so.1")  # what Triton 3.5's launcher links (-lcuda)
-    return folder
+    return built.parent
 
 
-def _launch(folder: Path, tmp_path: Path) -> tuple[list[dict], list[str]]:
+def _launch(folder: Path, tmp_path: Path, child: str = "triton_launch.py") -> tuple[list[dict], list[str]]:
     log, out = tmp_path / "driver.log", tmp_path / "launches.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {
@@ -54,7 +43,7 @@ def _launch(folder: Path, tmp_path: Path) -> tuple[list[dict], list[str]]:
         "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
     }
     done = subprocess.run(
-        [sys.executable, str(HERE / "triton_launch.py"), str(out)], env=env, cwd=ROOT, capture_output=True,
+        [sys.executable, str(HERE / child), str(out)], env=env, cwd=ROOT, capture_output=True,
         text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -77,9 +66,57 @@ def test_triton_and_cpp_launch_each_family_with_the_arguments_its_signature_give
         expected = (
             f"launch grid {grid} block {launch['block']} 1 1 shared {launch['shared']} stream {launch['stream']:#x}"
         )
-        assert head == expected, launch["family"]
+        where, _, function = head.partition(" function ")
+        assert where == expected and function.endswith(":" + launch["name"]), launch["family"]
         assert params.split() == launch["params"], launch["family"]  # every parameter, byte for byte
         assert all(size in (None, 0) for size in launch["scratch"]), "a kernel asks for global scratch memory"
+
+
+@pytest.mark.slow
+def test_native_packers_launch_every_configuration_as_tritons_launcher_does(recording_driver, tmp_path):
+    # Each configuration packed and unpacked by a native packer (the eager lane's call for a CUDA save), then the same
+    # two launches through Triton's launcher with the kernels aot.specs lists: the same cubin, grid, block, shared
+    # memory, stream and parameter bytes.
+    done, log = _launch(recording_driver, tmp_path, "packer_launch.py")
+    assert not any(done["problems"].values()), done["problems"]
+    configurations = done["configurations"]
+    assert len(configurations) == 3 * 4 * 2 * 2 + 3 * 3 * 2 + 2
+    assert {c["config"]["n"] >= 2**31 for c in configurations} == {True, False}
+    recorded = [line for line in log if line.startswith("launch ")]
+    assert len(recorded) == 4 * len(configurations)
+    for i, each in enumerate(configurations):
+        native_encode, triton_encode, native_decode, triton_decode = recorded[4 * i : 4 * i + 4]
+        assert native_encode == triton_encode, each["config"]
+        assert native_decode == triton_decode, each["config"]
+        for line, sizes in ((native_encode, each["sizes"][0]), (native_decode, each["sizes"][1])):
+            params = line.partition(" params ")[2].split()
+            assert [len(p) // 2 for p in params] == sizes, each["config"]
+
+
+@pytest.mark.slow
+def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(recording_driver, tmp_path):
+    # 8 x (Linear + GELU) at L1 through the recording driver: each compressed save of a replayed step is one launch to
+    # pack it (uniform codes or FewBit's bins) and one to unpack it, from the lane's C++ call; gactx's Python runs
+    # only a step's own calls (iterate(), the model's hook), under 2 a save.
+    got, _ = _launch(recording_driver, tmp_path, "native_lane.py")
+    assert got["problems"] == {}
+    assert got["native"] == got["cpu"], "the records of native launches differ from the C++ kernels'"
+    compressed = sum(r[4] for r in got["native"])
+    assert compressed == 16
+    names = [line.split(" function ")[1].split(":")[1] for line in got["launches"]]
+    packs = [n for n in names if n in ("_quantize_kernel", "_encode_bins_kernel")]
+    unpacks = [n for n in names if n in ("_dequantize_kernel", "_decode_table_kernel")]
+    assert len(packs) == compressed and len(packs) + len(unpacks) == len(names)
+    # the model's input, alive and unchanged at its backward, is read as it is: every other save decoded
+    assert len(unpacks) == compressed - 1
+    assert {n: names.count(n) for n in set(names)} == {
+        "_quantize_kernel": 8, "_dequantize_kernel": 7, "_encode_bins_kernel": 8, "_decode_table_kernel": 8,
+    }  # fmt: skip
+    assert got["loads"] == [], "a replayed step loads no kernel"
+    assert got["python_calls"] <= 2 * compressed, got["python_calls"]
+    assert got["alive_after"] == 0, "a handle outlived its backward"
+    assert got["report"] == "replayed saves on cpu: 16 of 16 packed by native launches"
+    assert got["unaligned"] == [False, True, True]  # an unaligned tensor goes the Python way (Triton's launcher)
 
 
 def test_native_launches_name_what_they_cannot_take():

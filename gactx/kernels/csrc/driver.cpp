@@ -6,6 +6,9 @@
 #include <dlfcn.h>
 #include <torch/python.h>
 
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -14,6 +17,8 @@
 #ifdef GACTX_CUDA_H
 #include <cuda.h>
 #endif
+
+#include "launch.h"
 
 namespace gactx {
 namespace py = pybind11;
@@ -48,6 +53,25 @@ const Driver& opened() {
 }  // namespace
 
 bool driver_built() { return true; }
+
+void* current_stream(const c10::Device& device) {
+  if (device.is_cpu()) return nullptr;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device).native_handle();
+}
+
+void launch_kernel(const Kernel& kernel, int64_t grid, void* stream, void** params, int count) {
+  const Driver& d = opened();
+  void* all[16];
+  TORCH_CHECK(count + kernel.scratch <= 16, "gactx: a launch of more than 16 parameters");
+  static uint64_t null_pointer = 0;
+  for (int i = 0; i < count; i++) all[i] = params[i];
+  for (int64_t i = 0; i < kernel.scratch; i++) all[count + i] = &null_pointer;
+  check(d.launch_kernel(reinterpret_cast<CUfunction>(kernel.function), static_cast<unsigned>(grid), 1, 1,
+                        static_cast<unsigned>(kernel.threads), 1, 1, static_cast<unsigned>(kernel.shared),
+                        reinterpret_cast<CUstream>(stream), all, nullptr),
+        "cuLaunchKernel");
+}
 
 // Opens `library` and resolves the entry points; "" on success, else what is missing.
 std::string open_driver(const std::string& library) {
@@ -118,6 +142,10 @@ void launch(int64_t function, int64_t grid_x, int64_t grid_y, int64_t grid_z, in
 #else
 
 bool driver_built() { return false; }
+void* current_stream(const c10::Device&) { return nullptr; }
+void launch_kernel(const Kernel&, int64_t, void*, void**, int) {
+  throw std::runtime_error("gactx: the CPU kernels were built without cuda.h: no native launches");
+}
 std::string open_driver(const std::string&) { return "built without cuda.h (no triton wheel at build time)"; }
 int64_t load_function(const py::bytes&, const std::string&, int64_t) {
   throw std::runtime_error("gactx: the CPU kernels were built without cuda.h: no native launches");

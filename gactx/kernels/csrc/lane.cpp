@@ -361,7 +361,7 @@ PyObject* Lane::take(PyObject* path, PyObject* obj) {
     throw py::error_already_set();
   }
   const auto* packer = native.cast<const Packer*>();
-  if (!t.is_contiguous() || !t.device().is_cpu()) return nullptr;  // what Packer::pack refuses
+  if (!packer->accepts(t)) return nullptr;  // what Packer::pack refuses
   // The record: a new storage, counted whole (stats.counted_range of a tensor that is no view, or a view of an op's
   // result), numbered next; the record repeated where its number and bytes are the same.
   PyObject* owner = obj;

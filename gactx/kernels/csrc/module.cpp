@@ -41,6 +41,36 @@ at::Tensor unpack_saved(const gactx::Saved& handle) {
   return out;
 }
 
+gactx::Kernel kernel_of(const std::tuple<int64_t, int64_t, int64_t, int64_t>& k) {
+  gactx::Kernel out;
+  std::tie(out.function, out.threads, out.shared, out.scratch) = k;
+  return out;
+}
+
+// Packer.launched (native.py): ``like`` gives the dtype and device; each kernel a (function, threads, shared,
+// scratch) tuple; grids as (programs, full).
+gactx::Packer launched_packer(int64_t bits, int64_t group, const at::Tensor& like,
+                              const std::tuple<int64_t, int64_t, int64_t, int64_t>& encode,
+                              const std::tuple<int64_t, int64_t, int64_t, int64_t>& decode,
+                              const std::tuple<int64_t, int64_t>& encode_grid,
+                              const std::tuple<int64_t, int64_t>& decode_grid, int64_t code_bytes, int64_t aux_offset,
+                              int64_t buffer_bytes, std::optional<at::Tensor> edges, std::optional<at::Tensor> table) {
+  gactx::Launches l;
+  l.encode = kernel_of(encode);
+  l.decode = kernel_of(decode);
+  l.n = like.numel();
+  std::tie(l.encode_grid, l.encode_full) = encode_grid;
+  std::tie(l.decode_grid, l.decode_full) = decode_grid;
+  l.wide = l.n >= (int64_t(1) << 31);
+  l.seeded = !edges.has_value();
+  l.code_bytes = code_bytes, l.aux_offset = aux_offset, l.buffer_bytes = buffer_bytes;
+  if (edges) l.edges = edges->contiguous();
+  if (table) l.table = table->contiguous();
+  l.dtype = like.scalar_type();
+  l.device = like.device();
+  return gactx::Packer::launched(bits, group, std::move(l));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -80,7 +110,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<gactx::Packer>(m, "Packer")
       .def_static("quantized", &gactx::Packer::quantized)
       .def_static("bins", &gactx::Packer::bins)
+      .def_static("launched", &launched_packer)
+      .def("accepts", &gactx::Packer::accepts)
+      .def_property_readonly("launching", [](const gactx::Packer& p) { return static_cast<bool>(p.launches); })
       .def("__call__", &gactx::Packer::pack);
+  m.def("current_stream", [](const at::Tensor& like) {
+    return reinterpret_cast<int64_t>(gactx::current_stream(like.device()));
+  });
   m.def("driver_built", &gactx::driver_built);
   m.def("open_driver", &gactx::open_driver);
   m.def("load_function", &gactx::load_function);

@@ -7,6 +7,8 @@
 #include "kernels.h"
 
 #include <ATen/ops/as_strided.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
 
 namespace gactx {
 
@@ -18,6 +20,52 @@ Saved::~Saved() { alive.fetch_sub(1, std::memory_order_relaxed); }
 namespace {
 
 inline int64_t version_of(const c10::TensorImpl& impl) { return impl.version_counter().current_version(); }
+
+// An int64 parameter, or an int32 one (Launches::wide): its slot holds the value either way.
+struct Size {
+  int64_t wide;
+  int32_t narrow;
+  Size(int64_t v) : wide(v), narrow(static_cast<int32_t>(v)) {}
+  void* at(bool is_wide) { return is_wide ? static_cast<void*>(&wide) : static_cast<void*>(&narrow); }
+};
+
+// The codes of ``t`` written by the encoding's launch into a new buffer (Launches).
+at::Tensor launched_encode(const Launches& l, const at::Tensor& t, int64_t seed) {
+  const c10::DeviceGuard guard(l.device);  // the device whose context loaded the kernels
+  at::Tensor buffer = at::empty({l.buffer_bytes}, t.options().dtype(at::kByte));
+  void* x = const_cast<void*>(t.const_data_ptr());
+  void* codes = buffer.data_ptr();
+  void* second = static_cast<uint8_t*>(codes) + l.aux_offset;
+  void* edges = l.seeded ? nullptr : l.edges.data_ptr();
+  Size n(l.n), full(l.encode_full);
+  int64_t seed_value = seed;
+  void* stream = current_stream(l.device);
+  if (l.seeded) {
+    void* params[] = {&x, &codes, &second, n.at(l.wide), &seed_value, full.at(false)};
+    launch_kernel(l.encode, l.encode_grid, stream, params, 6);
+  } else {
+    void* params[] = {&x, &edges, &codes, n.at(l.wide), full.at(false)};
+    launch_kernel(l.encode, l.encode_grid, stream, params, 5);
+  }
+  return buffer;
+}
+
+}  // namespace
+
+// The decoded tensor, contiguous of ``sizes``, written by the decoding's launch.
+at::Tensor launched_decode(const Launches& l, const at::Tensor& buffer, const std::vector<int64_t>& sizes) {
+  const c10::DeviceGuard guard(l.device);
+  at::Tensor out = at::empty(sizes, buffer.options().dtype(l.dtype));
+  void* codes = const_cast<void*>(buffer.const_data_ptr());
+  void* second = l.seeded ? static_cast<void*>(static_cast<uint8_t*>(codes) + l.aux_offset) : l.table.data_ptr();
+  void* target = out.data_ptr();
+  Size n(l.n), full(l.decode_full);
+  void* params[] = {&codes, &second, &target, n.at(l.wide), full.at(false)};
+  launch_kernel(l.decode, l.decode_grid, current_stream(l.device), params, 5);
+  return out;
+}
+
+namespace {
 
 // The tensor a weak pointer names, undefined where it was freed.
 inline at::Tensor lock(const WeakImpl& weak) {
@@ -44,11 +92,12 @@ at::Tensor Saved::unpack(at::Tensor& changed, int64_t& expected) const {
       o.storage().data() == storage) {
     return o.detach().as_strided(sizes, strides, offset);  // alive and unchanged: its own values
   }
+  if (launches) return launched_decode(*launches, data, sizes);
   if (group > 0) return dequantize(data, meta, sizes, dtype, bits, group);
   return decode_table(data, meta, sizes, bits);
 }
 
-int64_t Saved::nbytes() const { return int64_t(data.nbytes() + meta.nbytes()); }
+int64_t Saved::nbytes() const { return int64_t(data.nbytes() + (meta.defined() ? meta.nbytes() : 0)); }
 
 Packer Packer::quantized(int64_t bits, int64_t group, bool stochastic, double factor, double factor_special) {
   TORCH_CHECK(bits >= 1 && bits <= 8 && group >= 1 && group <= kMaxGroup);
@@ -70,10 +119,33 @@ Packer Packer::bins(at::Tensor edges, int64_t bits, at::Tensor table) {
   return p;
 }
 
+Packer Packer::launched(int64_t bits, int64_t group, Launches launches) {
+  TORCH_CHECK(bits >= 1 && bits <= 8 && launches.encode.function != 0 && launches.decode.function != 0 &&
+              launches.n > 0 && launches.buffer_bytes >= launches.code_bytes);
+  TORCH_CHECK(launches.seeded || (launches.edges.defined() && launches.table.defined()));
+  Packer p;
+  p.bits = bits;
+  p.group = group;
+  p.launches = std::make_shared<const Launches>(std::move(launches));
+  return p;
+}
+
+bool Packer::accepts(const at::Tensor& t) const {
+  if (!t.is_contiguous()) return false;
+  if (!launches) return t.device().is_cpu();
+  const Launches& l = *launches;
+  return t.device() == l.device && t.scalar_type() == l.dtype && t.numel() == l.n &&
+         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
 std::unique_ptr<Saved> Packer::pack(const at::Tensor& t, int64_t seed) const {
-  if (!t.is_contiguous() || !t.device().is_cpu()) return nullptr;
+  if (!accepts(t)) return nullptr;
   auto h = std::make_unique<Saved>();
-  if (group > 0) {
+  if (launches) {
+    h->data = launched_encode(*launches, t, seed);
+    if (!launches->seeded) h->meta = launches->table;  // counted as the C++ bins' handle counts it
+    h->launches = launches;
+  } else if (group > 0) {
     std::tie(h->data, h->meta) = quantize(t, bits, group, stochastic, seed, factor, factor_special);
   } else {
     h->data = encode_bins(t, edges, bits);

@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include "launch.h"
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -15,6 +17,24 @@ namespace gactx {
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 using StrongImpl = c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// The kernels of one replayed save's encoding and decoding where Triton compiled them and C++ launches them (a CUDA
+// tensor, or a CPU tensor under the recording driver of the tests): its size, dtype and device are the replay's, so
+// its grids are fixed. The encoding writes one buffer from torch's allocator: the codes, then (uniform codes) each
+// group's (lo, step) from ``aux_offset``. Parameters, as Triton's launcher passes them:
+//   uniform quantize (x, codes, meta, n, seed, full); FewBit's bins (x, edges, codes, n, full);
+//   either's decoding (codes, meta or table, out, n, full).
+// ``n`` is int32 below 2**31 elements, int64 from there (``wide``), as Triton types an integer by its value; ``full``
+// (fewer than 2**31 programs) int32; the seed int64.
+struct Launches {
+  Kernel encode, decode;
+  int64_t n = 0, encode_grid = 0, encode_full = 0, decode_grid = 0, decode_full = 0;
+  bool wide = false, seeded = true;  // seeded: uniform codes; else FewBit's bins
+  int64_t code_bytes = 0, aux_offset = 0, buffer_bytes = 0;
+  at::Tensor edges, table;  // FewBit's bins: on the device
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device{c10::kCPU};
+};
 
 // What a save stored and how to read it back: the saved tensor's version counter as autograd checks it, and the saved
 // tensor itself while something else keeps it alive and unchanged (then backward reads its exact values).
@@ -30,6 +50,7 @@ struct Saved {
   int64_t owner_version = 0;  // its owner's, at the save
   bool through_base = false;
   const void* storage = nullptr;  // the owner's storage at the save
+  std::shared_ptr<const Launches> launches;  // decoded by a launch (data: the buffer Launches describes)
 
   Saved();
   ~Saved();
@@ -51,9 +72,14 @@ struct Packer {
   bool stochastic = true;
   double factor = 0.0, factor_special = 0.0;
   at::Tensor edges, table;  // bins
+  std::shared_ptr<const Launches> launches;  // encoded and decoded by launches of Triton's kernels
 
   static Packer quantized(int64_t bits, int64_t group, bool stochastic, double factor, double factor_special);
   static Packer bins(at::Tensor edges, int64_t bits, at::Tensor table);
+  static Packer launched(int64_t bits, int64_t group, Launches launches);
+  // Whether ``pack`` stores ``t`` (else the caller's path does): contiguous, on the packer's device, and for launches
+  // of its size and dtype, its data 16-byte aligned (as the kernels were compiled).
+  bool accepts(const at::Tensor& t) const;
   std::unique_ptr<Saved> pack(const at::Tensor& t, int64_t seed) const;
 };
 
