@@ -57,7 +57,7 @@ from gactx.controller.identity import Key, ModuleTracker, passes_saves_on
 from gactx.controller.plan import GraphSlot
 from gactx.controller.policy import value_reason
 from gactx.controller.stats import KeyRecord
-from gactx.kernels import cpu, traced
+from gactx.kernels import cpu, native, traced
 from gactx.kernels.format import FLOAT_DTYPES, expected_nbytes
 from gactx.kernels.schemes.uniform import traced as uniform
 
@@ -261,11 +261,13 @@ class CompiledPath:
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
         cfg = self.config
         cpp = t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available()
-        follows = (cpp or not save.compressed) and self._follows(token, t, ctx["_fw_graph"])
+        launches, gpu_ops = self._launches(t, save)
+        ops = cpp or gpu_ops
+        follows = (ops or not save.compressed) and self._follows(token, t, ctx["_fw_graph"])
         if follows and not save.compressed:
             return t  # recorded with its graph's first save (_follows): no op, nothing beside it
-        if cpp:
-            return self._pack_cpp(t, token, save, logged=not follows)
+        if ops:
+            return self._pack_cpp(t, token, save, logged=not follows, launches=launches)
         # The count comes before the tensors: AOTAutograd adds the backward graph's inputs for a save before the
         # one it already has, which is the saved tensor itself where the hook returns it.
         if not save.compressed:
@@ -313,8 +315,25 @@ class CompiledPath:
         self.saves[token].extra = 0
         return True
 
-    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, logged: bool):
-        """A CPU tensor's save by the C++ ops, which the graph calls with no Python: each returns one tensor, and logs
+    def _launches(self, t: torch.Tensor, save: GraphSave):
+        """``(packer, ops)``: where native launches serve ``t`` (a GPU's tensor; a CPU's under ``native.recording``),
+        the C++ ops take its save (``ops``): a compressed float save of a static shape stored by the packer's launches
+        (``native.quantize_packer``), a kept one by its marker. Else ``(None, False)``: the Python ops take it."""
+        cfg = self.config
+        if cfg.backend not in ("auto", "triton") or not cpu.available():
+            return None, False
+        if native.why_not(t):  # its device read, nothing traced
+            return None, False
+        if not save.compressed:
+            return None, t.device.type != "cpu"
+        if t.dtype not in FLOAT_DTYPES or not all(type(s) is int for s in t.shape):
+            return None, False
+        packer = native.quantize_packer(t, save.bits, cfg.group_size, cfg.stochastic, n=math.prod(t.shape))
+        return packer, packer is not None
+
+    def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, logged: bool, launches=None):
+        """A CPU tensor's save by the C++ ops, which the graph calls with no Python (a GPU's where native launches serve
+        it, ``launches`` the packer whose kernels store a compressed one): each returns one tensor, and logs
         that it ran and when the graph released it under ``token`` where ``logged`` (else a follower, logged by its
         lead); the controller reads the log when it next looks at its passes (:meth:`drain`). A compressed save's ops
         take its token, under which what it stores by is registered now (``cpu.register_saved``): each argument costs
@@ -330,7 +349,7 @@ class CompiledPath:
         if t.dtype == torch.bool:
             return (CPP_BOOL, ops.pack_bool_saved(t, token if logged else -1), tuple(t.shape))
         static = cpu.register_saved(token, save.bits, cfg.group_size, cfg.stochastic, _salt(cfg.seed, token), logged,
-                                    FLOAT_DTYPES.index(t.dtype), t.shape)  # fmt: skip
+                                    FLOAT_DTYPES.index(t.dtype), t.shape, launches)  # fmt: skip
         return (CPP, ops.quantize_saved(t, token), token, None if static else tuple(t.shape))
 
     def unpack(self, packed):

@@ -34,7 +34,7 @@ from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Packed
-from gactx.kernels import native
+from gactx.kernels import cpu, native
 
 __all__ = ["Controller", "Packed"]
 
@@ -430,16 +430,20 @@ class Controller:
     def _launch_line(self) -> str:
         """How the replayed saves of GPU tensors were packed: by native launches (``gactx.kernels.native``: C++ through
         the CUDA driver) or through Triton's launcher, and why not natively; "" where none was on a GPU."""
+        lines = []
         replays = [r for r in self._path.replays.values() if r.device.type != "cpu" or r.launched]
-        if not replays:
-            return ""
-        launched = sum(r.launched for r in replays)
-        line = f"replayed saves on {replays[0].device.type}: {launched} of {len(replays)} packed by native launches"
-        if launched < len(replays):
-            first = next(r for r in replays if not r.launched)
-            why = native.why_not(torch.empty(0, device=first.device)) or "not for their stored form"
-            line += f"; the others through Triton's launcher ({why})"
-        return line
+        if replays:
+            launched = sum(r.launched for r in replays)
+            line = f"replayed saves on {replays[0].device.type}: {launched} of {len(replays)} packed by native launches"
+            if launched < len(replays):
+                first = next(r for r in replays if not r.launched)
+                why = native.why_not(torch.empty(0, device=first.device)) or "not for their stored form"
+                line += f"; the others through Triton's launcher ({why})"
+            lines.append(line)
+        graph = sum(token in cpu._launched for token in self._compiled.saves)
+        if graph:
+            lines.append(f"compiled graphs' saves stored by native launches: {graph}")
+        return "\n".join(lines)
 
     # -- hooks ----------------------------------------------------------------------------------------------
 

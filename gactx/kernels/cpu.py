@@ -115,6 +115,8 @@ def _register_fakes() -> None:
 
     def quantize_saved(t, token):
         bits, group, _, _ = _saved[token]
+        if token in _launched:  # codes, then each group's (lo, step) from a 16-byte aligned offset
+            return stored(t, _launched[token])
         return stored(t, expected_nbytes(t.numel(), t.dtype, bits, group))  # codes, then each group's (lo, step)
 
     def dequantize_saved(buffer, token):
@@ -187,18 +189,27 @@ def _register_codegen() -> bool:
 _saved: dict[int, tuple[int, int, tuple[int, ...] | None, int]] = {}
 
 
+_launched: dict[int, int] = {}  # token -> the bytes its native launches store (register_saved's ``launches``)
+
+
 def register_saved(
-    token: int, bits: int, group_size: int, stochastic: bool, salt: int, logged: bool, dtype: int, shape
-) -> bool:
+    token: int, bits: int, group_size: int, stochastic: bool, salt: int, logged: bool, dtype: int, shape,
+    launches=None,
+) -> bool:  # fmt: skip
     """Register what the compressed save of a compiled graph under ``token`` stores by, for the ops that take its
     token alone (``gactx_cpu::quantize_saved(t, token)``, ``dequantize_saved(stored, token)``; of a dynamic shape
     ``dequantize_shaped(stored, token, shape)``): the width, group size, rounding, the noise's salt, whether it logs
-    its own entry (``logged``), the dtype's index in ``FLOAT_DTYPES`` and ``shape`` (sizes, or symbolic ones). Whether
-    the shape is static: then ``dequantize_saved`` decodes into it."""
+    its own entry (``logged``), the dtype's index in ``FLOAT_DTYPES`` and ``shape`` (sizes, or symbolic ones), and
+    ``launches``, a packer of native launches for its size (a GPU's save: ``native.quantize_packer``) whose kernels
+    then store it. Whether the shape is static: then ``dequantize_saved`` decodes into it."""
     static = all(type(s) is int for s in shape)
     sizes = [int(s) for s in shape] if static else []
     built.register_saved(token, bits, group_size, stochastic, salt, logged, dtype, sizes)
     _saved[token] = (bits, group_size, tuple(sizes) if static else None, dtype)
+    _launched.pop(token, None)
+    if launches is not None:  # a packer of native launches (native.quantize_packer): its kernels store the save
+        built.register_launches(token, launches)
+        _launched[token] = launches.buffer_bytes
     return static
 
 

@@ -98,13 +98,13 @@ def unavailable() -> str:
 
 def why_not(like: torch.Tensor) -> str:
     """Why replayed saves like ``like`` are not packed by native launches ("" where they are)."""
-    if like.is_cpu and _recording is None:
+    kind = like.device.type  # (a fake tensor's device, while a graph is traced)
+    if kind == "cpu" and _recording is None:
         return "a CPU tensor (the C++ kernels serve it)"
-    if not like.is_cpu and not like.is_cuda:
-        return f"a {like.device.type} tensor"
-    return (
-        unavailable() or _driver_problem(_recording if like.is_cpu else "libcuda.so.1") or _stream_problem(like.device)
-    )
+    if kind not in ("cpu", "cuda"):
+        return f"a {kind} tensor"
+    library = _recording if kind == "cpu" else "libcuda.so.1"
+    return unavailable() or _driver_problem(library) or _stream_problem(like.device)
 
 
 @functools.cache
@@ -113,7 +113,7 @@ def _stream_problem(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
     try:
-        ours = cpu.built.current_stream(torch.empty(0, device=device))
+        ours = cpu.built.current_stream(device)
     except RuntimeError as e:
         return f"torch's current stream cannot be read from C++ ({e})"
     theirs = torch.cuda.current_stream(device).cuda_stream
@@ -149,7 +149,7 @@ def recording(library: str) -> Iterator[None]:
 def _target(like: torch.Tensor):
     from triton.backends.compiler import GPUTarget
 
-    if like.is_cpu:
+    if like.device.type == "cpu":
         return GPUTarget("cuda", 90, 32)  # recording(): what an H100 compiles
     major, minor = torch.cuda.get_device_capability(like.device)
     return GPUTarget("cuda", major * 10 + minor, 32)
@@ -196,19 +196,22 @@ def _spec(family: str, dtype: torch.dtype, wide: bool, meta: tuple):
                       wide="")  # fmt: skip
 
 
-def _packable(like: torch.Tensor) -> bool:
-    return like.dtype in (torch.float32, torch.float16, torch.bfloat16) and like.numel() > 0 and not why_not(like)
+def _packable(like: torch.Tensor, n: int) -> bool:
+    return like.dtype in (torch.float32, torch.float16, torch.bfloat16) and n > 0 and not why_not(like)
 
 
-def quantize_packer(like: torch.Tensor, bits: int, group_size: int, stochastic: bool):
-    """The packer of replayed saves like ``like`` (its size, dtype and device) stored as the uniform scheme's codes by
-    native launches (``csrc/saved.h``, ``Launches``), or ``None`` where they cannot serve (:func:`why_not`)."""
-    if bits not in (1, 2, 4, 8) or not _packable(like):
+def quantize_packer(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, n: int | None = None):
+    """The packer of replayed saves like ``like`` (its size, dtype and device; ``n`` elements where given) stored as
+    the uniform scheme's codes by native launches (``csrc/saved.h``, ``Launches``), or ``None`` where they cannot serve
+    (:func:`why_not`). A compiled graph's save registers one (``cpu.register_saved``): its ``like`` is the fake tensor
+    being traced, of which only the dtype and device are read."""
+    n = like.numel() if n is None else n
+    if bits not in (1, 2, 4, 8) or not _packable(like, n):
         return None
     from gactx.kernels.schemes.uniform.dequantize import dequantize_launch
     from gactx.kernels.schemes.uniform.quantize import quantize_launch
 
-    n, wide = like.numel(), like.numel() >= 2**31
+    wide = n >= 2**31
     q_programs, q_full, q_meta = quantize_launch(n, like.dtype, bits, group_size, stochastic)
     d_programs, d_full, d_meta = dequantize_launch(n, like.dtype, bits, group_size)
     groups = -(-n // group_size)
@@ -222,15 +225,15 @@ def quantize_packer(like: torch.Tensor, bits: int, group_size: int, stochastic: 
         _problem[f"quantize:{bits}:{group_size}"] = str(e)
         return None
     return cpu.built.Packer.launched(
-        bits, group_size, like, encode, decode, (q_programs, q_full), (d_programs, d_full), code_bytes, offset,
-        offset + groups * 8, None, None,
+        bits, group_size, like.dtype, like.device, n, encode, decode, (q_programs, q_full), (d_programs, d_full),
+        code_bytes, offset, offset + groups * 8, None, None,
     )  # fmt: skip
 
 
 def bins_packer(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor):
     """The packer of replayed saves like ``like`` stored as FewBit's bins among ``edges`` (decoded as ``table``) by
     native launches, or ``None`` where they cannot serve."""
-    if bits not in (2, 4, 8) or not _packable(like) or table.dtype != like.dtype:
+    if bits not in (2, 4, 8) or not _packable(like, like.numel()) or table.dtype != like.dtype:
         return None
     from gactx.kernels.tables import decode_table_launch, encode_bins_launch
 
@@ -247,6 +250,6 @@ def bins_packer(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch
         _problem[f"bins:{bits}"] = str(e)
         return None
     return cpu.built.Packer.launched(
-        bits, 0, like, encode, decode, (e_programs, e_full), (d_programs, d_full), code_bytes, code_bytes,
-        code_bytes, edges, table.contiguous(),
+        bits, 0, like.dtype, like.device, n, encode, decode, (e_programs, e_full), (d_programs, d_full), code_bytes,
+        code_bytes, code_bytes, edges, table.contiguous(),
     )  # fmt: skip

@@ -116,6 +116,11 @@ def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(r
     assert got["python_calls"] <= 2 * compressed, got["python_calls"]
     assert got["alive_after"] == 0, "a handle outlived its backward"
     assert got["report"] == "replayed saves on cpu: 16 of 16 packed by native launches"
+    # compiled: the graphs' saves by the C++ ops, each one launch a way; a step's own Python only
+    graph = got["compiled"]
+    assert graph["compressed"] == 16 and graph["report"] == "compiled graphs' saves stored by native launches: 16"
+    assert sorted(graph["launches"]) == ["_dequantize_kernel"] * 16 + ["_quantize_kernel"] * 16
+    assert graph["python_calls"] <= 2 * graph["compressed"], graph["python_calls"]
     assert got["unaligned"] == [False, True, True]  # an unaligned tensor goes the Python way (Triton's launcher)
 
 

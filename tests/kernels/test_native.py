@@ -77,6 +77,28 @@ def test_a_model_on_a_gpu_gets_the_same_gradients_by_native_launches_and_by_trit
     assert "through Triton's launcher (native.ENABLED is False)" in other, other
 
 
+@cuda
+def test_a_compiled_model_on_a_gpu_stores_its_saves_by_native_launches(monkeypatch):
+    torch.manual_seed(0)
+    width = 256
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
+    model = model.cuda()
+    x = torch.randn(64, width, device="cuda")
+    model(x).square().mean().backward()
+    plain = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    controller = gactx.Controller(model, level="L1.1")
+    forward = torch.compile(model)
+    with controller:
+        for _ in range(2):
+            forward(x).square().mean().backward()
+            got = torch.cat([p.grad.flatten() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+            controller.iterate()
+    assert torch.nn.functional.cosine_similarity(got, plain, dim=0) > 0.999
+    assert "compiled graphs' saves stored by native launches" in controller.report(), controller.report()
+
+
 def test_what_cannot_take_native_launches_says_why():
     assert native.why_not(torch.empty(3)) == "a CPU tensor (the C++ kernels serve it)"
     assert native.quantize_packer(torch.empty(3), 4, 256, True) is None

@@ -14,8 +14,11 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "saved.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -41,6 +44,15 @@ struct SaveSpec {
 };
 std::mutex spec_mutex;
 std::unordered_map<int64_t, std::shared_ptr<const SaveSpec>> specs;  // registered again: replaced, never changed
+// A save whose codes Triton's kernels write, launched from C++ (a CUDA tensor; a CPU one under native.recording):
+// its launches for the registered size, by token (register_launches).
+std::unordered_map<int64_t, std::shared_ptr<const Launches>> launched;
+
+std::shared_ptr<const Launches> launches_of(int64_t token) {
+  std::lock_guard<std::mutex> lock(spec_mutex);
+  auto found = launched.find(token);
+  return found == launched.end() ? nullptr : found->second;
+}
 
 std::shared_ptr<const SaveSpec> spec_of(int64_t token) {
   std::lock_guard<std::mutex> lock(spec_mutex);
@@ -71,18 +83,24 @@ void release_logged(void* context) {
   log_event(2, token, {});
 }
 
-// ``nbytes`` bytes (at least one) for the save of ``t`` under ``token``: the save is logged now, its release when the
-// buffer is freed. A negative token: a save recorded with its graph's first (compiled.py's followers), not logged.
+// ``nbytes`` bytes (at least one) on ``t``'s device for the save of ``t`` under ``token``, from the device's allocator
+// (torch's caching allocator on a GPU): the save is logged now, its release when the buffer is freed. A negative token:
+// a save recorded with its graph's first (compiled.py's followers), not logged.
 at::Tensor logged_buffer(const at::Tensor& t, int64_t token, int64_t nbytes) {
   nbytes = std::max<int64_t>(nbytes, 1);
-  if (token < 0) return cpu_empty({nbytes}, at::kByte);
-  c10::DataPtr inner = c10::GetCPUAllocator()->allocate(nbytes);
+  const c10::Device device = t.device();
+  if (token < 0) return device.is_cpu() ? cpu_empty({nbytes}, at::kByte) : at::empty({nbytes}, t.options().dtype(at::kByte));
+  const c10::DeviceGuard guard(device);
+  c10::Allocator* allocator = device.is_cpu() ? c10::GetCPUAllocator() : c10::GetAllocator(device.type());
+  c10::DataPtr inner = allocator->allocate(nbytes);
   void* data = inner.get();
+  const c10::Device at = inner.device();
   auto* logged = new Logged{std::move(inner), token};
-  c10::DataPtr outer(data, logged, &release_logged, c10::Device(c10::kCPU));
+  c10::DataPtr outer(data, logged, &release_logged, at);
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(outer), nullptr, false);
-  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<uint8_t>());
+  const auto key = c10::computeDispatchKey(at::kByte, at::kStrided, at);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                            caffe2::TypeMeta::Make<uint8_t>());
   out.unsafeGetTensorImpl()->set_sizes_contiguous({nbytes});
   log_event(0, token, t.sizes());
   return out;
@@ -116,10 +134,26 @@ void register_saved(int64_t token, int64_t bits, int64_t group, bool stochastic,
   specs[token] = std::move(spec);
 }
 
-// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group.
+void register_launches(int64_t token, const Packer& packer) {
+  TORCH_CHECK(packer.launches, "gactx: register_launches takes a packer of native launches");
+  std::lock_guard<std::mutex> lock(spec_mutex);
+  launched[token] = packer.launches;
+}
+
+// Codes then the groups' (lo, step) in one buffer: ``code_bytes`` bytes, a multiple of 4, then 8 bytes a group; where
+// the token's save is launched, the groups' from the launches' 16-byte aligned offset.
 at::Tensor quantize_saved(const at::Tensor& t, int64_t token) {
   const auto found = spec_of(token);
   const SaveSpec& spec = *found;
+  if (const auto l = launches_of(token)) {
+    at::Tensor x = t.is_contiguous() ? t : t.contiguous();
+    if (reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) x = x.clone();  // as the kernels were compiled
+    TORCH_CHECK(x.numel() == l->n && x.scalar_type() == l->dtype, "gactx: a compiled graph's save of ", x.numel(),
+                " elements, registered for ", l->n);
+    at::Tensor out = logged_buffer(t, spec.logged ? token : -1, l->buffer_bytes);
+    launch_encode(*l, x, out.data_ptr(), spec.stochastic ? next_seed(spec.salt) : 0);
+    return out;
+  }
   const at::Tensor x = t.is_contiguous() ? t : t.contiguous();  // the kernel reads the elements in order, any shape
   const int64_t n = x.numel(), groups = (n + spec.group - 1) / spec.group;
   const int64_t codes = code_bytes(n, spec.bits, spec.group);
@@ -131,8 +165,13 @@ at::Tensor quantize_saved(const at::Tensor& t, int64_t token) {
   return out;
 }
 
-at::Tensor dequantize_in(const at::Tensor& stored, const SaveSpec& spec, at::IntArrayRef shape) {
+at::Tensor dequantize_in(const at::Tensor& stored, int64_t token, const SaveSpec& spec, at::IntArrayRef shape) {
   TORCH_CHECK(stored.is_contiguous() && stored.scalar_type() == at::kByte);
+  if (const auto l = launches_of(token)) {
+    at::Tensor out = at::empty(shape, stored.options().dtype(l->dtype));
+    launch_decode(*l, stored.const_data_ptr(), out);
+    return out;
+  }
   at::Tensor out = cpu_empty(shape, kFloatDtypes[spec.dtype]);
   const uint8_t* data = stored.data_ptr<uint8_t>();
   const int64_t codes = code_bytes(out.numel(), spec.bits, spec.group);
@@ -144,13 +183,13 @@ at::Tensor dequantize_in(const at::Tensor& stored, const SaveSpec& spec, at::Int
 // of its own).
 at::Tensor dequantize_saved(const at::Tensor& stored, int64_t token) {
   const auto spec = spec_of(token);
-  return dequantize_in(stored, *spec, spec->sizes);
+  return dequantize_in(stored, token, *spec, spec->sizes);
 }
 
 // The same for a save of a dynamic shape, given as the graph runs it. (SymInt[]: what a graph with dynamic shapes
 // passes; Inductor's C++ wrapper boxes it as a list of SymInts.)
 at::Tensor dequantize_shaped(const at::Tensor& stored, int64_t token, c10::SymIntArrayRef shape) {
-  return dequantize_in(stored, *spec_of(token), C10_AS_INTARRAYREF_SLOW(shape));
+  return dequantize_in(stored, token, *spec_of(token), C10_AS_INTARRAYREF_SLOW(shape));
 }
 
 at::Tensor pack_bool_saved(const at::Tensor& t, int64_t token) {
@@ -180,12 +219,14 @@ std::vector<int64_t> drain_log() {
 
 TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
-  m.def("quantize_saved(Tensor t, int token) -> Tensor", flexible);
+  // A GPU's quantize draws its seed on the host (next_seed): a graph captured by CUDA graphs would replay one seed, so
+  // Inductor keeps the op out of captured regions.
+  m.def("quantize_saved(Tensor t, int token) -> Tensor", {at::Tag::flexible_layout, at::Tag::cudagraph_unsafe});
   m.def("dequantize_saved(Tensor stored, int token) -> Tensor");
   m.def("dequantize_shaped(Tensor stored, int token, SymInt[] shape) -> Tensor");
   m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("unpack_bool_saved(Tensor packed, SymInt[] shape) -> Tensor");
-  m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
+  m.def("keep_saved(Tensor t, int token) -> Tensor", {at::Tag::flexible_layout, at::Tag::cudagraph_unsafe});
 }
 
 TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
@@ -194,6 +235,14 @@ TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {
   m.impl("dequantize_shaped", &gactx::dequantize_shaped);
   m.impl("pack_bool_saved", &gactx::pack_bool_saved);
   m.impl("unpack_bool_saved", &gactx::unpack_bool_saved);
+  m.impl("keep_saved", &gactx::keep_saved);
+}
+
+// On a GPU: the saves registered with launches (register_launches), and the kept saves' markers.
+TORCH_LIBRARY_IMPL(gactx_cpu, CUDA, m) {
+  m.impl("quantize_saved", &gactx::quantize_saved);
+  m.impl("dequantize_saved", &gactx::dequantize_saved);
+  m.impl("dequantize_shaped", &gactx::dequantize_shaped);
   m.impl("keep_saved", &gactx::keep_saved);
 }
 

@@ -64,6 +64,9 @@ void unpack_bool(at::Tensor packed, at::Tensor mask);
 std::vector<int64_t> drain_log();
 void register_saved(int64_t token, int64_t bits, int64_t group, bool stochastic, int64_t salt, bool logged,
                     int64_t dtype, std::vector<int64_t> sizes);
+// The save under ``token`` stored by native launches (a Packer's, ``native.quantize_packer``) instead of the C++ kernel.
+struct Packer;
+void register_launches(int64_t token, const Packer& packer);
 // The ops of compiled graphs (graph_ops.cpp), bound to Python as well: the calls Inductor's Python wrapper makes of
 // them (cpu.py's codegen), past the dispatcher.
 at::Tensor quantize_saved(const at::Tensor& t, int64_t token);

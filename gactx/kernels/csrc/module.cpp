@@ -47,9 +47,9 @@ gactx::Kernel kernel_of(const std::tuple<int64_t, int64_t, int64_t, int64_t>& k)
   return out;
 }
 
-// Packer.launched (native.py): ``like`` gives the dtype and device; each kernel a (function, threads, shared,
+// Packer.launched (native.py): the saves' dtype, device and size; each kernel a (function, threads, shared,
 // scratch) tuple; grids as (programs, full).
-gactx::Packer launched_packer(int64_t bits, int64_t group, const at::Tensor& like,
+gactx::Packer launched_packer(int64_t bits, int64_t group, at::ScalarType dtype, at::Device device, int64_t n,
                               const std::tuple<int64_t, int64_t, int64_t, int64_t>& encode,
                               const std::tuple<int64_t, int64_t, int64_t, int64_t>& decode,
                               const std::tuple<int64_t, int64_t>& encode_grid,
@@ -58,7 +58,7 @@ gactx::Packer launched_packer(int64_t bits, int64_t group, const at::Tensor& lik
   gactx::Launches l;
   l.encode = kernel_of(encode);
   l.decode = kernel_of(decode);
-  l.n = like.numel();
+  l.n = n;
   std::tie(l.encode_grid, l.encode_full) = encode_grid;
   std::tie(l.decode_grid, l.decode_full) = decode_grid;
   l.wide = l.n >= (int64_t(1) << 31);
@@ -66,8 +66,8 @@ gactx::Packer launched_packer(int64_t bits, int64_t group, const at::Tensor& lik
   l.code_bytes = code_bytes, l.aux_offset = aux_offset, l.buffer_bytes = buffer_bytes;
   if (edges) l.edges = edges->contiguous();
   if (table) l.table = table->contiguous();
-  l.dtype = like.scalar_type();
-  l.device = like.device();
+  l.dtype = dtype;
+  l.device = device;
   return gactx::Packer::launched(bits, group, std::move(l));
 }
 
@@ -91,6 +91,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_bool", &gactx::unpack_bool);
   m.def("drain_log", &gactx::drain_log);
   m.def("register_saved", &gactx::register_saved);
+  m.def("register_launches", &gactx::register_launches);
   // The compiled graphs' ops as Inductor's Python wrapper calls them (cpu.DIRECT): without the GIL while they run, as
   // through the dispatcher.
   const auto no_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
@@ -113,10 +114,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("launched", &launched_packer)
       .def("accepts", &gactx::Packer::accepts)
       .def_property_readonly("launching", [](const gactx::Packer& p) { return static_cast<bool>(p.launches); })
+      .def_property_readonly("buffer_bytes",
+                             [](const gactx::Packer& p) { return p.launches ? p.launches->buffer_bytes : int64_t(0); })
       .def("__call__", &gactx::Packer::pack);
-  m.def("current_stream", [](const at::Tensor& like) {
-    return reinterpret_cast<int64_t>(gactx::current_stream(like.device()));
-  });
+  m.def("current_stream", [](at::Device device) { return reinterpret_cast<int64_t>(gactx::current_stream(device)); });
   m.def("driver_built", &gactx::driver_built);
   m.def("open_driver", &gactx::open_driver);
   m.def("load_function", &gactx::load_function);

@@ -29,39 +29,40 @@ struct Size {
   void* at(bool is_wide) { return is_wide ? static_cast<void*>(&wide) : static_cast<void*>(&narrow); }
 };
 
-// The codes of ``t`` written by the encoding's launch into a new buffer (Launches).
-at::Tensor launched_encode(const Launches& l, const at::Tensor& t, int64_t seed) {
+}  // namespace
+
+void launch_encode(const Launches& l, const at::Tensor& x, void* buffer, int64_t seed) {
   const c10::DeviceGuard guard(l.device);  // the device whose context loaded the kernels
-  at::Tensor buffer = at::empty({l.buffer_bytes}, t.options().dtype(at::kByte));
-  void* x = const_cast<void*>(t.const_data_ptr());
-  void* codes = buffer.data_ptr();
+  void* in = const_cast<void*>(x.const_data_ptr());
+  void* codes = buffer;
   void* second = static_cast<uint8_t*>(codes) + l.aux_offset;
   void* edges = l.seeded ? nullptr : l.edges.data_ptr();
   Size n(l.n), full(l.encode_full);
   int64_t seed_value = seed;
   void* stream = current_stream(l.device);
   if (l.seeded) {
-    void* params[] = {&x, &codes, &second, n.at(l.wide), &seed_value, full.at(false)};
+    void* params[] = {&in, &codes, &second, n.at(l.wide), &seed_value, full.at(false)};
     launch_kernel(l.encode, l.encode_grid, stream, params, 6);
   } else {
-    void* params[] = {&x, &edges, &codes, n.at(l.wide), full.at(false)};
+    void* params[] = {&in, &edges, &codes, n.at(l.wide), full.at(false)};
     launch_kernel(l.encode, l.encode_grid, stream, params, 5);
   }
-  return buffer;
 }
 
-}  // namespace
-
-// The decoded tensor, contiguous of ``sizes``, written by the decoding's launch.
-at::Tensor launched_decode(const Launches& l, const at::Tensor& buffer, const std::vector<int64_t>& sizes) {
+void launch_decode(const Launches& l, const void* buffer, at::Tensor& out) {
   const c10::DeviceGuard guard(l.device);
-  at::Tensor out = at::empty(sizes, buffer.options().dtype(l.dtype));
-  void* codes = const_cast<void*>(buffer.const_data_ptr());
+  void* codes = const_cast<void*>(buffer);
   void* second = l.seeded ? static_cast<void*>(static_cast<uint8_t*>(codes) + l.aux_offset) : l.table.data_ptr();
   void* target = out.data_ptr();
   Size n(l.n), full(l.decode_full);
   void* params[] = {&codes, &second, &target, n.at(l.wide), full.at(false)};
   launch_kernel(l.decode, l.decode_grid, current_stream(l.device), params, 5);
+}
+
+// The decoded tensor, contiguous of ``sizes``, written by the decoding's launch.
+at::Tensor launched_decode(const Launches& l, const at::Tensor& buffer, const std::vector<int64_t>& sizes) {
+  at::Tensor out = at::empty(sizes, buffer.options().dtype(l.dtype));
+  launch_decode(l, buffer.const_data_ptr(), out);
   return out;
 }
 
@@ -142,7 +143,8 @@ std::unique_ptr<Saved> Packer::pack(const at::Tensor& t, int64_t seed) const {
   if (!accepts(t)) return nullptr;
   auto h = std::make_unique<Saved>();
   if (launches) {
-    h->data = launched_encode(*launches, t, seed);
+    h->data = at::empty({launches->buffer_bytes}, t.options().dtype(at::kByte));
+    launch_encode(*launches, t, h->data.data_ptr(), seed);
     if (!launches->seeded) h->meta = launches->table;  // counted as the C++ bins' handle counts it
     h->launches = launches;
   } else if (group > 0) {

@@ -36,6 +36,11 @@ struct Launches {
   c10::Device device{c10::kCPU};
 };
 
+// The encoding's launch of ``x`` (contiguous, ``n`` elements, 16-byte aligned) into ``buffer`` (``buffer_bytes``),
+// and the decoding's of ``buffer`` into ``out`` (contiguous, new): on torch's current stream of ``l.device``.
+void launch_encode(const Launches& l, const at::Tensor& x, void* buffer, int64_t seed);
+void launch_decode(const Launches& l, const void* buffer, at::Tensor& out);
+
 // What a save stored and how to read it back: the saved tensor's version counter as autograd checks it, and the saved
 // tensor itself while something else keeps it alive and unchanged (then backward reads its exact values).
 struct Saved {
