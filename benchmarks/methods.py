@@ -2,6 +2,16 @@
 checkpointing (the model's own where it has one, else per block), checkpointing with a gactx level
 (``"checkpoint+L1"``), and ``torch.autograd.graph.save_on_cpu``; each optionally under bf16 autocast.
 
+Checkpointing as users run it, in three forms (all non-reentrant ``torch.utils.checkpoint``):
+
+- ``checkpoint``: the model's own where it has one (Hugging Face's ``gradient_checkpointing_enable``, with
+  ``use_reentrant=False``), else every block with torch's defaults;
+- ``checkpoint-fast``: every block, with what torch offers to make it cheaper and still right: no check of the
+  recomputed tensors' metadata (``determinism_check="none"``), and where the model has no dropout to draw again
+  (the workloads draw no other random numbers), no RNG state saved and restored (``preserve_rng_state=False``);
+- ``checkpoint-selective``: every block under a selective policy (``create_selective_checkpoint_contexts``): the
+  results of matrix products, convolutions and fused attention kept, everything else recomputed.
+
 A :class:`Method` wraps one workload for one run: ``with method.forward():`` around the forward pass
 (backward runs outside, as autocast wants), then ``method.after_step()`` after the optimizer step
 (gactx's ``iterate``).
@@ -18,10 +28,18 @@ from torch.utils.checkpoint import checkpoint
 
 import gactx
 
-__all__ = ["METHODS", "GACTX_LEVELS", "COMPILABLE", "Method", "method_names", "sub_batch"]
+__all__ = ["CHECKPOINT_FORMS", "METHODS", "GACTX_LEVELS", "COMPILABLE", "Method", "method_names", "sub_batch"]
 
 GACTX_LEVELS = ("L1", "L1.2", "L2", "L2.2", "L3")
-METHODS = ("fp", *GACTX_LEVELS, "checkpoint", "save_on_cpu")
+CHECKPOINT_FORMS = ("checkpoint", "checkpoint-fast", "checkpoint-selective")
+METHODS = ("fp", *GACTX_LEVELS, *CHECKPOINT_FORMS, "save_on_cpu")
+# The ops whose results checkpoint-selective keeps: the costly ones to recompute.
+_KEPT_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name)
+)  # fmt: skip
 COMPILABLE = ("fp", "L1", "L1.2", "L2", "L2.2")  # methods the models benchmark also runs compiled
 PROBE_SAMPLES = 8  # the estimator's closure runs on this many samples of the batch
 
@@ -29,6 +47,21 @@ PROBE_SAMPLES = 8  # the estimator's closure runs on this many samples of the ba
 def method_names() -> tuple[str, ...]:
     """Every name :class:`Method` takes: METHODS, and checkpointing with each gactx level but L3."""
     return (*METHODS, *(f"checkpoint+{level}" for level in GACTX_LEVELS if level != "L3"))
+
+
+def _checkpoint_options(form: str, model: torch.nn.Module) -> dict:
+    """``torch.utils.checkpoint``'s arguments for a form of checkpointing (the module docstring) of ``model``."""
+    if form == "checkpoint-fast":
+        random = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+        return dict(use_reentrant=False, preserve_rng_state=random, determinism_check="none")
+    if form == "checkpoint-selective":
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return dict(use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    return dict(use_reentrant=False)
 
 
 class Method:
@@ -64,20 +97,23 @@ class Method:
         return self.name + ("" if self.precision == "fp32" else "+bf16") + ("+compile" if self.compiled else "")
 
     def _checkpoint(self, on: bool) -> None:
-        """Checkpointing on or off: the model's own where it has it (Hugging Face's), else every block under
-        non-reentrant ``torch.utils.checkpoint``: its activations are recomputed in backward."""
+        """Checkpointing on or off, in the method's form (the module docstring): ``checkpoint`` the model's own where
+        it has it (Hugging Face's), else every block under non-reentrant ``torch.utils.checkpoint``: its activations
+        are recomputed in backward."""
         if not self.checkpointed or on == self._checkpoint_on:
             return
         self._checkpoint_on = on
-        own = getattr(self.workload, "checkpointing", None)
+        form = self.name.partition("+")[0]  # checkpoint+L1: the plain form, with a gactx level
+        own = getattr(self.workload, "checkpointing", None) if form == "checkpoint" else None
         if own is not None:
             own(on)
         elif on:
+            options = _checkpoint_options(form, self.workload.model)
             for block in self.workload.blocks:
                 original = block.forward
 
                 def forward(*args, _original=original, **kwargs):
-                    return checkpoint(_original, *args, use_reentrant=False, **kwargs)
+                    return checkpoint(_original, *args, **options, **kwargs)
 
                 self._wrapped.append((block, vars(block).get("forward")))
                 block.forward = functools.wraps(original)(forward)

@@ -24,8 +24,9 @@ from benchmarks.harness import Bench, add_output_options, check_output, results_
 # (benchmarks.host's L1+compile-torch: the format in Inductor's own kernels, Triton on a GPU, and a tick a save; its
 # compile took 56 s on a 2-core CPU).
 ARM_LIMITS_S = (
-    {"tests": 120, "kernels": 40, "host": 60} | {name: arm.budget_s for name, arm in training.ARMS.items()}
-    | {"adaptation": 45, "host-traced": 90}
+    {"tests": 120, "kernels": 40, "host": 60}
+    | {name: arm.budget_s for name, arm in training.ARMS.items() if name != "baselines"}
+    | {"adaptation": 45, "baselines": training.ARMS["baselines"].budget_s, "host-traced": 90}
 )  # fmt: skip
 TRACED = ("L1+compile-torch",)  # the host-traced arm's method (with eager L1 and the plain ones: host.methods)
 HOST_WIDTHS, HOST_ROUNDS, HOST_STEPS = (64,), 3, 20  # the host arm: benchmarks.host's MLP (tiny: 64, 2 x 3)

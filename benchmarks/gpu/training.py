@@ -10,8 +10,9 @@ the methods, which take turns on it (:meth:`benchmarks.methods.Method.suspend` a
    to none before the step, so its peak holds the gradients backward allocates (a CPU: ``gactx.PeakMemory``,
    the profiler's allocations above the step's start);
 3. the maximum batch (eager arms): the batch (the first samples, repeated) doubled, then sized by the line
-   through the measured peaks, then bisected to within 3%; each try runs two steps, an out-of-memory error
-   is caught and the allocator's cache emptied. On a CPU (``--tiny``) nothing runs out of memory, so a
+   through the measured peaks (98% of the capacity), then bisected to within 3% where a try fails; it ends
+   where the line leaves room for less than 3% more; each try runs two steps, an out-of-memory error is caught
+   and the allocator's cache emptied. On a CPU (``--tiny``) nothing runs out of memory, so a
    capacity of four times plain's peak stands in for the GPU's, to run the same search.
 
 Then step time, alternated: rounds in which every method runs one step and then its timed steps, ten timed
@@ -41,7 +42,7 @@ from benchmarks import workloads
 from benchmarks.gpu.harness import Deadline, emit
 from benchmarks.gpu.profiles import device_profile, python_profile
 from benchmarks.measure import synchronize
-from benchmarks.methods import Method
+from benchmarks.methods import CHECKPOINT_FORMS, Method
 
 __all__ = ["ARMS", "TrainingArm", "is_adaptive", "run", "search_max_batch"]
 
@@ -52,7 +53,7 @@ TRY_STEPS = 2  # steps a maximum-batch try runs: the second one at the shape's s
 TOLERANCE = 0.03  # the search stops when the largest fit is within 3% of the smallest failure
 HEADROOM = 0.98  # the linear guess aims at 98% of the capacity: the line is not exact
 TINY_CAPACITY = 4.0  # --tiny on a CPU: the capacity that stands in for the GPU's, in plain's peaks
-PROFILED = ("fp", "L1")  # the methods whose step is profiled, after the timed steps
+PROFILED = ("fp", "L1", *CHECKPOINT_FORMS, "save_on_cpu")  # the methods whose step is profiled, after the timed ones
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,14 @@ ARMS = {
     ),
     "bert-large": TrainingArm(
         "bert-large", ("bert-large",), ("fp", "checkpoint", "L1", "L2", "L2.2"), 64, tiny_batch=8, budget_s=75
+    ),
+    # Checkpointing as users run it, and torch's offloading: Hugging Face's own (the arms' "checkpoint"), every block
+    # with what torch offers to make it cheaper, a selective policy, and save_on_cpu (benchmarks/methods.py), with a
+    # profile of each step: HF's ran at 0.44x plain on BERT-large where recomputation usually costs 25 to 35% of a step.
+    "baselines": TrainingArm(
+        "baselines", ("bert-large", "llama-lora"),
+        ("fp", "checkpoint", "checkpoint-fast", "checkpoint-selective", "save_on_cpu"), 64, tiny_batch=8,
+        max_batch=False, budget_s=90,
     ),
     # BERT-large's 24 layers: its plain compile alone ran past 85 s on an H100 and took 60 s on an H200, where L1's had
     # not finished in 225 s (what AOTAutograd does for each saved tensor's hooks); 6 of them compile in a quarter.
@@ -165,9 +174,10 @@ def search_max_batch(
     """The largest batch whose step fits: ``peak_at(batch)`` is a step's peak or None where it does not fit;
     ``start`` fits with ``start_peak``. Doubles once, then aims at ``capacity`` along the line through the last
     two peaks (at most 8x at a time), and once a batch has failed, aims again after each fit and bisects after
-    each failure, until the largest fit is within the tolerance of the smallest failure. A peak on a line takes
-    about four tries. Returns the largest fit, every (batch, peak) tried, and whether the search ended (False:
-    ``time_ok(batch)`` refused the next try; the result is then a lower bound)."""
+    each failure, until the largest fit is within the tolerance of the smallest failure, or the line through the
+    last two fits leaves room for less than the tolerance. A peak on a line takes two tries. Returns the largest
+    fit, every (batch, peak) tried, and whether the search ended (False: ``time_ok(batch)`` refused the next try;
+    the result is then a lower bound)."""
     lo, lo_peak, hi, slope = start, start_peak, None, 0.0
     tried: list[tuple[int, int | None]] = []
     batch = 2 * start
@@ -181,6 +191,11 @@ def search_max_batch(
         else:
             slope = (peak - lo_peak) / (batch - lo)
             lo, lo_peak = batch, peak
+            # The line through the last two fits leaves room for fewer than the tolerance's samples more: done, with
+            # no failing try (a peak that grows faster than the line has a steeper slope there: this one overstates
+            # the room, and the search goes on).
+            if slope > 0 and (capacity - peak) / slope <= TOLERANCE * batch:
+                return lo, tried, True
         step = max(1, int(lo * TOLERANCE))
         if hi is not None and hi - lo <= step:
             return lo, tried, True

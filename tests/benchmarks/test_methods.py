@@ -65,3 +65,31 @@ def test_names_are_checked():
     assert "checkpoint+L1" in method_names() and "checkpoint+L3" not in method_names()
     with pytest.raises(ValueError, match="^method 'checkpoint\\+L9' is not one of"):
         Method("checkpoint+L9", workloads.build("gcn", "tiny"))
+
+
+@pytest.mark.parametrize("form", ["checkpoint-fast", "checkpoint-selective"])
+def test_each_form_of_checkpointing_gives_plain_gradients_where_the_model_draws_no_noise(form):
+    # Every block checkpointed in the form (the model's own checkpointing left alone): a model without dropout (the
+    # tiny ResNet) gets plain's gradients, to float32's rounding of a recomputation.
+    w = workloads.build("resnet50", "tiny")
+    w.checkpointing = lambda on: pytest.fail("a form of checkpointing used the model's own")
+    inputs, target = w.make_batch(4, torch.Generator().manual_seed(0))
+    w.loss(w.model, inputs, target).backward()
+    plain = [p.grad.clone() for p in w.model.parameters()]
+    w.model.zero_grad(set_to_none=True)
+    method = Method(form, w)
+    assert _checkpointed(w)
+    with method.forward():
+        loss = w.loss(w.model, inputs, target)
+    loss.backward()
+    for a, b in zip(plain, (p.grad for p in w.model.parameters()), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    method.close()
+    assert not _checkpointed(w)
+
+
+def test_checkpoint_fast_keeps_the_rng_state_of_a_model_with_dropout():
+    from benchmarks.methods import _checkpoint_options
+
+    assert _checkpoint_options("checkpoint-fast", workloads.build("bert-base", "tiny").model)["preserve_rng_state"]
+    assert not _checkpoint_options("checkpoint-fast", workloads.build("resnet50", "tiny").model)["preserve_rng_state"]
