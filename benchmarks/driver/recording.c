@@ -2,7 +2,8 @@
  * succeeding, for a machine with no GPU. Each module load, function lookup and launch is appended to the file named by
  * $GACTX_RECORDING_DRIVER_LOG, one line each; a launch writes the bytes of each kernel parameter in hexadecimal, their
  * sizes set beforehand with recording_expect(), or for one kernel by its name with recording_expect_function() (the
- * real driver reads them from the cubin). Each kernel name looked up has a handle of its own. */
+ * real driver reads them from the cubin). Each kernel name looked up has a handle of its own. recording_capture() makes
+ * streams report a capture by CUDA graphs. */
 #include <cuda.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -148,8 +149,11 @@ CUresult cuPointerGetAttributes(unsigned n, CUpointer_attribute *attributes, voi
   for (unsigned i = 0; i < n; i++) device_pointer(data[i], attributes[i], p);
   return CUDA_SUCCESS;
 }
+/* recording_capture(1): every stream reports a capture under way (a CUDA graph being captured), until (0). */
+static int capturing = 0;
+void recording_capture(int on) { capturing = on; }
 CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status) {
-  *status = CU_STREAM_CAPTURE_STATUS_NONE;
+  *status = capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
   return CUDA_SUCCESS;
 }
 CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra) {

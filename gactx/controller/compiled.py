@@ -261,7 +261,7 @@ class CompiledPath:
         token, save = self._decide(t, ctx["_node"], ctx["_fw_graph"], ctx["_bw_graph"])
         cfg = self.config
         cpp = t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available()
-        launches, gpu_ops = self._launches(t, save)
+        launches, gpu_ops = self._launches(t, save, token)
         ops = cpp or gpu_ops
         follows = (ops or not save.compressed) and self._follows(token, t, ctx["_fw_graph"])
         if follows and not save.compressed:
@@ -315,10 +315,11 @@ class CompiledPath:
         self.saves[token].extra = 0
         return True
 
-    def _launches(self, t: torch.Tensor, save: GraphSave):
+    def _launches(self, t: torch.Tensor, save: GraphSave, token: int):
         """``(packer, ops)``: where native launches serve ``t`` (a GPU's tensor; a CPU's under ``native.recording``),
         the C++ ops take its save (``ops``): a compressed float save of a static shape stored by the packer's launches
-        (``native.quantize_packer``), a kept one by its marker. Else ``(None, False)``: the Python ops take it."""
+        (``native.graph_packer``: under CUDA graphs its seed drawn on the device), a kept one by its marker. Else
+        ``(None, False)``: the Python ops take it."""
         cfg = self.config
         if cfg.backend not in ("auto", "triton") or not cpu.available():
             return None, False
@@ -328,7 +329,8 @@ class CompiledPath:
             return None, t.device.type != "cpu"
         if t.dtype not in FLOAT_DTYPES or not all(type(s) is int for s in t.shape):
             return None, False
-        packer = native.quantize_packer(t, save.bits, cfg.group_size, cfg.stochastic, n=math.prod(t.shape))
+        packer = native.graph_packer(t, save.bits, cfg.group_size, cfg.stochastic, math.prod(t.shape),
+                                     _salt(cfg.seed, token))  # fmt: skip
         return packer, packer is not None
 
     def _pack_cpp(self, t: torch.Tensor, token: int, save: GraphSave, logged: bool, launches=None):

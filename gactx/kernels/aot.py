@@ -61,6 +61,7 @@ from gactx.kernels import _triton, schemes
 from gactx.kernels.bitmask import _pack_bool_kernel, _unpack_bool_kernel, bitmask_launch
 from gactx.kernels.format import CODE_BITS, GROUP_SIZES
 from gactx.kernels.half import _round_bf16_kernel, round_bf16_launch
+from gactx.kernels.schemes.uniform.quantize import _advance_seed_kernel
 from gactx.kernels.specs import DTYPES, POINTER, SIZE_SEED, KernelSpec, both, spec
 from gactx.kernels.tables import (
     COMPARE_KINDS,
@@ -212,13 +213,20 @@ def _decode_table_specs(bits=None) -> list[KernelSpec]:
     ]  # fmt: skip
 
 
-_SHARED = {  # kernels of no one scheme: bool masks, table codes and bfloat16 rounding
+def _advance_seed_specs(bits=None) -> list[KernelSpec]:
+    """The one-thread kernel that advances a device seed (before each quantize of a graph captured by CUDA graphs)."""
+    return [KernelSpec("advance_seed", {"rest": False}, _advance_seed_kernel, {"seed_ptr": "*i64"}, {},
+                       {"num_warps": 1}, 1, 16.0, True, "")]  # fmt: skip
+
+
+_SHARED = {  # kernels of no one scheme: bool masks, table codes, bfloat16 rounding and the device seed
     "round_bf16": _round_bf16_specs,
     "pack_bool": lambda bits=None: _bitmask_specs("pack_bool"),
     "unpack_bool": lambda bits=None: _bitmask_specs("unpack_bool"),
     "encode_bins": _encode_bins_specs,
     "encode_compare": _encode_compare_specs,
     "decode_table": _decode_table_specs,
+    "advance_seed": _advance_seed_specs,
 }
 
 
@@ -253,10 +261,12 @@ def specs(
 
 
 def variant_specs(families: Iterable[str] = FAMILIES) -> list[KernelSpec]:
-    """One meta-parameter set a kernel with int64 sizes, an int32 seed and unaligned pointers."""
+    """One meta-parameter set a kernel with int64 sizes, an int32 seed and unaligned pointers (a kernel with a size)."""
     out = []
     for family in families:
-        spec = next(s for s in specs([family]) if s.config["rest"] and s.config.get("bits", 4) == 4)
+        spec = next((s for s in specs([family]) if s.config["rest"] and s.config.get("bits", 4) == 4), None)
+        if spec is None:  # one thread, no size (advance_seed)
+            continue
         ints = {k: {"n": "i64", "seed": "i32"}.get(k, v) for k, v in spec.signature.items()}
         config = {**spec.config, "sizes": "int64", "pointers": "unaligned"}
         out.append(

@@ -179,8 +179,12 @@ def _spec(family: str, dtype: torch.dtype, wide: bool, meta: tuple):
 
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     n = "i64" if wide else "i32"
-    if family == "quantize":
-        kernel, ints = quantize._quantize_kernel, {"n": n, "seed": "i64", "full": "i32"}
+    if family == "advance_seed":
+        return specs.KernelSpec("advance_seed", {}, quantize._advance_seed_kernel, {"seed_ptr": "*i64"}, {},
+                                {"num_warps": 1}, 1, 16.0, True, "")  # fmt: skip
+    if family in ("quantize", "quantize_from_memory"):
+        seed = "*i64" if family == "quantize_from_memory" else "i64"
+        kernel, ints = quantize._quantize_kernel, {"n": n, "seed": seed, "full": "i32"}
         pointers = {"x_ptr": specs.POINTER[name], "codes_ptr": "*u8", "meta_ptr": "*fp32"}
     elif family == "dequantize":
         kernel, ints = dequantize._dequantize_kernel, {"n": n, "full": "i32"}
@@ -228,6 +232,33 @@ def quantize_packer(like: torch.Tensor, bits: int, group_size: int, stochastic: 
         bits, group_size, like.dtype, like.device, n, encode, decode, (q_programs, q_full), (d_programs, d_full),
         code_bytes, offset, offset + groups * 8, None, None,
     )  # fmt: skip
+
+
+def graph_packer(like: torch.Tensor, bits: int, group_size: int, stochastic: bool, n: int, salt: int):
+    """:func:`quantize_packer` for a compiled graph's save of ``n`` elements (``like``: the fake tensor traced; its
+    dtype and device read), and where it is stochastic, the kernels that draw its seed on the device when a CUDA graph
+    captures it (``Launches``' ``encode_from_memory`` and ``advance``): its seed then starts from ``salt`` and advances
+    at every replay. ``None`` where native launches cannot serve."""
+    packer = quantize_packer(like, bits, group_size, stochastic, n)
+    if packer is None or not stochastic:
+        return packer
+    from gactx.kernels.schemes.uniform.quantize import quantize_launch
+
+    meta = quantize_launch(n, like.dtype, bits, group_size, stochastic)[2] | {"SEED_IN_MEMORY": True}
+    try:
+        target = _target(like)
+        from_memory = _kernel(
+            "quantize_from_memory", (like.dtype, n >= 2**31, tuple(meta.items())), like.device, target
+        )
+        advance = _kernel("advance_seed", (like.dtype, False, ()), like.device, target)
+    except (RuntimeError, ValueError) as e:
+        _problem[f"device seed:{bits}:{group_size}"] = str(e)
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # a real tensor, not one of the trace
+        seed = torch.tensor((salt * 0x9E3779B97F4A7C15 + 1) & ((1 << 62) - 1), dtype=torch.int64, device=like.device)
+    return cpu.built.Packer.with_device_seed(packer, from_memory, advance, seed)
 
 
 def bins_packer(like: torch.Tensor, edges: torch.Tensor, bits: int, table: torch.Tensor):

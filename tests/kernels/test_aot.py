@@ -143,7 +143,8 @@ def _constexprs(meta: dict) -> dict:
 def test_specs_hold_every_configuration_the_launchers_choose():
     quantize = {tuple(s.config.values()): s for s in aot.specs(["quantize"])}
     dequantize = {tuple(s.config.values()): s for s in aot.specs(["dequantize"])}
-    assert len(quantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2 * 2  # dtypes, bits, groups, rounding, rest
+    # dtypes, bits, groups, rounding, rest; and the seed read on the device: dtypes, rest (4 bits, groups of 256)
+    assert len(quantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2 * 2 + 3 * 2
     assert len(dequantize) == 3 * len(CODE_BITS) * len(GROUP_SIZES) * 2
     for n in (1, 300, 8192, 3 * 8192 + 5, 1 << 20):
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):

@@ -121,6 +121,17 @@ def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(r
     assert graph["compressed"] == 16 and graph["report"] == "compiled graphs' saves stored by native launches: 16"
     assert sorted(graph["launches"]) == ["_dequantize_kernel"] * 16 + ["_quantize_kernel"] * 16
     assert graph["python_calls"] <= 2 * graph["compressed"], graph["python_calls"]
+    # captured by CUDA graphs: each stochastic quantize (all 16 at L1) reads its seed on the device, advanced by a
+    # launch of its own just before it: a replay draws new noise
+    captured = [(line.split(" function ")[1].split(" params")[0], line.partition(" params")[2].split()) for line in
+                graph["captured"]]  # fmt: skip
+    kernels = [name.split(":")[1] for name, _ in captured]
+    assert kernels[: 2 * 16 : 2] == ["_advance_seed_kernel"] * 16
+    assert kernels[1 : 2 * 16 : 2] == ["_quantize_kernel"] * 16 and kernels[32:] == ["_dequantize_kernel"] * 16
+    for (_, advance), (_, quantize) in zip(captured[0:32:2], captured[1:32:2], strict=True):
+        assert quantize[4] == advance[0], "the quantize reads the seed its advance wrote"
+    uncaptured = graph["uncaptured_quantize"].split(" function ")[1].split()[0]
+    assert all(function != uncaptured for function, _ in captured[1:32:2]), "the variant that reads its seed"
     assert got["unaligned"] == [False, True, True]  # an unaligned tensor goes the Python way (Triton's launcher)
 
 

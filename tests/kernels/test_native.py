@@ -99,6 +99,26 @@ def test_a_compiled_model_on_a_gpu_stores_its_saves_by_native_launches(monkeypat
     assert "compiled graphs' saves stored by native launches" in controller.report(), controller.report()
 
 
+@cuda
+def test_a_graph_replayed_by_cuda_graphs_draws_new_noise_at_every_replay():
+    # mode="reduce-overhead": the quantize reads a seed its own launch advances on the device, so that the gradients
+    # of two replays on the same weights and data differ (one seed replayed would give the same ones).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    controller = gactx.Controller(model, level="L1")
+    forward = torch.compile(model, mode="reduce-overhead")
+    grads = []
+    with controller:
+        for _ in range(5):
+            forward(x).square().mean().backward()
+            grads.append(model[0].weight.grad.clone())
+            model.zero_grad(set_to_none=True)
+            controller.iterate()
+    assert not torch.equal(grads[-1], grads[-2]) and not torch.equal(grads[-2], grads[-3])
+    assert "compiled graphs' saves stored by native launches" in controller.report()
+
+
 def test_what_cannot_take_native_launches_says_why():
     assert native.why_not(torch.empty(3)) == "a CPU tensor (the C++ kernels serve it)"
     assert native.quantize_packer(torch.empty(3), 4, 256, True) is None

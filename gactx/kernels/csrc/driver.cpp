@@ -34,6 +34,7 @@ struct Driver {  // the entry points a launch needs, resolved from one library
   CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                             CUstream, void**, void**) = nullptr;
   decltype(&::cuGetErrorString) get_error_string = nullptr;
+  decltype(&::cuStreamIsCapturing) stream_is_capturing = nullptr;
 };
 Driver driver;
 
@@ -58,6 +59,12 @@ void* current_stream(const c10::Device& device) {
   if (device.is_cpu()) return nullptr;
   c10::impl::VirtualGuardImpl impl(device.type());
   return impl.getStream(device).native_handle();
+}
+
+bool stream_capturing(void* stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  check(opened().stream_is_capturing(reinterpret_cast<CUstream>(stream), &status), "cuStreamIsCapturing");
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 void launch_kernel(const Kernel& kernel, int64_t grid, void* stream, void** params, int count) {
@@ -89,6 +96,7 @@ std::string open_driver(const std::string& library) {
   resolve(found.func_set_attribute, "cuFuncSetAttribute");
   resolve(found.launch_kernel, "cuLaunchKernel");
   resolve(found.get_error_string, "cuGetErrorString");
+  resolve(found.stream_is_capturing, "cuStreamIsCapturing");
   if (missing != nullptr) {
     dlclose(handle);
     return std::string(library) + " has no " + missing;
@@ -143,6 +151,7 @@ void launch(int64_t function, int64_t grid_x, int64_t grid_y, int64_t grid_z, in
 
 bool driver_built() { return false; }
 void* current_stream(const c10::Device&) { return nullptr; }
+bool stream_capturing(void*) { return false; }
 void launch_kernel(const Kernel&, int64_t, void*, void**, int) {
   throw std::runtime_error("gactx: the CPU kernels were built without cuda.h: no native launches");
 }

@@ -219,14 +219,14 @@ std::vector<int64_t> drain_log() {
 
 TORCH_LIBRARY(gactx_cpu, m) {
   const std::vector<at::Tag> flexible = {at::Tag::flexible_layout};  // a saved value in any layout: no copy first
-  // A GPU's quantize draws its seed on the host (next_seed): a graph captured by CUDA graphs would replay one seed, so
-  // Inductor keeps the op out of captured regions.
-  m.def("quantize_saved(Tensor t, int token) -> Tensor", {at::Tag::flexible_layout, at::Tag::cudagraph_unsafe});
+  // Under CUDA graphs a GPU's quantize draws its seed on the device (Launches' advance), so that each replay draws new
+  // noise.
+  m.def("quantize_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("dequantize_saved(Tensor stored, int token) -> Tensor");
   m.def("dequantize_shaped(Tensor stored, int token, SymInt[] shape) -> Tensor");
   m.def("pack_bool_saved(Tensor t, int token) -> Tensor", flexible);
   m.def("unpack_bool_saved(Tensor packed, SymInt[] shape) -> Tensor");
-  m.def("keep_saved(Tensor t, int token) -> Tensor", {at::Tag::flexible_layout, at::Tag::cudagraph_unsafe});
+  m.def("keep_saved(Tensor t, int token) -> Tensor", flexible);
 }
 
 TORCH_LIBRARY_IMPL(gactx_cpu, CPU, m) {

@@ -19,6 +19,9 @@ struct Kernel {
 // pointers not among them). Throws with the driver's error where the launch fails.
 void launch_kernel(const Kernel& kernel, int64_t grid, void* stream, void** params, int count);
 
+// Whether work launched on ``stream`` is being captured into a CUDA graph (then replayed without the host).
+bool stream_capturing(void* stream);
+
 // torch's current stream on ``device`` as the driver takes it (null on a CPU: the recording driver's tests).
 void* current_stream(const c10::Device& device);
 

@@ -71,6 +71,19 @@ gactx::Packer launched_packer(int64_t bits, int64_t group, at::ScalarType dtype,
   return gactx::Packer::launched(bits, group, std::move(l));
 }
 
+// Packer.with_device_seed (native.py): ``packer``'s launches, and for a capture by CUDA graphs the quantize that reads
+// its seed from ``seed`` (one int64 on the device) and the kernel that advances it.
+gactx::Packer with_device_seed(const gactx::Packer& packer, const std::tuple<int64_t, int64_t, int64_t, int64_t>& from_memory,
+                               const std::tuple<int64_t, int64_t, int64_t, int64_t>& advance, const at::Tensor& seed) {
+  TORCH_CHECK(packer.launches && packer.launches->seeded && seed.numel() == 1 && seed.scalar_type() == at::kLong &&
+              seed.device() == packer.launches->device);
+  gactx::Launches l = *packer.launches;
+  l.encode_from_memory = kernel_of(from_memory);
+  l.advance = kernel_of(advance);
+  l.seed = seed;
+  return gactx::Packer::launched(packer.bits, packer.group, std::move(l));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -112,6 +125,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("quantized", &gactx::Packer::quantized)
       .def_static("bins", &gactx::Packer::bins)
       .def_static("launched", &launched_packer)
+      .def_static("with_device_seed", &with_device_seed)
       .def("accepts", &gactx::Packer::accepts)
       .def_property_readonly("launching", [](const gactx::Packer& p) { return static_cast<bool>(p.launches); })
       .def_property_readonly("buffer_bytes",

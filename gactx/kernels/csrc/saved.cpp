@@ -40,7 +40,13 @@ void launch_encode(const Launches& l, const at::Tensor& x, void* buffer, int64_t
   Size n(l.n), full(l.encode_full);
   int64_t seed_value = seed;
   void* stream = current_stream(l.device);
-  if (l.seeded) {
+  if (l.seeded && l.advance.function != 0 && stream_capturing(stream)) {  // replayed by CUDA graphs: a device seed
+    void* on_device = l.seed.data_ptr();
+    void* advance[] = {&on_device};
+    launch_kernel(l.advance, 1, stream, advance, 1);
+    void* params[] = {&in, &codes, &second, n.at(l.wide), &on_device, full.at(false)};
+    launch_kernel(l.encode_from_memory, l.encode_grid, stream, params, 6);
+  } else if (l.seeded) {
     void* params[] = {&in, &codes, &second, n.at(l.wide), &seed_value, full.at(false)};
     launch_kernel(l.encode, l.encode_grid, stream, params, 6);
   } else {

@@ -28,6 +28,11 @@ using StrongImpl = c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>
 // (fewer than 2**31 programs) int32; the seed int64.
 struct Launches {
   Kernel encode, decode;
+  // Where a compiled graph's stochastic save may be captured by CUDA graphs: the quantize that reads its seed on the
+  // device (SEED_IN_MEMORY) and the kernel that advances that seed (``seed``, one int64 on the device) before it, both
+  // launched while the stream is capturing, so that every replay draws new noise.
+  Kernel encode_from_memory, advance;
+  at::Tensor seed;
   int64_t n = 0, encode_grid = 0, encode_full = 0, decode_grid = 0, decode_full = 0;
   bool wide = false, seeded = true;  // seeded: uniform codes; else FewBit's bins
   int64_t code_bytes = 0, aux_offset = 0, buffer_bytes = 0;

@@ -3,6 +3,7 @@ packed and unpacked by native launches in the eager lane (gactx.kernels.native u
 kernels compiled for sm_90), against the same model on the C++ kernels. Writes JSON (argv[1]): what a step launched,
 the Python calls of gactx's a step made, the records of both, and the handles left alive."""
 
+import ctypes
 import json
 import os
 import sys
@@ -53,11 +54,26 @@ def compiled(library: str, log: Path, x: torch.Tensor) -> dict:
             step(forward, controller, x)
         finally:
             sys.setprofile(None)
-    lines = log.read_text().splitlines()[before:]
+        lines = log.read_text().splitlines()[before:]
+        # A step captured by CUDA graphs (the recording driver's streams say so): each quantize reads its seed on the
+        # device, advanced by a launch before it.
+        recording = ctypes.CDLL(library)
+        scratch = native._kernel("advance_seed", (torch.float32, False, ()), x.device, native._target(x))[3]
+        for name, sizes in (("_advance_seed_kernel", [8]), ("_quantize_kernel", [8, 8, 8, 4, 8, 4])):
+            sizes = sizes + [8] * scratch
+            recording.recording_expect_function(name.encode(), len(sizes), (ctypes.c_int * len(sizes))(*sizes))
+        before = len(log.read_text().splitlines())
+        recording.recording_capture(1)
+        try:
+            step(forward, controller, x)
+        finally:
+            recording.recording_capture(0)
+        captured = [line for line in log.read_text().splitlines()[before:] if line.startswith("launch ")]
     names = [line.split(" function ")[1].split(":")[1].split()[0] for line in lines if line.startswith("launch ")]
     return {
         "launches": names, "python_calls": calls, "compressed": sum(r.compressed for r in controller.records),
-        "report": controller.report().splitlines()[-1],
+        "report": controller.report().splitlines()[-1], "captured": captured,
+        "uncaptured_quantize": next(line for line in lines if "_quantize_kernel" in line),
     }  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from gactx.kernels.half import bf16_bits_to_float
 from gactx.kernels.random import ROUNDS, philox
 from gactx.kernels.schemes.uniform.format import FLT_MAX, MIN_STEP, SAFETY, allocate
 
-__all__ = ["program_rows", "quantize_into", "quantize_launch", "triton_quantize"]
+__all__ = ["advance_seed", "program_rows", "quantize_into", "quantize_launch", "triton_quantize"]
 
 # The same, and bit patterns of the infinities as int32, for kernels.
 _SAFETY, _FLT_MAX, _MIN_STEP = constexpr(SAFETY), constexpr(FLT_MAX), constexpr(MIN_STEP)
@@ -77,7 +77,7 @@ def quantize_launch(
     # A group is read in SLICES slices: four, for one Philox call, and at least one a plane of format.py.
     meta = dict(
         BITS=bits, GROUP=group_size, ROWS=rows, REST_ROWS=rest_rows, SLICES=max(4, 8 // bits), STOCHASTIC=stochastic,
-        IN_BF16=dtype == torch.bfloat16, REST=rest, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        IN_BF16=dtype == torch.bfloat16, REST=rest, SEED_IN_MEMORY=False, num_warps=NUM_WARPS, enable_fp_fusion=False,
         maxnreg=MAX_REGISTERS_1BIT_16 if bits == 1 and dtype.itemsize == 2 else MAX_REGISTERS,
     )  # fmt: skip
     return programs, full, meta
@@ -127,9 +127,13 @@ def _code_plus_one(x, offs, n, scale, origin, inv, shift, LEVELS: tl.constexpr, 
 def _quantize_kernel(
     x_ptr, codes_ptr, meta_ptr, n, seed, full,
     BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, REST_ROWS: tl.constexpr, SLICES: tl.constexpr,
-    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, REST: tl.constexpr,
+    STOCHASTIC: tl.constexpr, IN_BF16: tl.constexpr, REST: tl.constexpr, SEED_IN_MEMORY: tl.constexpr = False,
 ):  # fmt: skip
-    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) masked ones of ``REST_ROWS`` (``_grid.py``)."""
+    """``full`` programs of ``ROWS`` groups, unmasked, then (``REST``) masked ones of ``REST_ROWS`` (``_grid.py``).
+    ``SEED_IN_MEMORY``: ``seed`` is the address of the int64 seed (:func:`_advance_seed_kernel`'s), read on the
+    device: what a graph captured by CUDA graphs launches, so that each replay draws new noise."""
+    if SEED_IN_MEMORY:
+        seed = tl.load(seed)
     if REST:
         if tl.program_id(0) < full:
             _quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC, IN_BF16,
@@ -141,6 +145,14 @@ def _quantize_kernel(
                               REST_ROWS, SLICES, STOCHASTIC, IN_BF16, True)  # fmt: skip
     else:
         _quantize_program(x_ptr, codes_ptr, meta_ptr, n, seed, 0, BITS, GROUP, ROWS, SLICES, STOCHASTIC, IN_BF16, False)
+
+
+@jit
+def _advance_seed_kernel(seed_ptr):
+    """The int64 seed at ``seed_ptr`` replaced by the next of a 64-bit linear congruential sequence, masked to 62 bits:
+    launched before each quantize that reads its seed on the device (``SEED_IN_MEMORY``)."""
+    value = tl.load(seed_ptr)
+    tl.store(seed_ptr, (value * 6364136223846793005 + 1442695040888963407) & 0x3FFFFFFFFFFFFFFF)
 
 
 @jit
@@ -252,6 +264,12 @@ def _quantize_program(
             tl.store(codes_ptr + boffs + i * WIDTH, packed, mask=rows[:, None] < (n + GROUP - 1) // GROUP)
         else:
             tl.store(codes_ptr + boffs + i * WIDTH, packed)
+
+
+def advance_seed(seed: torch.Tensor) -> None:
+    """:func:`_advance_seed_kernel` on ``seed`` (one int64 element), in place: the torch twin is
+    ``(seed * 6364136223846793005 + 1442695040888963407) & (2**62 - 1)`` in wrapping int64."""
+    launch(_advance_seed_kernel, 1, seed)
 
 
 def triton_quantize(

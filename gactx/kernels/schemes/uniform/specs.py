@@ -9,7 +9,7 @@ from gactx.kernels.schemes.uniform.dequantize import _dequantize_kernel, dequant
 from gactx.kernels.schemes.uniform.quantize import _quantize_kernel, quantize_launch
 from gactx.kernels.specs import DTYPES, POINTER, SIZE_SEED, KernelSpec, both, spec
 
-__all__ = ["SPECS", "code_specs", "decode_specs"]
+__all__ = ["SPECS", "code_specs", "decode_specs", "seed_in_memory_specs"]
 
 
 def code_specs(family, kernel, launcher, widths, meta_ptr, meta_bytes, bits_filter) -> list[KernelSpec]:
@@ -48,9 +48,37 @@ def decode_specs(family, kernel, launcher, widths, meta_ptr, meta_bytes, bits_fi
     return out
 
 
+def seed_in_memory_specs(bits_filter=None) -> list[KernelSpec]:
+    """The stochastic quantize that reads its seed on the device (``SEED_IN_MEMORY``: what a compiled graph captured
+    by CUDA graphs launches), at 4 bits (or ``bits_filter``'s widths) in groups of 256, of each dtype, with and
+    without a rest: one load a program more than the seed passed as a value."""
+    out = []
+    for s in code_specs("quantize", _quantize_kernel, quantize_launch, CODE_BITS, "*fp32", 8, bits_filter or (4,)):
+        if s.config["stochastic"] and s.config["group"] == 256:
+            signature = {k: "*i64" if k == "seed" else v for k, v in s.signature.items()}
+            out.append(
+                KernelSpec(
+                    s.family,
+                    {**s.config, "seed": "memory"},
+                    s.kernel,
+                    signature,
+                    {**s.constexprs, "SEED_IN_MEMORY": True},
+                    s.options,
+                    s.elements,
+                    s.bytes_per_element,
+                    s.exact,
+                    s.wide,
+                    s.wide_bits,
+                    table_loads=1,
+                )
+            )  # fmt: skip (the seed's load: 64 bits)
+    return out
+
+
 SPECS = {  # family -> specs, narrowed to some widths
-    "quantize": lambda bits=None: code_specs(
-        "quantize", _quantize_kernel, quantize_launch, CODE_BITS, "*fp32", 8, bits
+    "quantize": lambda bits=None: (
+        code_specs("quantize", _quantize_kernel, quantize_launch, CODE_BITS, "*fp32", 8, bits)
+        + seed_in_memory_specs(bits)
     ),
     "dequantize": lambda bits=None: decode_specs(
         "dequantize", _dequantize_kernel, dequantize_launch, CODE_BITS, "*fp32", 8, bits

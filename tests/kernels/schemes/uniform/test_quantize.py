@@ -186,3 +186,23 @@ def test_offsets_past_two_to_the_31_do_not_wrap():
     tail_codes, tail_meta = torch_quantize(x[1 << 31 :], 8, 256, False, 0)
     assert torch.equal(codes[1 << 31 :], tail_codes)
     assert_same_bits(meta[(1 << 31) // 256 :], tail_meta)
+
+
+def test_a_seed_read_on_the_device_draws_the_noise_of_the_same_seed_passed_as_a_value(triton_device):
+    # SEED_IN_MEMORY (what a compiled graph captured by CUDA graphs launches): the seed's address, read by the kernel
+    from gactx.kernels._triton import launch
+    from gactx.kernels.schemes.uniform.format import allocate
+    from gactx.kernels.schemes.uniform.quantize import _quantize_kernel, advance_seed, quantize_launch
+
+    x = _sample(4099, torch.float32, triton_device)
+    seed = (1 << 61) + 12345
+    expected = triton_quantize(x, 4, 256, True, seed, INTERPRET)
+    programs, full, meta = quantize_launch(x.numel(), x.dtype, 4, 256, True, INTERPRET)
+    codes, groups = allocate(x, 4, 256)
+    stored = torch.tensor(seed, dtype=torch.int64, device=triton_device)
+    launch(_quantize_kernel, programs, x, codes, groups, x.numel(), stored, full, **(meta | {"SEED_IN_MEMORY": True}))
+    assert_same_bits(codes, expected[0])
+    assert_same_bits(groups, expected[1])
+    advance_seed(stored)  # the next seed of its sequence, on the device
+    after = (seed * 6364136223846793005 + 1442695040888963407) % (1 << 64) & ((1 << 62) - 1)
+    assert int(stored) == after
