@@ -198,6 +198,8 @@ class GraphSave:
     group_size: int
     op: str
     extra: int = 8  # bytes the graph holds beside what is stored: the tick's count (C++ ops: a kept save's marker)
+    # A compressed save on a GPU (or under native.recording): whether native launches store it (else Triton's launcher)
+    native: bool | None = None
     # (frame, call, shape, extra) -> the record made for them: a graph runs again with the same ones step after step
     _records: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -262,6 +264,8 @@ class CompiledPath:
         cfg = self.config
         cpp = t.device.type == "cpu" and cfg.backend in ("auto", "cpp") and cpu.available()
         launches, gpu_ops = self._launches(t, save, token)
+        if save.compressed and (t.device.type != "cpu" or launches is not None):
+            save.native = launches is not None
         ops = cpp or gpu_ops
         follows = (ops or not save.compressed) and self._follows(token, t, ctx["_fw_graph"])
         if follows and not save.compressed:

@@ -34,7 +34,7 @@ from gactx.controller.rules import Site
 from gactx.controller.state import STATE_VERSION, read_state, write_state
 from gactx.controller.stats import KeyRecord, MemoryStats, PassStats, format_bytes
 from gactx.controller.store import Packed
-from gactx.kernels import cpu, native
+from gactx.kernels import native
 
 __all__ = ["Controller", "Packed"]
 
@@ -428,8 +428,9 @@ class Controller:
         return "\n".join(lines)
 
     def _launch_line(self) -> str:
-        """How the replayed saves of GPU tensors were packed: by native launches (``gactx.kernels.native``: C++ through
-        the CUDA driver) or through Triton's launcher, and why not natively; "" where none was on a GPU."""
+        """How the replayed saves of GPU tensors, and compiled graphs' compressed ones, were stored: by native launches
+        (``gactx.kernels.native``: C++ through the CUDA driver) or through Triton's launcher, and why not natively; ""
+        where none was on a GPU."""
         lines = []
         replays = [r for r in self._path.replays.values() if r.device.type != "cpu" or r.launched]
         if replays:
@@ -440,9 +441,14 @@ class Controller:
                 why = native.why_not(torch.empty(0, device=first.device)) or "not for their stored form"
                 line += f"; the others through Triton's launcher ({why})"
             lines.append(line)
-        graph = sum(token in cpu._launched for token in self._compiled.saves)
+        graph = [save for save in self._compiled.saves.values() if save.native is not None]
         if graph:
-            lines.append(f"compiled graphs' saves stored by native launches: {graph}")
+            launched = sum(save.native for save in graph)
+            line = f"compiled graphs' saves stored by native launches: {launched} of {len(graph)}"
+            if launched < len(graph):  # a GPU's: all of them where native launches do not serve, else these forms
+                why = native.why_not(torch.empty(0, device="cuda")) or "dynamic shapes or bool masks"
+                line += f"; the others through Triton's launcher ({why})"
+            lines.append(line)
         return "\n".join(lines)
 
     # -- hooks ----------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(r
     assert got["report"] == "replayed saves on cpu: 16 of 16 packed by native launches"
     # compiled: the graphs' saves by the C++ ops, each one launch a way; a step's own Python only
     graph = got["compiled"]
-    assert graph["compressed"] == 16 and graph["report"] == "compiled graphs' saves stored by native launches: 16"
+    assert graph["compressed"] == 16 and graph["report"] == "compiled graphs' saves stored by native launches: 16 of 16"
     assert sorted(graph["launches"]) == ["_dequantize_kernel"] * 16 + ["_quantize_kernel"] * 16
     assert graph["python_calls"] <= 2 * graph["compressed"], graph["python_calls"]
     # captured by CUDA graphs: each stochastic quantize (all 16 at L1) reads its seed on the device, advanced by a
