@@ -29,6 +29,23 @@ def step(net, controller, x) -> None:
     controller.iterate()
 
 
+def counted_step(forward, controller, x) -> int:
+    """One step, and the calls of gactx's Python functions it made (in this thread)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(GACTX):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        step(forward, controller, x)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def records(controller) -> list:
     return [(r.op, r.bits, r.original_bytes, r.packed_bytes, r.compressed) for r in controller.records]
 
@@ -38,22 +55,11 @@ def compiled(library: str, log: Path, x: torch.Tensor) -> dict:
     net = model()
     controller = gactx.Controller(net, level="L1")
     forward = torch.compile(net)
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(GACTX):
-            calls += 1
-
     with native.recording(library), controller:
         for _ in range(3):
             step(forward, controller, x)
         before = len(log.read_text().splitlines())
-        sys.setprofile(count)
-        try:
-            step(forward, controller, x)
-        finally:
-            sys.setprofile(None)
+        calls = counted_step(forward, controller, x)
         lines = log.read_text().splitlines()[before:]
         # A step captured by CUDA graphs (the recording driver's streams say so): each quantize reads its seed on the
         # device, advanced by a launch before it.
@@ -93,18 +99,7 @@ def main(out: str) -> None:
             step(native_net, launched, x)
         alive = cpu.built.Saved.alive()
         before = len(log.read_text().splitlines())
-        calls = 0
-
-        def count(frame, event, arg):
-            nonlocal calls
-            if event == "call" and frame.f_code.co_filename.startswith(GACTX):
-                calls += 1
-
-        sys.setprofile(count)
-        try:
-            step(native_net, launched, x)
-        finally:
-            sys.setprofile(None)
+        calls = counted_step(native_net, launched, x)
         lines = log.read_text().splitlines()[before:]
         result["alive_after"] = cpu.built.Saved.alive() - alive
         packer = native.quantize_packer(x, 4, 256, True)
