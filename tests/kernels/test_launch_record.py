@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.driver import build
+from gactx.controller.compiled import INLINE
 from gactx.kernels import _triton
 
 HERE = Path(__file__).parent / "driver"
@@ -113,11 +114,16 @@ def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(r
         "_quantize_kernel": 8, "_dequantize_kernel": 7, "_encode_bins_kernel": 8, "_decode_table_kernel": 8,
     }  # fmt: skip
     assert got["loads"] == [], "a replayed step loads no kernel"
-    assert got["python_calls"] <= 2 * compressed, got["python_calls"]
+    if sys.version_info >= (3, 11):  # the lane (before it, each save runs the Python path's hooks)
+        assert got["python_calls"] <= 2 * compressed, got["python_calls"]
     assert got["alive_after"] == 0, "a handle outlived its backward"
     assert got["report"] == "replayed saves on cpu: 16 of 16 packed by native launches"
+    assert got["unaligned"] == [False, True, True]  # an unaligned tensor goes the Python way (Triton's launcher)
     # compiled: the graphs' saves by the C++ ops, each one launch a way; a step's own Python only
     graph = got["compiled"]
+    if not INLINE:  # a torch older than 2.10: its compiled graphs keep their saves as they are
+        assert graph is None
+        return
     assert graph["compressed"] == 16 and graph["report"] == "compiled graphs' saves stored by native launches: 16 of 16"
     assert sorted(graph["launches"]) == ["_dequantize_kernel"] * 16 + ["_quantize_kernel"] * 16
     assert graph["python_calls"] <= 2 * graph["compressed"], graph["python_calls"]
@@ -132,7 +138,6 @@ def test_the_eager_lane_packs_replayed_saves_by_native_launches_with_no_python(r
         assert quantize[4] == advance[0], "the quantize reads the seed its advance wrote"
     uncaptured = graph["uncaptured_quantize"].split(" function ")[1].split()[0]
     assert all(function != uncaptured for function, _ in captured[1:32:2]), "the variant that reads its seed"
-    assert got["unaligned"] == [False, True, True]  # an unaligned tensor goes the Python way (Triton's launcher)
 
 
 def test_native_launches_name_what_they_cannot_take():

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef GACTX_CUDA_H
@@ -55,10 +56,26 @@ const Driver& opened() {
 
 bool driver_built() { return true; }
 
+// c10::Stream::native_handle came with torch 2.10; under an older torch the current stream cannot be read from C++
+// and native launches stay off (native._stream_problem says why).
+template <typename S, typename = void>
+struct has_native_handle : std::false_type {};
+template <typename S>
+struct has_native_handle<S, std::void_t<decltype(std::declval<const S&>().native_handle())>> : std::true_type {};
+
+template <typename S>
+void* native_handle(const S& stream) {
+  if constexpr (has_native_handle<S>::value) {
+    return stream.native_handle();
+  } else {
+    throw std::runtime_error("this torch's c10::Stream has no native_handle (torch 2.10 and later have it)");
+  }
+}
+
 void* current_stream(const c10::Device& device) {
   if (device.is_cpu()) return nullptr;
   c10::impl::VirtualGuardImpl impl(device.type());
-  return impl.getStream(device).native_handle();
+  return native_handle(impl.getStream(device));
 }
 
 bool stream_capturing(void* stream) {
