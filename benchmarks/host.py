@@ -18,9 +18,14 @@ At ``w = 64`` kernel time vanishes and the difference to plain is host time: it 
 - pack and unpack: each hook's own wall time under L1, measured by a saved-tensor hook around gactx's;
 - the hooks' host time a save: both hooks' time in a step less the time inside the C++ kernels' calls (CPU), shared
   over the step's compressed saves: what gactx's host code (Python, and the C++ lane's own checks and record) costs a
-  save, kernels excluded (the floor's is the least a hook pays);
+  save, kernels excluded (the floor's is the least a hook pays).
 
-and for each method the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
+On a CPU the method ``L1-native`` packs L1's saves by launches from C++ (``gactx.kernels.native``) into a recording
+driver (``benchmarks/driver``) in place of the CUDA driver: it records each launch and runs no kernel, so what it
+measures is the native path's host cost, launches counted as host work; on a GPU it is L1, and ``L1-launcher`` sends
+L1's saves through Triton's launcher instead.
+
+For each method: the Python calls into gactx a save makes (0 is the goal inside compiled graphs) and, on a
 GPU, the kernel launches a save adds (``torch.profiler``'s GPU activities of a step, less plain's).
 
 The method ``floor`` is not gactx: it is the least a library of eager saved-tensor hooks pays that names each save by
@@ -392,7 +397,12 @@ def render(rows: list[dict], env: dict) -> str:
              f"- torch {env['torch']}; run {env['date']}; {env['threads']} torch thread(s); "
              f"median of {env['rounds']} rounds of {env['steps']} steps, methods in turns",
              f"- model: {BLOCKS} x (Linear(w, w) + GELU), batch w: 16 compressed saves a step; "
-             "eager methods against plain, compiled ones against compiled plain", ""]  # fmt: skip
+             "eager methods against plain, compiled ones against compiled plain"]  # fmt: skip
+    if env["device"] == "cpu" and any(r["method"].endswith(NATIVE) for r in rows):
+        lines.append(f"- L1{NATIVE}: L1's saves packed by launches from C++ into a recording driver in place of the "
+                     "CUDA driver (benchmarks/driver), which records each launch and runs no kernel: its step leaves "
+                     "the kernels' work out, and its hooks' host time counts the launches as host work")  # fmt: skip
+    lines.append("")
     headers = ["w", "method", "step ms", "vs plain", "us a save", "compression us a save", "pack us", "unpack us",
                "hooks' host us a save", "Python calls a save", "launches a save"]  # fmt: skip
     cells = [[r["width"], r["method"], f"{r['step_ms']:.3f}", f"{r['vs_plain']:.2f}x", _f(r.get("per_save_us")),
