@@ -36,9 +36,11 @@ from gactx.controller.positions import _PASSING, PRECALL, PRECALL_TO_CALL
 from gactx.controller.store import Kept, unpack
 from gactx.kernels import cpu, native
 
-__all__ = ["NATIVE", "graph_hooks"]
+__all__ = ["NATIVE", "PYTHON_HAS_LANE", "graph_hooks"]
 
 NATIVE = True  # the C++ lane where it serves (False: the Python path's hooks alone, as a comparison runs them)
+# The lane reads frames through PyFrame_GetLasti (Python 3.11 and later); before it the hooks are the Python path's.
+PYTHON_HAS_LANE = sys.version_info >= (3, 11)
 
 
 def graph_hooks(
@@ -48,7 +50,7 @@ def graph_hooks(
     lane and unpack, and their own calls C++ (``HookGraph.call_natively``), where the lane serves (the module
     docstring); else ``path.pack`` and ``store.unpack``, called from Python."""
     built = None
-    if NATIVE and sys.version_info >= (3, 11) and _served(model, path.config.backend):
+    if NATIVE and PYTHON_HAS_LANE and _served(model, path.config.backend):
         built = cpu.extension()
     if built is None:
         return hook(path.pack, compiled.pack), hook(unpack, compiled.unpack)

@@ -4,7 +4,6 @@ for bit, on models whose saves the lane takes, and on those whose saves it hands
 that changes)."""
 
 import gc
-import sys
 import weakref
 
 import pytest
@@ -18,9 +17,8 @@ from gactx.controller.pack import PackPath
 from gactx.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C++ kernels could not be built")
-# The lane reads frames through PyFrame_GetLasti (Python 3.11 and later); before it the hooks are the Python path's,
-# which the tests comparing both paths then compare with itself.
-LANE = sys.version_info >= (3, 11)
+# Before Python 3.11 the hooks are the Python path's, which the tests comparing both paths then compare with itself.
+LANE = lane.PYTHON_HAS_LANE
 needs_lane = pytest.mark.skipif(not LANE, reason="the C++ lane needs Python 3.11 or later")
 
 
