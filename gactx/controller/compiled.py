@@ -19,8 +19,10 @@ path's ``decide`` (``decide.py``), under the rule that the op table gives the no
   intermediates whose memory the graph owns).
 - bool: 1 bit an element, lossless (the bit-packing kernel as a custom op, ``traced.kernel_pack_bool_saved``).
 - Attention: ``exp``/``softmax`` results and what is divided out of an ``exp`` result (a softmax the graph
-  decomposed) get at least ``ATTENTION_BITS``; a fused attention's query and key, and scores from which backward
-  recomputes an ``exp``, at least ``LOGITS_BITS`` (``rules.py``).
+  decomposed) and a fused attention's value and output get at least ``ATTENTION_BITS``; a fused attention's query
+  and key, and scores from which backward recomputes an ``exp``, at least ``LOGITS_BITS`` (``rules.py``).
+- Kept, too: a value that backward multiplies element-wise into something with more elements (a broadcast factor:
+  rotary embeddings' cos and sin).
 - Anything else is quantized at the width: the level's, or at adaptive levels the widest the allocation
   gave the eager saves of that shape in the modules that made or used it. By the uniform scheme's kernels
   (Triton, C++) as custom ops the graph calls (``uniform.kernel_quantize_saved``, in the scheme's ``traced.py``;

@@ -22,8 +22,10 @@ from gactx.controller.identity import Slot
 from gactx.controller.plan import GraphSlot, Plan
 from gactx.controller.rules import (
     ALLOCATED,
+    ATTENTION,
     CHECKPOINT_INPUT,
     EQUALITY,
+    FACTOR,
     LINEAR,
     LOG,
     LOGITS,
@@ -135,8 +137,9 @@ _EXACT_USERS = {"eq": EQUALITY, "ne": EQUALITY, **dict.fromkeys(
 def node_rule(node, bw_graph) -> Rule:
     """The rule of a floating-point saved node of a compiled graph: the op table's (``rules.graph_result_rule``) for
     the op that made its values; else kept where the backward graph reads its exact value, attention where the value
-    is a quotient of an exp result (a decomposed softmax), attention logits where backward recomputes an exp from it
-    (a fused attention's query and key, a decomposed softmax's scores); else linear. The rules
+    is a quotient of an exp result (a decomposed softmax) or a fused attention's value or output, attention logits
+    where backward recomputes an exp from it (a fused attention's query and key, a decomposed softmax's scores), kept
+    as a broadcast factor where backward multiplies it into something larger; else linear. The rules
     that need the op's own test or function (masks, FewBit codes, pooling inputs) are eager-only: a graph decomposes
     those ops, and one saved node serves every backward use of the value."""
     made = source(node)
@@ -151,7 +154,12 @@ def node_rule(node, bw_graph) -> Rule:
     if op_name(made) == "div" and made.args and isinstance(made.args[0], torch.fx.Node):
         if op_name(source(made.args[0])) == "exp":
             return PROVENANCE["probabilities"]
-    return LOGITS if _sdpa_logits(node, bw_graph) or _feeds_exp(node, bw_graph) else LINEAR
+    role = _sdpa_role(node, bw_graph)
+    if role in ("value", "out"):
+        return ATTENTION
+    if role in ("query", "key") or _feeds_exp(node, bw_graph):
+        return LOGITS
+    return FACTOR if _broadcast_factor(node, bw_graph) else LINEAR
 
 
 def _exact_use(node, bw_graph) -> Rule | None:
@@ -173,12 +181,40 @@ def _linear_power(user, value) -> bool:
     return op_name(user) == "pow" and len(user.args) > 1 and user.args[0] is value and linear_power(user.args[1], 1)
 
 
-def _sdpa_logits(node, bw_graph) -> bool:
-    """Whether the value is the query or the key of a fused attention's backward (its arguments 1 and 2 in every
-    ``_scaled_dot_product_*_backward``): the eager rule's ``attention logits``."""
-    for p in bw_graph.find_nodes(op="placeholder"):
-        if p.name == node.name:
-            return any(op_name(u).startswith("_scaled_dot_product") and p in u.args[1:3] for u in p.users)
+def _placeholder(node, bw_graph):
+    return next((p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name), None)
+
+
+def _sdpa_role(node, bw_graph) -> str | None:
+    """The argument the value is passed as to a fused attention's backward (``_scaled_dot_product_*_backward``:
+    ``query`` and ``key``, the eager rule's ``attention logits``; ``value`` and ``out``, its ``attention``), else
+    ``None``."""
+    p = _placeholder(node, bw_graph)
+    for user in () if p is None else p.users:
+        if op_name(user).startswith("_scaled_dot_product") and hasattr(user.target, "_schema"):
+            for arg, value in zip(user.target._schema.arguments, user.args, strict=False):
+                if value is p:
+                    return arg.name
+    return None
+
+
+def _broadcast_factor(node, bw_graph) -> bool:
+    """Whether backward multiplies the value element-wise into something with more elements and does not sum that
+    product (the eager rule's ``broadcast factor``: a product's operand broadcast against the other, whose gradient is
+    the product's, not an outer product's sum)."""
+    p = _placeholder(node, bw_graph)
+    val = None if p is None else p.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return False
+    frontier = [p]  # through views and the element-wise functions a graph recomputes from it (cos and sin of angles)
+    for _ in range(3):
+        users = [u for n in frontier for u in n.users]
+        for user in users:
+            out = user.meta.get("val")
+            if op_name(user) == "mul" and isinstance(out, torch.Tensor) and out.numel() > val.numel():
+                if not any(op_name(u) in ("sum", "mean") for u in user.users):
+                    return True
+        frontier = [u for u in users if op_name(u) in ("cos", "sin", "neg", *PASS_THROUGH)]
     return False
 
 

@@ -12,7 +12,8 @@ results just after. A ``TorchDispatchMode`` sees every op below autograd, so:
 An input save that is one of a matrix product's two operands (``addmm``'s ``mat1``), or a convolution's input, is
 marked ``Site.weight_operand`` when the other is a weight: an ``nn.Parameter``, a view of one (linear passes
 ``weight.t()``), or an autocast copy of one (``rules.sketchable``: the inputs of linear layers; ``rules.weight_only``:
-those and the inputs of convolutions).
+those and the inputs of convolutions). An operand of an element-wise product with fewer elements than the product, whose
+other operand has them all, is marked ``Site.broadcast`` (``rules.FACTOR``).
 
 Two kinds of tensor are known by where they come from (``rules.PROVENANCE``): a float dropout mask
 (``bernoulli_`` then ``div_`` on the same tensor) and probabilities computed by hand (an ``exp`` result
@@ -94,6 +95,17 @@ def _weight_operand(func, args: tuple, kwargs: dict, name: str, role: str) -> bo
     return partner is not None and _is_weight(_argument(func, args, kwargs, partner))
 
 
+def _broadcast(func, args: tuple, kwargs: dict, name: str, role: str, t: torch.Tensor) -> bool:
+    """Whether the save passed as ``role`` of the element-wise product ``name`` has fewer elements than the product
+    and the other operand has them all (``rules.FACTOR``: the other's gradient is the product's, not a sum of it)."""
+    if name != "mul" or role not in ("self", "other"):
+        return False
+    other = _argument(func, args, kwargs, "other" if role == "self" else "self")
+    if not isinstance(other, torch.Tensor) or t.numel() >= other.numel():
+        return False
+    return other.numel() == torch.broadcast_shapes(t.shape, other.shape).numel()
+
+
 def _among(owner: torch.Tensor, refs: list[weakref.ref]) -> bool:
     """``owner`` (a tensor's storage owner: itself, or the tensor it is a view of) is one of ``refs``."""
     return any(ref() is owner for ref in refs)
@@ -163,7 +175,8 @@ class OpWatcher(TorchDispatchMode):
                 params = _params(func, args, kwargs)
             name, role = func.overloadpacket.__name__, _role(func, args, kwargs, t)
             weight = _weight_operand(func, args, kwargs, name, role)
-            site = Site(name, func._overloadname, role, params, weight_operand=weight)
+            broadcast = _broadcast(func, args, kwargs, name, role, t)
+            site = Site(name, func._overloadname, role, params, weight_operand=weight, broadcast=broadcast)
             self.on_input(handle, site, self._origin(t))
 
     def _origin(self, t: torch.Tensor) -> str | None:

@@ -505,7 +505,7 @@ class FusedAttention(nn.Module):
 
 def test_a_fused_attentions_query_and_key_are_attention_logits():
     """Its backward recomputes the probabilities from the stored query and key with the exact logsumexp: at least
-    8 bits, as in eager mode; its value and output are linear."""
+    8 bits, as in eager mode; its value and output are attention (at least 4 bits)."""
     torch.manual_seed(0)
     model = FusedAttention()
     compiled = torch.compile(model, backend="aot_eager")
@@ -514,7 +514,9 @@ def test_a_fused_attentions_query_and_key_are_attention_logits():
         grads(compiled, model, x)
     widths = {r.cls: r.bits for r in controller.records if r.compressed}
     assert widths.get("attention logits") == 8 and widths.get("linear") == 4, controller.report()
+    assert widths.get("attention") == 4, controller.report()
     assert sum(r.cls == "attention logits" for r in controller.records) == 2, controller.report()
+    assert sum(r.cls == "attention" for r in controller.records) == 2, controller.report()
 
 
 class Normed(nn.Module):
@@ -607,3 +609,34 @@ def test_a_kept_save_of_a_dynamic_shape_is_recorded_with_the_shape_it_runs_with(
             grads(run, model, torch.randn(batch, WIDTH))
             kept = [r for r in controller.records if r.reason]
             assert kept and all(r.key.shape[0] == batch for r in kept if r.key.shape)
+
+
+class Rotary(nn.Module):
+    """A linear layer, then rotary embeddings: the projection times cos and sin of shape (1, T, D), broadcast over the
+    batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, WIDTH, 2).float() / WIDTH), persistent=False)
+
+    def forward(self, x):
+        freqs = torch.arange(x.shape[-2], dtype=torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)[None]
+        q = self.lin(x)
+        rotated = torch.cat((-q[..., WIDTH // 2 :], q[..., : WIDTH // 2]), -1)
+        return q * emb.cos() + rotated * emb.sin()
+
+
+def test_a_broadcast_factor_is_kept_in_a_graph_as_in_eager_mode():
+    """Backward multiplies the projection's whole gradient by cos and sin: kept, as the eager rule has it. The graph
+    saves the angles and recomputes cos and sin from them in backward."""
+    torch.manual_seed(0)
+    model = Rotary()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 32, WIDTH)
+    with gactx.Controller(model, level="L1", min_numel=0) as controller:
+        grads(compiled, model, x)
+    factors = [r for r in controller.records if r.cls == "broadcast factor"]
+    assert factors and all(not r.compressed and r.key.shape == (32, WIDTH) for r in factors), controller.report()
+    assert any(r.cls == "linear" and r.compressed for r in controller.records), controller.report()

@@ -31,7 +31,11 @@ SITES = [
     (Site("exp", role="result"), "attention", "quantize"),
     (Site("_scaled_dot_product_flash_attention_for_cpu", role="key"), "attention logits", "quantize"),
     (Site("_scaled_dot_product_efficient_attention", role="query"), "attention logits", "quantize"),
-    (Site("_scaled_dot_product_flash_attention_for_cpu", role="value"), "linear", "quantize"),
+    (Site("_scaled_dot_product_flash_attention_for_cpu", role="value"), "attention", "quantize"),
+    (Site("_scaled_dot_product_efficient_attention", role="output", result=True), "attention", "quantize"),
+    (Site("mul", "Tensor", "other", broadcast=True), "broadcast factor", "keep"),  # rotary cos and sin
+    (Site("mul", "Tensor", "self", broadcast=True), "broadcast factor", "keep"),
+    (Site("mul", "Tensor", "self"), "linear", "quantize"),
     (Site("_scaled_dot_product_flash_attention_for_cpu", role="logsumexp"), "log domain", "keep"),
     (Site("amax", role="self"), "equality", "keep"),
     (Site("scatter_reduce", "two", "src", (("reduce", "amax"),)), "equality", "keep"),

@@ -389,3 +389,46 @@ def test_the_watched_first_step_stores_what_later_steps_store(make):
             stats.append(controller.memory_stats())
     assert stats[0] == stats[1] == stats[2]
     assert stats[0].deduplicated >= 1
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings as decoders apply them: the query times cos and sin of shape (1, 1, T, D), broadcast over
+    the batch and the heads; ``gate``: the result times the query, a product of two tensors of one shape."""
+
+    def __init__(self, dim: int = 16, gate: bool = False):
+        super().__init__()
+        self.gate = gate
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), persistent=False)
+
+    def forward(self, q):
+        freqs = torch.arange(q.shape[-2], dtype=torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)[None, None]
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), -1)
+        out = q * emb.cos() + rotated * emb.sin()
+        return out * q if self.gate else out
+
+
+def test_a_broadcast_factor_of_a_product_is_kept():
+    """Backward multiplies the query's whole gradient by cos and sin: they are kept, and that gradient is exact."""
+    torch.manual_seed(0)
+    model, q = Rotary(), torch.randn(2, 4, 32, 16, requires_grad=True)
+    (expected,) = torch.autograd.grad(model(q).sum(), q)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    with controller:
+        (got,) = torch.autograd.grad(model(q).sum(), q)
+    factors = [r for r in controller.records if r.cls == "broadcast factor"]
+    assert len(factors) == 2 and all(not r.compressed and r.key.shape == (1, 1, 32, 16) for r in factors), (
+        controller.report()
+    )
+    assert torch.equal(got, expected)
+
+
+def test_a_product_of_two_tensors_of_one_shape_saves_each_as_linear():
+    model, q = Rotary(gate=True), torch.randn(2, 4, 32, 16, requires_grad=True)
+    controller = gactx.Controller(model, level="L1", min_numel=0)
+    with controller:
+        model(q).sum().backward()
+    sites = _sites(controller)
+    assert sites.count(("mul", "linear")) == 1 and sites.count(("mul:other", "linear")) == 1, sites
+    assert sites.count(("mul:other", "broadcast factor")) == 2, sites
