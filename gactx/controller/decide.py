@@ -163,15 +163,13 @@ def node_rule(node, bw_graph) -> Rule:
 
 
 def _exact_use(node, bw_graph) -> Rule | None:
-    for p in bw_graph.find_nodes(op="placeholder"):
-        if p.name != node.name:
-            continue
-        for user in p.users:
-            rule = _EXACT_USERS.get(op_name(user))
-            if rule is not None and not _linear_power(user, p):
-                return rule
-            if op_name(user) == "div" and len(user.args) > 1 and user.args[1] is p:
-                return LOG
+    p = _placeholder(node, bw_graph)
+    for user in () if p is None else p.users:
+        rule = _EXACT_USERS.get(op_name(user))
+        if rule is not None and not _linear_power(user, p):
+            return rule
+        if op_name(user) == "div" and len(user.args) > 1 and user.args[1] is p:
+            return LOG
     return None
 
 
@@ -182,6 +180,7 @@ def _linear_power(user, value) -> bool:
 
 
 def _placeholder(node, bw_graph):
+    """The backward graph's placeholder for the saved ``node`` (by name), or ``None``."""
     return next((p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name), None)
 
 
@@ -221,7 +220,8 @@ def _broadcast_factor(node, bw_graph) -> bool:
 def _feeds_exp(node, bw_graph) -> bool:
     """Whether backward recomputes an ``exp`` from the value (a softmax the partitioner chose to recompute from
     its scores, the max subtracted or a scale applied first): noise in it is multiplied by the exp."""
-    frontier = [p for p in bw_graph.find_nodes(op="placeholder") if p.name == node.name]
+    p = _placeholder(node, bw_graph)
+    frontier = [] if p is None else [p]
     for _ in range(3):
         users = [u for n in frontier for u in n.users]
         if any(op_name(u) == "exp" for u in users):
